@@ -1,0 +1,48 @@
+"""`scaletrain` command: one module per subcommand, each with add_parser() and run()."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from scaletrain.cli import launch, train
+from scaletrain.cli.options import Parser
+from scaletrain.errors import EXIT_FAILURE, EXIT_USAGE, UserError
+
+COMMANDS = {"train": train, "launch": launch}
+
+
+def build_parser() -> Parser:
+    from scaletrain import __version__
+
+    parser = Parser(prog="scaletrain", description="One PyTorch training job from a CPU to N GPUs and M "
+                    "machines, with no change to the training code.", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"scaletrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for name, module in COMMANDS.items():
+        module.add_parser(sub, name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from scaletrain.train.loop import TrainingFailed
+
+    argv = sys.argv[1:] if argv is None else argv
+    where = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" \
+        else ""
+    try:
+        parser = build_parser()
+        args, leftovers = parser.parse_known_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return EXIT_USAGE
+        return COMMANDS[args.command].run(args, leftovers, argv)
+    except UserError as err:
+        print(f"{where}scaletrain: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except TrainingFailed as err:
+        print(f"{where}scaletrain: training failed: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print(f"{where}scaletrain: interrupted", file=sys.stderr)
+        return 130

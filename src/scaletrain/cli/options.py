@@ -1,0 +1,55 @@
+"""Command-line options generated from the config tree: one --section.key per field, help from its docstring."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+from typing import Literal, get_args, get_origin
+
+from scaletrain.config import ALIASES, all_keys, coerce, sections, unknown_key
+from scaletrain.errors import UserError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line and exit code 2 through main(), never usage text + traceback."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{self.prog}: {message}; fix: run '{self.prog} --help'")
+
+
+def _metavar(tp: object) -> str:
+    if get_origin(tp) is Literal:
+        return "{" + ",".join(str(a) for a in get_args(tp)) + "}"
+    return {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR"}.get(tp, "VALUE")  # type: ignore[call-overload]
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """--section.key VALUE for every config field, grouped by section; --nproc etc. as short aliases."""
+    keys = all_keys()
+    for sec, cls in sections().items():
+        group = parser.add_argument_group(f"[{sec}]")
+        for f in fields(cls):
+            key = f"{sec}.{f.name}"
+            tp, doc = keys[key]
+            default = f.default if f.default is not MISSING else None
+            names = [f"--{key}"] + [f"--{alias}" for alias, target in ALIASES.items() if target == key]
+            extra = {"nargs": "?", "const": "true"} if tp is bool else {}
+            group.add_argument(*names, dest=key, metavar=_metavar(tp), default=argparse.SUPPRESS,
+                               help=f"{doc} [default: {default!r}]", **extra)
+
+
+def config_overrides(namespace: argparse.Namespace, leftovers: list[str]) -> dict[str, str]:
+    """The --section.key values given on the command line, as strings; an unknown --key is a ConfigError."""
+    for token in leftovers:
+        if token.startswith("--"):
+            raise unknown_key(token[2:].split("=", 1)[0], "command line")
+        raise UserError(f"unexpected argument {token!r}; fix: pass options as --section.key=value")
+    known = all_keys()
+    return {k: v for k, v in vars(namespace).items() if k in known}
+
+
+def check_types(overrides: dict[str, str]) -> None:
+    """Type-check command-line values early (load() does it again with their final origin)."""
+    keys = all_keys()
+    for key, value in overrides.items():
+        coerce(key, value, keys[key][0], "command line")

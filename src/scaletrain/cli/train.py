@@ -1,0 +1,49 @@
+"""`scaletrain train RECIPE|FILE.toml [--section.key=value ...] [--nproc N]`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from scaletrain.cli.options import add_config_options, check_types, config_overrides
+from scaletrain.config import Config, load, recipe_names
+
+HELP = "Train a built-in recipe or a TOML config, on this process, N local workers, or a torchrun job."
+
+
+def add_parser(sub: Any, name: str) -> None:
+    p = sub.add_parser(name, help=HELP, description=HELP + " Precedence: defaults < TOML < command line.",
+                       usage="scaletrain train RECIPE|FILE.toml [--section.key=value ...] [--nproc N]",
+                       allow_abbrev=False)
+    p.add_argument("config", metavar="RECIPE|FILE.toml",
+                   help=f"a built-in recipe ({', '.join(recipe_names())}) or a TOML file with [section] tables")
+    add_config_options(p)
+
+
+def preflight(cfg: Config, world: int) -> None:
+    """Everything that can be checked before workers start, so a mistake is one line, not N crashed ranks."""
+    from scaletrain.data import build_splits
+    from scaletrain.runtime import pick_device
+    from scaletrain.train.batching import plan_batches
+    from scaletrain.train.precision import check_precision
+
+    check_precision(cfg.train.precision, pick_device(cfg.dist, 0))
+    splits = build_splits(cfg.data, cfg.model)
+    plan_batches(cfg, world, len(splits.train))  # type: ignore[arg-type]
+
+
+def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
+    from scaletrain.cluster.torchrun import launch
+    from scaletrain.runtime import under_launcher
+
+    overrides = config_overrides(args, leftovers)
+    check_types(overrides)
+    cfg = load(args.config, cli_overrides=overrides)
+    if under_launcher() or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):
+        from scaletrain.train.run import run as run_training
+
+        run_training(cfg)
+        return 0
+    preflight(cfg, cfg.dist.nproc * cfg.dist.nnodes)
+    worker_argv = argv[argv.index("train"):]
+    return launch(cfg.dist, ["scaletrain", *worker_argv], module=True, run_id=f"scaletrain-{cfg.run.name}")

@@ -1,0 +1,97 @@
+"""Sharded, resumable data loading.
+
+Training order follows ``torch.utils.data.DistributedSampler`` exactly: each epoch draws one permutation of
+the whole data set from ``seed + epoch`` (so it does not depend on the world size), and rank r takes
+positions r, r + W, r + 2W, ... of it. Consecutive ``batch_size`` of those form the rank's micro-batches, so
+micro-step k of all ranks together covers permutation positions [k*b*W, (k+1)*b*W).
+
+Tail rule (training): an epoch runs only whole optimizer steps. The last ``len % (b * W * accum)`` positions
+of each epoch's permutation are dropped; since the permutation changes every epoch, so do the dropped samples.
+Eval shards are never padded nor dropped: rank r evaluates samples r, r + W, ... once each.
+
+The loader's position is a *global sample cursor* (permutation positions consumed this epoch), which is what
+makes a resumed run exact, also at another world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+def epoch_permutation(size: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """The order of one epoch: DistributedSampler's (torch.randperm seeded with seed + epoch)."""
+    if not shuffle:
+        return torch.arange(size)
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(size, generator=g)
+
+
+class ShardedSampler(Sampler[int]):
+    """This rank's indices for the rest of the current epoch, from the global cursor on."""
+
+    def __init__(self, size: int, *, rank: int, world: int, seed: int, shuffle: bool, usable: int) -> None:
+        assert usable % world == 0 and usable <= size
+        self.size, self.rank, self.world = size, rank, world
+        self.seed, self.shuffle, self.usable = seed, shuffle, usable
+        self.epoch = 0
+        self.cursor = 0  # global permutation positions already consumed this epoch
+
+    def __iter__(self) -> Iterator[int]:
+        perm = epoch_permutation(self.size, self.seed, self.epoch, self.shuffle)
+        return iter(perm[self.cursor + self.rank : self.usable : self.world].tolist())
+
+    def __len__(self) -> int:
+        return (self.usable - self.cursor) // self.world
+
+
+class ShardedLoader:
+    """Training batches for one rank, epoch after epoch, with a state_dict of (epoch, cursor).
+
+    One optimizer step consumes ``batch_size * world * accum`` permutation positions; ``steps_per_epoch`` of
+    them fit in an epoch (the tail rule above).
+    """
+
+    def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world: int, accum: int, seed: int,
+                 shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False) -> None:
+        size = len(dataset)  # type: ignore[arg-type]
+        self.step_samples = batch_size * world * accum
+        self.steps_per_epoch = size // self.step_samples
+        assert self.steps_per_epoch >= 1, "validated by the trainer before building the loader"
+        self.micro_samples = batch_size * world
+        self.sampler = ShardedSampler(size, rank=rank, world=world, seed=seed, shuffle=shuffle,
+                                      usable=self.steps_per_epoch * self.step_samples)
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True,
+                                 num_workers=num_workers, pin_memory=pin_memory,
+                                 persistent_workers=num_workers > 0)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        """Micro-batches forever; the cursor counts a batch as consumed once it is handed out."""
+        while True:
+            for batch in self.loader:
+                self.sampler.cursor += self.micro_samples
+                yield batch
+            self.sampler.epoch += 1
+            self.sampler.cursor = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "cursor": self.sampler.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.epoch, self.sampler.cursor = int(state["epoch"]), int(state["cursor"])
+
+
+def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num_workers: int = 0,
+                pin_memory: bool = False) -> DataLoader:
+    """Rank r evaluates samples r, r + W, ...: every sample exactly once across ranks, none padded."""
+    indices = range(rank, len(dataset), world)  # type: ignore[arg-type]
+    return DataLoader(dataset, batch_size=batch_size, sampler=indices, num_workers=num_workers,
+                      pin_memory=pin_memory)

@@ -1,0 +1,186 @@
+"""Data sources: built-in sets and user formats, each giving a train and a held-out split.
+
+Nothing here downloads anything: digits ships inside scikit-learn, the stdlib corpus is the interpreter's own
+standard library, and .bin token files and arrays are the user's.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from scaletrain.errors import DataError, UserError
+
+Task = Literal["classify", "lm"]
+
+
+@dataclass
+class Splits:
+    """A train split, an optional held-out split, and what a model needs to know about them."""
+
+    train: Dataset
+    eval: Dataset | None
+    task: Task
+    info: dict[str, Any] = field(default_factory=dict)  # num_classes/input_shape, or vocab_size/seq_len
+
+
+class TensorPairs(Dataset):
+    """(inputs[i], targets[i]) from two tensors of equal length."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        if len(inputs) != len(targets):
+            raise UserError(f"data: inputs have {len(inputs)} rows but targets {len(targets)}; "
+                            "fix: pass inputs and targets of the same length")
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[i], self.targets[i]
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of a token stream: sample i is tokens [i*T, i*T+T) -> [i*T+1, i*T+T+1).
+
+    ``tokens`` is a 1-D tensor, or the path of a uint16 .bin file opened lazily as a memmap in every process
+    (a memmap must not be pickled into DataLoader workers: pickling would copy the whole file).
+    """
+
+    def __init__(self, tokens: torch.Tensor | Path, seq_len: int, num_tokens: int) -> None:
+        self.tokens, self.seq_len = tokens, seq_len
+        self.length = (num_tokens - 1) // seq_len
+        self._memmap: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _stream(self) -> torch.Tensor | np.memmap:
+        if isinstance(self.tokens, torch.Tensor):
+            return self.tokens
+        if self._memmap is None:
+            self._memmap = np.memmap(self.tokens, dtype=np.uint16, mode="r")
+        return self._memmap
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.seq_len
+        chunk = self._stream()[start : start + self.seq_len + 1]
+        chunk = torch.as_tensor(np.asarray(chunk, dtype=np.int64)) if not isinstance(chunk, torch.Tensor) \
+            else chunk.long()
+        return chunk[:-1], chunk[1:]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_memmap": None}
+
+
+def digits(val_fraction: float) -> Splits:
+    """scikit-learn's 1,797 8x8 handwritten digits, pixels scaled to [0, 1], a fixed stratified split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    # The split is fixed (random_state=0), not tied to run.seed: changing the seed keeps the test set.
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=val_fraction, random_state=0, stratify=y)
+    to = torch.from_numpy
+    return Splits(TensorPairs(to(x_tr), to(y_tr)), TensorPairs(to(x_te), to(y_te)), "classify",
+                  {"num_classes": 10, "input_shape": (1, 8, 8)})
+
+
+def stdlib_files() -> list[Path]:
+    """The interpreter's own standard-library .py files, site-packages excluded, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        found += [Path(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    return found
+
+
+def stdlib_text(seq_len: int, val_every: int = 10) -> Splits:
+    """Bytes of the standard library's source (vocab 256). A file is held out when crc32(its path) % 10 == 0,
+    so the split is the same on every run and machine with the same Python."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts: dict[bool, list[bytes]] = {False: [], True: []}
+    for path in stdlib_files():
+        held_out = zlib.crc32(str(path.relative_to(root)).encode()) % val_every == 0
+        parts[held_out].append(path.read_bytes())
+    if not parts[False] or not parts[True]:
+        raise DataError(root, "found no standard-library .py files to train on",
+                        "use a Python installation that ships its standard library sources")
+
+    def stream(chunks: list[bytes]) -> TokenWindows:
+        data = torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8)
+        return TokenWindows(data, seq_len, len(data))
+
+    return Splits(stream(parts[False]), stream(parts[True]), "lm", {"vocab_size": 256, "seq_len": seq_len})
+
+
+def _check_bin(path: Path, seq_len: int) -> int:
+    """Number of uint16 tokens in a .bin file, or a DataError naming what is wrong."""
+    if not path.is_file():
+        raise DataError(path, "not found", "point --data.path at a directory with train.bin and val.bin")
+    size = path.stat().st_size  # bytes
+    if size % 2:
+        raise DataError(path, f"size {size} bytes is odd, so it is not a uint16 token array",
+                        "write tokens with np.array(ids, dtype=np.uint16).tofile(path)")
+    if size // 2 < seq_len + 1:
+        raise DataError(path, f"holds {size // 2} tokens, fewer than data.seq_len + 1 = {seq_len + 1}",
+                        "use a larger file or a smaller --data.seq_len")
+    return size // 2
+
+
+def max_token(path: Path, chunk: int = 1 << 26) -> int:
+    """The largest token id in a .bin file (reads it once, in chunks)."""
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    return int(max(data[i : i + chunk].max() for i in range(0, len(data), chunk)))
+
+
+def token_bin(directory: str, seq_len: int, vocab_size: int = 0) -> Splits:
+    """nanoGPT's layout: DIR/train.bin and DIR/val.bin, flat uint16 token ids. vocab_size 0 scans the files."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise DataError(root, "not a directory", "point --data.path at a directory with train.bin and val.bin")
+    files = {name: root / f"{name}.bin" for name in ("train", "val")}
+    counts = {name: _check_bin(p, seq_len) for name, p in files.items()}
+    if vocab_size == 0:
+        vocab_size = max(max_token(p) for p in files.values()) + 1
+    windows = {name: TokenWindows(files[name], seq_len, counts[name]) for name in files}
+    return Splits(windows["train"], windows["val"], "lm", {"vocab_size": vocab_size, "seq_len": seq_len})
+
+
+def _as_tensor(a: Any, what: str) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        return a
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(a)
+    raise UserError(f"data: {what} is a {type(a).__name__}; fix: pass a torch.Tensor or a numpy array")
+
+
+def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task: Task = "classify") -> Splits:
+    """A torch Dataset, or (inputs, targets) as tensors or numpy arrays. Without eval data a fixed
+    val_fraction of the training data is held out."""
+
+    def as_dataset(d: Any, what: str) -> Dataset:
+        if isinstance(d, Dataset):
+            return d
+        if isinstance(d, (tuple, list)) and len(d) == 2:
+            return TensorPairs(_as_tensor(d[0], f"{what} inputs"), _as_tensor(d[1], f"{what} targets"))
+        raise UserError(f"data: {what} is a {type(d).__name__}; fix: pass a torch Dataset or (inputs, targets)")
+
+    train_ds = as_dataset(train, "train")
+    if eval_data is not None:
+        return Splits(train_ds, as_dataset(eval_data, "eval"), task)
+    n = len(train_ds)  # type: ignore[arg-type]
+    n_val = max(1, int(n * val_fraction))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    subset = torch.utils.data.Subset
+    return Splits(subset(train_ds, perm[n_val:]), subset(train_ds, perm[:n_val]), task)

@@ -1,0 +1,1 @@
+"""What a run shows and records: console output on rank 0, metrics.jsonl, summary.json."""

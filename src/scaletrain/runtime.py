@@ -1,0 +1,100 @@
+"""The distributed environment: who am I, on what device, talking over which backend.
+
+A single process with no launcher around it is world size 1 and starts no process group. Under torchrun
+(or anything that sets RANK/WORLD_SIZE/LOCAL_RANK and MASTER_ADDR/MASTER_PORT) the process joins the group.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from scaletrain.config import DistConfig
+from scaletrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str  # the collective backend; "none" when world size is 1 and no group was started
+    owns_group: bool = False  # this runtime started the process group, so it also ends it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def under_launcher() -> bool:
+    """True when a launcher (torchrun, or a compatible one) has set this process's rank and world."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
+    want = cfg.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("dist.device", cfg.device, "cpu or auto on a machine without CUDA",
+                              "--device=auto (or cpu)")
+        index = int(want[5:]) if ":" in want else local_rank % torch.cuda.device_count()
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def pick_backend(cfg: DistConfig, device: torch.device) -> str:
+    if cfg.backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if cfg.backend == "nccl" and device.type != "cuda":
+        raise ConfigError("dist.backend", "nccl", "gloo (or auto) on a CPU device", "--dist.backend=auto")
+    return cfg.backend
+
+
+def init(cfg: DistConfig) -> Runtime:
+    """Read the launcher's environment, pick device and backend, and join the process group if there is one."""
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    device = pick_device(cfg, local_rank)
+    backend = pick_backend(cfg, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    owns = False
+    if under_launcher() and not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+        owns = True
+    elif not under_launcher():
+        backend = "none"
+    return Runtime(rank, local_rank, world, local_world, device, backend, owns)
+
+
+def close(rt: Runtime) -> None:
+    """End the process group if this runtime started it (a user's own group is left alone)."""
+    if rt.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_all(seed: int) -> None:
+    """Seed python, numpy and torch (all devices) from one integer."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

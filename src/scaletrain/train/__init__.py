@@ -1,0 +1,1 @@
+"""The training loop, learning-rate rules, precision, and the run lifecycle."""

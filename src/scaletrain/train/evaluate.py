@@ -1,0 +1,53 @@
+"""Evaluation on the held-out split, aggregated exactly across ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.data import eval_loader
+from scaletrain.train.job import Job
+from scaletrain.train.precision import autocast
+
+
+@torch.no_grad()
+def evaluate(job: Job) -> dict[str, float]:
+    """Mean loss and (for integer class targets) accuracy over the held-out split.
+
+    Each rank sums loss x count, correct and count over its own samples; one all-reduce adds the sums, so
+    the result is sum(correct) / sum(count) over the whole split: no mean of means, no sample twice.
+    Runs on the bare module: DDP's forward is not needed without gradients, and ranks may see one sample
+    more or less than each other.
+    """
+    cfg, rt, module = job.cfg, job.rt, job.module
+    assert job.eval_data is not None
+    loader = eval_loader(job.eval_data, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+                         rank=rt.rank, world=rt.world_size, num_workers=cfg.data.num_workers,
+                         pin_memory=rt.device.type == "cuda")
+    module.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss x count, correct
+    count = 0  # targets seen by this rank (tokens for a language model), known on the host
+    classify = True
+    for i, (x, y) in enumerate(loader):
+        if cfg.train.eval_batches and i >= cfg.train.eval_batches:
+            break
+        x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+        with autocast(cfg.train.precision, rt.device):
+            out = module(x)
+        loss = job.loss_fn(out, y).double()
+        classify = classify and not y.is_floating_point() and out.shape[:-1] == y.shape
+        n = y.numel() if not y.is_floating_point() else y.shape[0]
+        totals[0] += loss * n
+        if classify:
+            totals[1] += (out.argmax(-1) == y).sum()
+        count += n
+    module.train()
+    totals = torch.cat([totals, torch.tensor([float(count)], dtype=torch.float64, device=rt.device)])
+    if rt.distributed:
+        dist.all_reduce(totals)
+    loss_sum, correct, count = totals.tolist()  # host-device sync: once per evaluation
+    metrics = {"loss": loss_sum / max(count, 1.0), "count": count}
+    if classify:
+        metrics["accuracy"] = correct / max(count, 1.0)
+        metrics["correct"] = correct
+    return metrics

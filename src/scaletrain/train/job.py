@@ -1,0 +1,73 @@
+"""Everything one training run holds, built once from the config, the runtime and the data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import Dataset
+
+from scaletrain.config import Config, OptimConfig
+from scaletrain.data import ShardedLoader, Splits
+from scaletrain.models import build_model
+from scaletrain.parallel import parallelize
+from scaletrain.runtime import Runtime, seed_all
+from scaletrain.train.batching import BatchPlan, plan_batches
+from scaletrain.train.lr import build_scheduler
+from scaletrain.train.precision import check_precision, grad_scaler
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy for (B, classes) vs (B,) and for (B, T, vocab) vs (B, T)."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+@dataclass
+class Job:
+    cfg: Config
+    rt: Runtime
+    plan: BatchPlan
+    module: nn.Module  # the bare model: evaluation and saving
+    model: nn.Module  # what forward and backward go through (DDP-wrapped when world > 1)
+    optimizer: Optimizer
+    scheduler: LambdaLR
+    scaler: torch.amp.GradScaler
+    loader: ShardedLoader
+    eval_data: Dataset | None
+    loss_fn: LossFn
+    step: int = 0  # optimizer steps completed
+
+
+def build_optimizer(module: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer:
+    """Weight decay on matrices and embeddings only, never on biases and norm gains (GPT-2's rule)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def build_job(cfg: Config, rt: Runtime, splits: Splits, model: nn.Module | None = None,
+              loss_fn: LossFn | None = None) -> Job:
+    check_precision(cfg.train.precision, rt.device)
+    plan = plan_batches(cfg, rt.world_size, len(splits.train))  # type: ignore[arg-type]
+    seed_all(cfg.run.seed)  # the same initial weights on every rank
+    module = model if model is not None else build_model(cfg.model, splits.task, splits.info)
+    module.to(rt.device)
+    wrapped = parallelize(module, rt.device, rt.world_size, cfg.parallel, compile=cfg.train.compile)
+    torch.manual_seed(cfg.run.seed + rt.rank)  # dropout masks differ between ranks
+    optimizer = build_optimizer(module, cfg.optim, plan.peak_lr)
+    loader = ShardedLoader(splits.train, batch_size=plan.batch_size, rank=rt.rank, world=rt.world_size,
+                           accum=plan.accum_steps, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+                           num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda")
+    return Job(cfg, rt, plan, module, wrapped, optimizer, build_scheduler(optimizer, cfg.schedule, plan.total_steps),
+               grad_scaler(cfg.train.precision, rt.device), loader, splits.eval, loss_fn or cross_entropy)

@@ -1,0 +1,60 @@
+"""Run a function on N spawned ranks that form a Gloo process group on loopback.
+
+The per-rank body is a module-level function ``fn(rank, world, *args)``; its return value comes back to the
+test (through torch.save in a temporary directory). A rank that raises fails the test with its traceback;
+ranks still running at the deadline are killed, so no process outlives the test.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_env(rank: int, world: int, port: int) -> dict[str, str]:
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1"}
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: tuple) -> None:
+    os.environ.update(loopback_env(rank, world, port))
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180) -> list[Any]:
+    """fn(rank, world, *args) on `world` processes; returns [result of rank 0, rank 1, ...]."""
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), out, args), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks still running after {timeout_s} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
