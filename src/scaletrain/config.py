@@ -286,6 +286,8 @@ class Config:
         return Path(self.run.dir or f"runs/{self.run.name}")
 
 
+CLI = "command line"  # the origin whose values are strings to parse
+
 # Top-level command-line aliases for the flags users type most.
 ALIASES = {"nproc": "dist.nproc", "device": "dist.device", "nnodes": "dist.nnodes",
            "rdzv-endpoint": "dist.rdzv_endpoint", "max-restarts": "dist.max_restarts"}
@@ -328,9 +330,10 @@ def describe_type(tp: Any) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
-def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
-    """Convert a TOML value or a command-line string to the field's type, or raise ConfigError."""
-    from_text = isinstance(value, str)
+def coerce(key: str, value: Any, tp: Any, origin: str, from_text: bool = False) -> Any:
+    """Check a TOML/Python value against the field's type, or parse a command-line string (from_text), or
+    raise ConfigError. A TOML string is not parsed: ``epochs = "3"`` is a type error in a file."""
+    from_text = from_text and isinstance(value, str)
     example = f"--{key}=..."
     if get_origin(tp) is Literal:
         choices = get_args(tp)
@@ -402,7 +405,7 @@ def build(layers: list[tuple[str, Mapping[str, Any]]]) -> Config:
             key = ALIASES.get(key, key)
             if key not in keys:
                 raise unknown_key(key, origin)
-            chosen[key] = (coerce(key, value, keys[key][0], origin), origin)
+            chosen[key] = (coerce(key, value, keys[key][0], origin, origin == CLI), origin)
     built = {}
     for sec, cls in sections().items():
         kwargs = {k.split(".", 1)[1]: v for k, (v, _) in chosen.items() if k.startswith(sec + ".")}
@@ -452,5 +455,5 @@ def load(source: str | None = None, overrides: Mapping[str, Any] | None = None,
     if overrides:
         layers.append(("overrides", flatten(overrides, "overrides")))
     if cli_overrides:
-        layers.append(("command line", dict(cli_overrides)))
+        layers.append((CLI, dict(cli_overrides)))
     return build(layers)

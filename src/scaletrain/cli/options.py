@@ -6,7 +6,7 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Literal, get_args, get_origin
 
-from scaletrain.config import ALIASES, all_keys, coerce, sections, unknown_key
+from scaletrain.config import ALIASES, CLI, all_keys, coerce, sections, unknown_key
 from scaletrain.errors import UserError
 
 
@@ -42,7 +42,7 @@ def config_overrides(namespace: argparse.Namespace, leftovers: list[str]) -> dic
     """The --section.key values given on the command line, as strings; an unknown --key is a ConfigError."""
     for token in leftovers:
         if token.startswith("--"):
-            raise unknown_key(token[2:].split("=", 1)[0], "command line")
+            raise unknown_key(token[2:].split("=", 1)[0], CLI)
         raise UserError(f"unexpected argument {token!r}; fix: pass options as --section.key=value")
     known = all_keys()
     return {k: v for k, v in vars(namespace).items() if k in known}
@@ -52,4 +52,4 @@ def check_types(overrides: dict[str, str]) -> None:
     """Type-check command-line values early (load() does it again with their final origin)."""
     keys = all_keys()
     for key, value in overrides.items():
-        coerce(key, value, keys[key][0], "command line")
+        coerce(key, value, keys[key][0], CLI, from_text=True)

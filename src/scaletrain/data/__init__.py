@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from scaletrain.config import DataConfig, ModelConfig
 from scaletrain.data.loader import ShardedLoader, ShardedSampler, epoch_permutation, eval_loader
-from scaletrain.data.sources import Splits, TensorPairs, TokenWindows, digits, in_memory, stdlib_text, token_bin
+from scaletrain.data.sources import (
+    Splits,
+    TensorPairs,
+    TokenWindows,
+    digits,
+    in_memory,
+    stdlib_text,
+    token_bin,
+)
 from scaletrain.errors import ConfigError
 
 __all__ = ["ShardedLoader", "ShardedSampler", "Splits", "TensorPairs", "TokenWindows", "build_splits",

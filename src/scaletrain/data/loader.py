@@ -10,7 +10,10 @@ of each epoch's permutation are dropped; since the permutation changes every epo
 Eval shards are never padded nor dropped: rank r evaluates samples r, r + W, ... once each.
 
 The loader's position is a *global sample cursor* (permutation positions consumed this epoch), which is what
-makes a resumed run exact, also at another world size.
+makes a resumed run exact, also at another world size: the resumed ranks continue at position ``cursor``
+(rank r at cursor + r, cursor + r + W', ...), so no position is seen twice or skipped. When the step size
+``b * W * accum`` changed, the rest of that epoch, positions [cursor, size), is cut into whole steps of the new
+size and the tail rule drops what is left over; later epochs follow the plain rule again.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from scaletrain.errors import UserError
 
 
 def epoch_permutation(size: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
@@ -32,7 +37,11 @@ def epoch_permutation(size: int, seed: int, epoch: int, shuffle: bool) -> torch.
 
 
 class ShardedSampler(Sampler[int]):
-    """This rank's indices for the rest of the current epoch, from the global cursor on."""
+    """This rank's indices for permutation positions [cursor, end) of the current epoch.
+
+    ``usable`` is where a whole epoch ends under the tail rule; ``end`` is where the current one ends, which
+    differs only for an epoch resumed with another step size (see the module docstring).
+    """
 
     def __init__(self, size: int, *, rank: int, world: int, seed: int, shuffle: bool, usable: int) -> None:
         assert usable % world == 0 and usable <= size
@@ -40,17 +49,19 @@ class ShardedSampler(Sampler[int]):
         self.seed, self.shuffle, self.usable = seed, shuffle, usable
         self.epoch = 0
         self.cursor = 0  # global permutation positions already consumed this epoch
+        self.end = usable  # global permutation positions this epoch runs to (exclusive)
 
     def __iter__(self) -> Iterator[int]:
         perm = epoch_permutation(self.size, self.seed, self.epoch, self.shuffle)
-        return iter(perm[self.cursor + self.rank : self.usable : self.world].tolist())
+        return iter(perm[self.cursor + self.rank : self.end : self.world].tolist())
 
     def __len__(self) -> int:
-        return (self.usable - self.cursor) // self.world
+        return len(range(self.cursor + self.rank, self.end, self.world))
 
 
 class ShardedLoader:
-    """Training batches for one rank, epoch after epoch, with a state_dict of (epoch, cursor).
+    """Training batches for one rank, epoch after epoch, with a state_dict of plain ints: epoch, cursor, the
+    current epoch's end, and the data set size and step size it was saved with (to resume at another world).
 
     One optimizer step consumes ``batch_size * world * accum`` permutation positions; ``steps_per_epoch`` of
     them fit in an epoch (the tail rule above).
@@ -59,6 +70,7 @@ class ShardedLoader:
     def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world: int, accum: int, seed: int,
                  shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False) -> None:
         size = len(dataset)  # type: ignore[arg-type]
+        self.size = size
         self.step_samples = batch_size * world * accum
         self.steps_per_epoch = size // self.step_samples
         assert self.steps_per_epoch >= 1, "validated by the trainer before building the loader"
@@ -81,12 +93,28 @@ class ShardedLoader:
                 yield batch
             self.sampler.epoch += 1
             self.sampler.cursor = 0
+            self.sampler.end = self.sampler.usable
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.sampler.epoch, "cursor": self.sampler.cursor}
+        s = self.sampler
+        return {"epoch": s.epoch, "cursor": s.cursor, "end": s.end, "size": self.size,
+                "step_samples": self.step_samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.epoch, self.sampler.cursor = int(state["epoch"]), int(state["cursor"])
+        """Continue where ``state`` was saved, at this loader's world size, batch size and accumulation."""
+        size = int(state.get("size", self.size))
+        if size != self.size:
+            raise UserError(f"data: the checkpoint's loader state is for a training set of {size} samples, "
+                            f"but this one has {self.size}; fix: resume with the same training data, or start "
+                            "a new run directory")
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        assert 0 <= cursor <= self.size, f"loader cursor {cursor} outside [0, {self.size}]"
+        end = int(state.get("end", -1))
+        same_steps = int(state.get("step_samples", -1)) == self.step_samples
+        if not (same_steps and cursor <= end <= self.size and (end - cursor) % self.micro_samples == 0):
+            # Another step size (or an older state): cut the rest of the epoch into whole steps of this one.
+            end = cursor + (self.size - cursor) // self.step_samples * self.step_samples
+        self.sampler.epoch, self.sampler.cursor, self.sampler.end = epoch, cursor, end
 
 
 def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num_workers: int = 0,

@@ -6,6 +6,7 @@ standard library, and .bin token files and arrays are the user's.
 
 from __future__ import annotations
 
+import math
 import os
 import sysconfig
 import zlib
@@ -105,23 +106,29 @@ def stdlib_files() -> list[Path]:
     return found
 
 
-def stdlib_text(seq_len: int, val_every: int = 10) -> Splits:
-    """Bytes of the standard library's source (vocab 256). A file is held out when crc32(its path) % 10 == 0,
-    so the split is the same on every run and machine with the same Python."""
+def stdlib_split(val_every: int = 10) -> tuple[list[Path], list[Path]]:
+    """(train files, held-out files): a file is held out when crc32(its path under the stdlib root) % val_every
+    == 0, so the split is the same on every run and machine with the same Python, whatever the install prefix."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    parts: dict[bool, list[bytes]] = {False: [], True: []}
+    parts: dict[bool, list[Path]] = {False: [], True: []}
     for path in stdlib_files():
-        held_out = zlib.crc32(str(path.relative_to(root)).encode()) % val_every == 0
-        parts[held_out].append(path.read_bytes())
-    if not parts[False] or not parts[True]:
-        raise DataError(root, "found no standard-library .py files to train on",
+        parts[zlib.crc32(str(path.relative_to(root)).encode()) % val_every == 0].append(path)
+    return parts[False], parts[True]
+
+
+def stdlib_text(seq_len: int, val_every: int = 10) -> Splits:
+    """Bytes of the standard library's source (vocab 256), files joined by a newline; the held-out files are
+    those of stdlib_split."""
+    train_files, val_files = stdlib_split(val_every)
+    if not train_files or not val_files:
+        raise DataError(Path(sysconfig.get_paths()["stdlib"]), "found no standard-library .py files to train on",
                         "use a Python installation that ships its standard library sources")
 
-    def stream(chunks: list[bytes]) -> TokenWindows:
-        data = torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8)
+    def stream(files: list[Path]) -> TokenWindows:
+        data = torch.frombuffer(bytearray(b"\n".join(p.read_bytes() for p in files)), dtype=torch.uint8)
         return TokenWindows(data, seq_len, len(data))
 
-    return Splits(stream(parts[False]), stream(parts[True]), "lm", {"vocab_size": 256, "seq_len": seq_len})
+    return Splits(stream(train_files), stream(val_files), "lm", {"vocab_size": 256, "seq_len": seq_len})
 
 
 def _check_bin(path: Path, seq_len: int) -> int:
@@ -167,7 +174,8 @@ def _as_tensor(a: Any, what: str) -> torch.Tensor:
 
 def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task: Task = "classify") -> Splits:
     """A torch Dataset, or (inputs, targets) as tensors or numpy arrays. Without eval data a fixed
-    val_fraction of the training data is held out."""
+    val_fraction of the training data is held out: ceil(n x val_fraction) samples, at least 1, chosen by a
+    permutation seeded with 0 (the same on every run and rank, whatever run.seed is)."""
 
     def as_dataset(d: Any, what: str) -> Dataset:
         if isinstance(d, Dataset):
@@ -180,7 +188,11 @@ def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task
     if eval_data is not None:
         return Splits(train_ds, as_dataset(eval_data, "eval"), task)
     n = len(train_ds)  # type: ignore[arg-type]
-    n_val = max(1, int(n * val_fraction))
+    # ceil, as scikit-learn does for digits; rounding first keeps 100 x 0.07 = 7.000000000000001 at 7.
+    n_val = max(1, math.ceil(round(n * val_fraction, 6)))
+    if n - n_val < 1:
+        raise UserError(f"data: {n} training sample(s) leave none to train on after holding out "
+                        f"data.val_fraction = {val_fraction}; fix: pass eval_data, or more training data")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
     subset = torch.utils.data.Subset
     return Splits(subset(train_ds, perm[n_val:]), subset(train_ds, perm[:n_val]), task)

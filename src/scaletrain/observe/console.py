@@ -30,9 +30,14 @@ class Console:
         self._task = self._bar.add_task("train", total=total, completed=done, status="")
         self._bar.start()
 
-    def advance(self, status: str | None = None) -> None:
+    def advance(self) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, advance=1, **({"status": status} if status is not None else {}))
+            self._bar.update(self._task, advance=1)
+
+    def status(self, text: str) -> None:
+        """Text shown after the bar (the last logged loss)."""
+        if self._bar is not None:
+            self._bar.update(self._task, status=text)
 
     def stop_progress(self) -> None:
         if self._bar is not None:

@@ -16,6 +16,7 @@ def evaluate(job: Job) -> dict[str, float]:
 
     Each rank sums loss x count, correct and count over its own samples; one all-reduce adds the sums, so
     the result is sum(correct) / sum(count) over the whole split: no mean of means, no sample twice.
+    Accuracy is exact at any world size; the loss agrees to float32 rounding (batch means are float32).
     Runs on the bare module: DDP's forward is not needed without gradients, and ranks may see one sample
     more or less than each other.
     """
@@ -26,28 +27,27 @@ def evaluate(job: Job) -> dict[str, float]:
                          pin_memory=rt.device.type == "cuda")
     module.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss x count, correct
-    count = 0  # targets seen by this rank (tokens for a language model), known on the host
-    classify = True
+    count, other = 0, 0  # targets seen (tokens for a language model), batches without class targets
     for i, (x, y) in enumerate(loader):
         if cfg.train.eval_batches and i >= cfg.train.eval_batches:
             break
         x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
         with autocast(cfg.train.precision, rt.device):
             out = module(x)
-        loss = job.loss_fn(out, y).double()
-        classify = classify and not y.is_floating_point() and out.shape[:-1] == y.shape
         n = y.numel() if not y.is_floating_point() else y.shape[0]
-        totals[0] += loss * n
-        if classify:
+        totals[0] += job.loss_fn(out, y).double() * n
+        if y.is_floating_point() or out.shape[:-1] != y.shape:
+            other += 1
+        else:
             totals[1] += (out.argmax(-1) == y).sum()
         count += n
     module.train()
-    totals = torch.cat([totals, torch.tensor([float(count)], dtype=torch.float64, device=rt.device)])
+    totals = torch.cat([totals, torch.tensor([count, other], dtype=torch.float64, device=rt.device)])
     if rt.distributed:
-        dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()  # host-device sync: once per evaluation
+        dist.all_reduce(totals)  # one collective: every rank gets the same sums, so the same metrics
+    loss_sum, correct, count, other = totals.tolist()  # host-device sync: once per evaluation
     metrics = {"loss": loss_sum / max(count, 1.0), "count": count}
-    if classify:
+    if not other:  # accuracy only where every rank saw integer class targets
         metrics["accuracy"] = correct / max(count, 1.0)
         metrics["correct"] = correct
     return metrics

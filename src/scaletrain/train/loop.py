@@ -74,6 +74,8 @@ class Loop:
         job, plan = self.job, self.job.plan
         batches = iter(job.loader)
         job.model.train()
+        if job.eval_data is not None and job.step == 0:
+            self._evaluate()  # the untrained baseline, so every curve has its starting point
         self.console.start_progress(plan.total_steps, job.step)
         loss_sum = torch.zeros((), device=job.rt.device)
         since, t0 = 0, time.perf_counter()
@@ -114,6 +116,7 @@ class Loop:
                   "lr": job.scheduler.get_last_lr()[0],
                   "samples_per_s": steps * job.plan.global_batch / elapsed, "step_time_s": elapsed / steps}
         self.writer.write(record)
+        self.console.status(f"loss {loss:.4f}")
         self.console.print(
             f"step {job.step:>6}/{job.plan.total_steps} | epoch {record['epoch']} | loss {loss:.4f} | "
             f"lr {record['lr']:.3e} | {record['samples_per_s']:,.0f} samples/s | {record['step_time_s']:.4f} s/step")
@@ -122,7 +125,7 @@ class Loop:
         job = self.job
         metrics = evaluate(job)
         self.last_eval, self.eval_step = metrics, job.step
-        epoch = self.epoch_of(max(job.step - 1, 0)) + 1
+        epoch = self.epoch_of(job.step - 1) + 1 if job.step else 0
         self.writer.write({"kind": "eval", "step": job.step, "epoch": epoch,
                            **{f"eval_{k}": v for k, v in metrics.items()}})
         text = f"eval  @ step {job.step} (epoch {epoch}) | loss {metrics['loss']:.4f}"

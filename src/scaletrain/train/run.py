@@ -26,8 +26,9 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     cfg, rt, plan = job.cfg, job.rt, job.plan
     params = sum(p.numel() for p in job.module.parameters())
     n_eval = len(splits.eval) if splits.eval is not None else 0  # type: ignore[arg-type]
-    console.print(f"scaletrain {__version__} | torch {torch.__version__} | world {rt.world_size} "
-                  f"({rt.backend} on {rt.device.type}) | run dir {cfg.run_dir}")
+    where = f"{rt.backend} on {rt.device}" if rt.distributed else f"single process on {rt.device}"
+    console.print(f"scaletrain {__version__} | torch {torch.__version__} | world {rt.world_size} ({where}) | "
+                  f"run dir {cfg.run_dir}")
     console.print(f"model {type(job.module).__name__}: {params / 1e6:.3f}M parameters | data {cfg.data.source}: "
                   f"{len(splits.train)} train / {n_eval} held-out samples")  # type: ignore[arg-type]
     console.print(f"{plan.describe()} | {plan.steps_per_epoch} steps/epoch, {plan.total_steps} steps")
@@ -59,7 +60,7 @@ def _finish(job: Job, loop: Loop, wall_s: float) -> dict[str, Any]:
 def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> None:
     rows = [("steps", f"{summary['steps']:,} ({summary['epochs']:.2f} epochs)"),
             ("samples", f"{summary['samples']:,}"),
-            ("world size", f"{summary['world_size']} ({summary['backend']} on {summary['device']})"),
+            ("world size", f"{summary['world_size']} ({summary['backend']}, {summary['device']})"),
             ("effective batch", f"{summary['global_batch']:,}"),
             ("train loss", f"{summary['train_loss']:.4f}")]
     rows += [(f"eval {k}", f"{100 * v:.2f}%" if k == "accuracy" else f"{v:.4f}")

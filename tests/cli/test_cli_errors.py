@@ -1,0 +1,82 @@
+"""Every user mistake on the command line: exit code 2 and one line naming the key, the value, what is
+allowed and the fix. Never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from scaletrain.cli import main
+
+
+def run_main(argv, capsys):
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.err.strip().splitlines()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "digits", "--optim.lrr=0.1"], ["optim.lrr", "unknown key", "did you mean --optim.lr?"]),
+    (["train", "digits", "--train.epochs=ten"], ["train.epochs = 'ten'", "expected an integer", "fix:"]),
+    (["train", "digits", "--nproc", "0"], ["dist.nproc = 0", "an integer >= 1", "fix: --nproc 2"]),
+    (["train", "digits", "--nproc=2", "--train.global_batch=100"],
+     ["train.global_batch = 100", "a multiple of data.batch_size x world size = 32 x 2 = 64",
+      "--train.global_batch=64"]),
+    (["train", "digits", "--data.batch_size=2000"], ["data.batch_size = 2000", "no larger than the 1437"]),
+    (["train", "missing.toml"], ["config = 'missing.toml' (not found)", "fix: check the path"]),
+    (["train", "digitz"], ["config = 'digitz'", "use one of the recipes: digits, gpt-stdlib"]),
+    (["train", "digits", "--model.name=gpt"], ["model.name = 'gpt'", "mlp or cnn"]),
+    (["train", "digits", "--train.precision=fp16"], ["train.precision = 'fp16'", "--train.precision=bf16"]),
+    (["train", "digits", "--device=cuda"], ["dist.device = 'cuda'", "without CUDA"]),
+    (["train", "gpt-stdlib", "--data.source=bin"], ["data.path = ''", "train.bin and val.bin"]),
+    (["train"], ["the following arguments are required: RECIPE|FILE.toml", "--help"]),
+    (["fly"], ["invalid choice: 'fly'"]),
+])
+def test_bad_input_exits_2_with_one_line(argv, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, lines = run_main(argv, capsys)
+    assert code == 2
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("scaletrain: error: ")
+    for word in words:
+        assert word in lines[0]
+    assert not (tmp_path / "runs").exists()  # nothing was started or written
+
+
+def test_a_malformed_data_file_is_named(capsys, tmp_path):
+    data = tmp_path / "corpus"
+    data.mkdir()
+    np.arange(1000, dtype=np.uint16).tofile(data / "train.bin")
+    (data / "val.bin").write_bytes(b"\x00\x01\x02")  # 3 bytes: not uint16
+    code, lines = run_main(["train", "gpt-stdlib", "--data.source=bin", f"--data.path={data}",
+                            f"--run.dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and len(lines) == 1
+    assert f"{data / 'val.bin'}: size 3 bytes is odd" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    from scaletrain.config import all_keys
+
+    for key in all_keys():
+        assert f"--{key} " in out, key
+    assert "--nproc" in out and "--device" in out
+
+
+def test_a_real_process_prints_no_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--optim.momentum=1.5"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "scaletrain: error: optim.momentum = 1.5 (command line): expected a number in [0, 1); "
+        "fix: --optim.momentum=0.9"]
+    assert "Traceback" not in proc.stdout + proc.stderr
