@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from scaletrain.config import Config, load  # noqa: E402
-from scaletrain.train.run import fit, run  # noqa: E402
+from scaletrain.config import Config, load
+from scaletrain.train.run import fit, run
 
 __all__ = ["Config", "__version__", "fit", "load", "run"]

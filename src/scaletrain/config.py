@@ -13,13 +13,15 @@ import dataclasses
 import difflib
 import hashlib
 import inspect
+import itertools
 import sys
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Mapping, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import tomli_w
 
@@ -65,7 +67,7 @@ class DistConfig:
     rdzv_endpoint: str = ""
     """HOST:PORT where the machines of a multi-node job meet ('' = this machine, a free port)."""
     rdzv_id: str = ""
-    """Job id shared by all machines of one job ('' = scaletrain-<run.name>)."""
+    """Job id shared by all machines of one job ('' = scaletrain-<run.name>; under 'launch': scaletrain-<SCRIPT>)."""
     max_restarts: int = 0
     """Times torchrun restarts the worker group after a worker fails."""
 
@@ -305,7 +307,7 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for stmt, nxt in zip(body, body[1:]):
+    for stmt, nxt in itertools.pairwise(body):
         if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -35,7 +36,7 @@ def test_warmup_then_cosine():
     assert f(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the decay
     assert f(110) == pytest.approx(0.1)
     values = [f(s) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(values))
 
 
 def test_linear_step_and_constant_decay():

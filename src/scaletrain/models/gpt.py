@@ -56,7 +56,7 @@ class GPT(nn.Module):
         self.head.weight = self.tok_emb.weight  # weight tying
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 * layers)
-            if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     @staticmethod

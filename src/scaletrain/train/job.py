@@ -56,12 +56,20 @@ def build_optimizer(module: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer
     return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2))
 
 
-def build_job(cfg: Config, rt: Runtime, splits: Splits, model: nn.Module | None = None,
+ModelArg = nn.Module | Callable[[], nn.Module] | None
+
+
+def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
               loss_fn: LossFn | None = None) -> Job:
+    """``model``: None (the built-in model the config names), a module, or a callable building one (a class
+    works): a callable is called after seeding, so run.seed decides the initial weights."""
     check_precision(cfg.train.precision, rt.device)
     plan = plan_batches(cfg, rt.world_size, len(splits.train))  # type: ignore[arg-type]
     seed_all(cfg.run.seed)  # the same initial weights on every rank
-    module = model if model is not None else build_model(cfg.model, splits.task, splits.info)
+    if model is None:
+        module = build_model(cfg.model, splits.task, splits.info)
+    else:
+        module = model if isinstance(model, nn.Module) else model()
     module.to(rt.device)
     wrapped = parallelize(module, rt.device, rt.world_size, cfg.parallel, compile=cfg.train.compile)
     torch.manual_seed(cfg.run.seed + rt.rank)  # dropout masks differ between ranks

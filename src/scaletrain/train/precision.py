@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -16,7 +16,7 @@ def check_precision(precision: str, device: torch.device) -> None:
                           "--train.precision=bf16")
 
 
-def autocast(precision: str, device: torch.device) -> ContextManager:
+def autocast(precision: str, device: torch.device) -> AbstractContextManager:
     """The forward-pass context: fp32 runs as is; bf16/fp16 autocast matmuls and keep fp32 master weights."""
     if precision == "fp32":
         return contextlib.nullcontext()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from scaletrain.data import Splits, build_splits, in_memory
 from scaletrain.observe.console import Console
 from scaletrain.observe.metrics import MetricsWriter, peak_memory_bytes, write_json
 from scaletrain.runtime import Runtime
-from scaletrain.train.job import Job, LossFn, build_job
+from scaletrain.train.job import Job, LossFn, ModelArg, build_job
 from scaletrain.train.loop import Loop
 
 
@@ -72,7 +72,7 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
     console.table("summary", rows)
 
 
-def run(cfg: Config, *, splits: Splits | None = None, model: nn.Module | None = None,
+def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         loss_fn: LossFn | None = None, rt: Runtime | None = None) -> dict[str, Any]:
     """Train as configured; returns the summary (the same dict on every rank)."""
     started = time.perf_counter()
@@ -102,10 +102,12 @@ def run(cfg: Config, *, splits: Splits | None = None, model: nn.Module | None = 
         runtime.close(rt)
 
 
-def fit(model: nn.Module, train_data: Any, *, eval_data: Any = None, loss_fn: LossFn | None = None,
+def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_data: Any = None, loss_fn: LossFn | None = None,
         config: Config | Mapping[str, Any] | str | None = None) -> dict[str, Any]:
     """Train your own model on your own data, on one process or every rank of a torchrun job.
 
+    ``model``: a module, or better its class (or any callable building it): it is then built after seeding
+    from run.seed, so the same config gives the same initial weights on every run.
     ``train_data``/``eval_data``: a torch Dataset or (inputs, targets) as tensors or numpy arrays; without
     eval_data, data.val_fraction of the training data is held out. ``loss_fn(output, target)`` defaults to
     cross-entropy. ``config``: a Config, a mapping of dotted keys ({"optim.lr": 0.1}), or a recipe/TOML path.
