@@ -3,6 +3,10 @@
 The per-rank body is a module-level function ``fn(rank, world, *args)``; its return value comes back to the
 test (through torch.save in a temporary directory). A rank that raises fails the test with its traceback;
 ranks still running at the deadline are killed, so no process outlives the test.
+
+As under torchrun, the rendezvous store lives in the parent (the "agent") and every rank is a client
+(TORCHELASTIC_USE_AGENT_STORE). With rank 0 hosting it instead, rank 0's exit could tear the store's server
+thread down while others still talked to it ("terminate called without an active exception", SIGABRT).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def free_port() -> int:
 def loopback_env(rank: int, world: int, port: int) -> dict[str, str]:
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1"}
+            "OMP_NUM_THREADS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: tuple) -> None:
@@ -45,8 +49,9 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180) -> list[Any]:
     """fn(rank, world, *args) on `world` processes; returns [result of rank 0, rank 1, ...]."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), out, args), nprocs=world, join=False,
+        ctx = mp.start_processes(_entry, args=(fn, world, store.port, out, args), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:

@@ -35,6 +35,7 @@ def preflight(cfg: Config, world: int) -> None:
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.cluster.torchrun import launch
     from scaletrain.runtime import under_launcher
+    from scaletrain.train.rundir import choose_run_dir
 
     overrides = config_overrides(args, leftovers)
     check_types(overrides)
@@ -45,5 +46,6 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         run_training(cfg)
         return 0
     preflight(cfg, cfg.dist.nproc * cfg.dist.nnodes)
-    worker_argv = argv[argv.index("train"):]
+    # Chosen once here so all workers write where this process said; the last --run.dir wins in their argv.
+    worker_argv = [*argv[argv.index("train"):], f"--run.dir={choose_run_dir(cfg).run.dir}"]
     return launch(cfg.dist, ["scaletrain", *worker_argv], module=True, run_id=f"scaletrain-{cfg.run.name}")

@@ -20,6 +20,7 @@ from scaletrain.observe.metrics import MetricsWriter, peak_memory_bytes, write_j
 from scaletrain.runtime import Runtime
 from scaletrain.train.job import Job, LossFn, ModelArg, build_job
 from scaletrain.train.loop import Loop
+from scaletrain.train.rundir import agree_run_dir
 
 
 def _header(job: Job, splits: Splits, console: Console) -> None:
@@ -79,6 +80,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
     rt = rt or runtime.init(cfg.dist)
     writer = MetricsWriter(None)
     try:
+        cfg = agree_run_dir(cfg, rt)
         splits = splits or build_splits(cfg.data, cfg.model)
         job = build_job(cfg, rt, splits, model, loss_fn)
         console = Console(rt.is_main, cfg.train.progress)
@@ -102,8 +104,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         runtime.close(rt)
 
 
-def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_data: Any = None, loss_fn: LossFn | None = None,
-        config: Config | Mapping[str, Any] | str | None = None) -> dict[str, Any]:
+def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_data: Any = None,
+        loss_fn: LossFn | None = None, config: Config | Mapping[str, Any] | str | None = None) -> dict[str, Any]:
     """Train your own model on your own data, on one process or every rank of a torchrun job.
 
     ``model``: a module, or better its class (or any callable building it): it is then built after seeding
