@@ -377,11 +377,11 @@ def coerce(key: str, value: Any, tp: Any, origin: str, from_text: bool = False) 
     raise AssertionError(f"config field {key} has an unsupported type {tp}")
 
 
-def unknown_key(key: str, origin: str) -> ConfigError:
-    known = list(all_keys()) + list(ALIASES)
+def unknown_key(key: str, value: Any, origin: str) -> ConfigError:
+    known = list(all_keys()) + list(ALIASES) + list(sections())
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     fix = f"did you mean --{close[0]}?" if close else "run 'scaletrain train --help' for every key"
-    return ConfigError(key, "unknown key", "a key listed by 'scaletrain train --help'", fix, origin)
+    return ConfigError(key, value, f"a key listed by 'scaletrain train --help' ({key} is not one)", fix, origin)
 
 
 def flatten(tree: Mapping[str, Any], origin: str) -> dict[str, Any]:
@@ -390,7 +390,7 @@ def flatten(tree: Mapping[str, Any], origin: str) -> dict[str, Any]:
     for name, value in tree.items():
         if isinstance(value, Mapping):
             if name not in sections():
-                raise unknown_key(name, origin)
+                raise unknown_key(name, f"[{name}] table", origin)
             for key, v in value.items():
                 flat[f"{name}.{key}"] = v
         else:
@@ -406,7 +406,7 @@ def build(layers: list[tuple[str, Mapping[str, Any]]]) -> Config:
         for key, value in layer.items():
             key = ALIASES.get(key, key)
             if key not in keys:
-                raise unknown_key(key, origin)
+                raise unknown_key(key, value, origin)
             chosen[key] = (coerce(key, value, keys[key][0], origin, origin == CLI), origin)
     built = {}
     for sec, cls in sections().items():

@@ -20,7 +20,7 @@ def run_main(argv, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["train", "digits", "--optim.lrr=0.1"], ["optim.lrr", "unknown key", "did you mean --optim.lr?"]),
+    (["train", "digits", "--optim.lrr=0.1"], ["optim.lrr = '0.1' (command line)", "(optim.lrr is not one)", "did you mean --optim.lr?"]),
     (["train", "digits", "--train.epochs=ten"], ["train.epochs = 'ten'", "expected an integer", "fix:"]),
     (["train", "digits", "--nproc", "0"], ["dist.nproc = 0", "an integer >= 1", "fix: --nproc 2"]),
     (["train", "digits", "--nproc=2", "--train.global_batch=100"],

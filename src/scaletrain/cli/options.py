@@ -40,9 +40,12 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
 
 def config_overrides(namespace: argparse.Namespace, leftovers: list[str]) -> dict[str, str]:
     """The --section.key values given on the command line, as strings; an unknown --key is a ConfigError."""
-    for token in leftovers:
+    for i, token in enumerate(leftovers):
         if token.startswith("--"):
-            raise unknown_key(token[2:].split("=", 1)[0], CLI)
+            key, eq, value = token[2:].partition("=")
+            if not eq and i + 1 < len(leftovers) and not leftovers[i + 1].startswith("--"):
+                value = leftovers[i + 1]  # --key value
+            raise unknown_key(key, value, CLI)
         raise UserError(f"unexpected argument {token!r}; fix: pass options as --section.key=value")
     known = all_keys()
     return {k: v for k, v in vars(namespace).items() if k in known}

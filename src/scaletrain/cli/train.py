@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any
 
 from scaletrain.cli.options import add_config_options, check_types, config_overrides
@@ -32,6 +34,14 @@ def preflight(cfg: Config, world: int) -> None:
     plan_batches(cfg, world, len(splits.train))  # type: ignore[arg-type]
 
 
+def _warn_if_launcher_overrides(cfg: Config) -> None:
+    """Under torchrun the launcher decides the world; a different --nproc is ignored, and said so."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if cfg.dist.nproc not in (1, local) and os.environ.get("RANK") == "0":
+        print(f"scaletrain: warning: --nproc {cfg.dist.nproc} ignored: this process runs under a launcher that "
+              f"started {local} per machine (world size {os.environ.get('WORLD_SIZE')})", file=sys.stderr)
+
+
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.cluster.torchrun import launch
     from scaletrain.runtime import under_launcher
@@ -40,6 +50,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     overrides = config_overrides(args, leftovers)
     check_types(overrides)
     cfg = load(args.config, cli_overrides=overrides)
+    if under_launcher():
+        _warn_if_launcher_overrides(cfg)
     if under_launcher() or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):
         from scaletrain.train.run import run as run_training
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -58,6 +59,14 @@ def _finish(job: Job, loop: Loop, wall_s: float) -> dict[str, Any]:
     }
 
 
+def save_weights(job: Job, path: Path) -> None:
+    """The bare model's weights (no DDP prefix; tied tensors stored once), written whole or not at all."""
+    tmp = path.with_name(path.name + ".tmp")
+    safetensors.torch.save_model(job.module, str(tmp),
+                                 metadata={"config_digest": job.cfg.digest(), "step": str(job.step)})
+    os.replace(tmp, path)
+
+
 def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> None:
     rows = [("steps", f"{summary['steps']:,} ({summary['epochs']:.2f} epochs)"),
             ("samples", f"{summary['samples']:,}"),
@@ -94,8 +103,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         loop.run()
         summary = _finish(job, loop, time.perf_counter() - started)
         if rt.is_main:
-            safetensors.torch.save_model(job.module, str(run_dir / "model.safetensors"),
-                                         metadata={"config_digest": cfg.digest(), "step": str(job.step)})
+            save_weights(job, run_dir / "model.safetensors")
             write_json(run_dir / "summary.json", summary)
         _summary_table(summary, run_dir, console)
         return summary

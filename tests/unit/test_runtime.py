@@ -1,0 +1,40 @@
+"""Device and backend choice from the environment, and world size 1 without a launcher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scaletrain import runtime
+from scaletrain.config import DistConfig
+from scaletrain.errors import ConfigError
+
+
+def test_single_process_is_world_size_one_without_a_group(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    rt = runtime.init(DistConfig(device="cpu"))
+    assert (rt.rank, rt.world_size, rt.local_rank, rt.backend, rt.distributed) == (0, 1, 0, "none", False)
+    assert rt.device == torch.device("cpu") and rt.is_main
+    runtime.close(rt)
+
+
+def test_auto_picks_cuda_local_rank_and_nccl_where_cuda_is_present(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    device = runtime.pick_device(DistConfig(), local_rank=3)
+    assert device == torch.device("cuda", 3)
+    assert runtime.pick_backend(DistConfig(), device) == "nccl"
+    assert runtime.pick_device(DistConfig(device="cuda:5"), local_rank=3) == torch.device("cuda", 5)
+    assert runtime.pick_device(DistConfig(device="cpu"), local_rank=3) == torch.device("cpu")
+    assert runtime.pick_backend(DistConfig(backend="gloo"), device) == "gloo"
+
+
+def test_auto_picks_cpu_and_gloo_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    device = runtime.pick_device(DistConfig(), local_rank=1)
+    assert device == torch.device("cpu") and runtime.pick_backend(DistConfig(), device) == "gloo"
+    with pytest.raises(ConfigError, match="dist.device = 'cuda:1'.*without CUDA"):
+        runtime.pick_device(DistConfig(device="cuda:1"), local_rank=0)
+    with pytest.raises(ConfigError, match="dist.backend = 'nccl'.*gloo"):
+        runtime.pick_backend(DistConfig(backend="nccl"), device)
