@@ -11,6 +11,7 @@ thread down while others still talked to it ("terminate called without an active
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
@@ -42,8 +43,10 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
     try:
         result = fn(rank, world, *args)
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized():  # free DDP wrappers first: see scaletrain.runtime.close
+            gc.collect()
             dist.destroy_process_group()
+            gc.collect()
     torch.save(result, Path(out) / f"rank{rank}.pt")
 
 

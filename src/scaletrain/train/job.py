@@ -44,6 +44,10 @@ class Job:
     loss_fn: LossFn
     step: int = 0  # optimizer steps completed
 
+    def release(self) -> None:
+        """Drop the parallel wrapper (it holds the process group) so closing the group really ends it."""
+        self.model = self.module
+
 
 def build_optimizer(module: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer:
     """Weight decay on matrices and embeddings only, never on biases and norm gains (GPT-2's rule)."""

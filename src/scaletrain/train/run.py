@@ -88,6 +88,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
     started = time.perf_counter()
     rt = rt or runtime.init(cfg.dist)
     writer = MetricsWriter(None)
+    job: Job | None = None
     try:
         cfg = agree_run_dir(cfg, rt)
         splits = splits or build_splits(cfg.data, cfg.model)
@@ -109,6 +110,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         return summary
     finally:
         writer.close()
+        if job is not None:
+            job.release()
         runtime.close(rt)
 
 
