@@ -1,0 +1,113 @@
+"""The one job that the four implementations in this folder run, and the one way they all time it.
+
+Job: scaletrain's gpt-stdlib model (models.GPT: 4 layers x 128, 4 heads, 128 tokens of context, byte vocab),
+on the same data (data.stdlib_text: this Python's standard library sources), AdamW (lr 2e-3, betas 0.9/0.99,
+weight decay 0.1 on matrices and embeddings only), gradient clipping at 1.0, a constant learning rate, 16
+sequences per rank per step, one intra-op thread per rank (OMP_NUM_THREADS, set by run.py).
+
+Timing, identical in all four (and the same as scaletrain's own loop, whose metrics.jsonl the scaletrain
+variant is read from): the loss is summed on the device; every ``log_every`` steps it is reduced across ranks
+and read back (the only host-device sync), and rank 0 records the wall time since the previous read. A log
+interval's step time is that time / log_every; run.py drops the first interval (warm-up) and takes the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from scaletrain.data import stdlib_text
+from scaletrain.models import GPT
+from scaletrain.observe.metrics import peak_memory_bytes
+
+SEQ_LEN, BATCH, SEED = 128, 16, 0
+N_LAYER, N_HEAD, N_EMBD = 4, 4, 128
+LR, BETAS, WEIGHT_DECAY, GRAD_CLIP = 2e-3, (0.9, 0.99), 0.1, 1.0
+
+# The same job for scaletrain's CLI: the gpt-stdlib recipe with its schedule turned into a constant lr.
+SCALETRAIN_OVERRIDES = {"data.seq_len": SEQ_LEN, "data.batch_size": BATCH, "model.n_layer": N_LAYER,
+                        "model.n_head": N_HEAD, "model.n_embd": N_EMBD, "optim.name": "adamw", "optim.lr": LR,
+                        "optim.beta1": BETAS[0], "optim.beta2": BETAS[1], "optim.weight_decay": WEIGHT_DECAY,
+                        "optim.grad_clip": GRAD_CLIP, "schedule.warmup_steps": 0, "schedule.decay": "constant",
+                        "run.seed": SEED}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="one implementation of the peer-benchmark job (run it via run.py)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--out", required=True, help="rank 0 writes its result here (JSON)")
+    return p.parse_args()
+
+
+def local_device(kind: str) -> torch.device:
+    if kind == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def train_data() -> torch.utils.data.Dataset:
+    return stdlib_text(SEQ_LEN).train
+
+
+def build_model() -> GPT:
+    torch.manual_seed(SEED)  # the same initial weights on every rank and in every implementation
+    return GPT(256, SEQ_LEN, N_LAYER, N_HEAD, N_EMBD, dropout=0.0)
+
+
+def build_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=LR, betas=BETAS)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))  # (B*T, vocab) vs (B*T,)
+
+
+class IntervalTimer:
+    """Log intervals as scaletrain's loop keeps them: records shaped like metrics.jsonl's train records."""
+
+    def __init__(self, log_every: int, global_batch: int, world: int, device: torch.device,
+                 reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.log_every, self.global_batch, self.world = log_every, global_batch, world
+        self.reduce_sum = reduce_sum  # the implementation's own cross-rank sum
+        self.loss_sum = torch.zeros((), device=device)
+        self.steps, self.since = 0, 0
+        self.records: list[dict[str, Any]] = []
+        self.t0 = time.perf_counter()
+
+    def step_done(self, loss: torch.Tensor, total_steps: int) -> None:
+        self.loss_sum += loss.detach()
+        self.steps += 1
+        self.since += 1
+        if self.steps % self.log_every == 0 or self.steps == total_steps:
+            loss_mean = self.reduce_sum(self.loss_sum).item() / (self.since * self.world)  # host-device sync
+            elapsed = time.perf_counter() - self.t0
+            self.records.append({"kind": "train", "step": self.steps, "loss": loss_mean,
+                                 "samples_per_s": self.since * self.global_batch / elapsed,
+                                 "step_time_s": elapsed / self.since})
+            self.loss_sum.zero_()
+            self.since, self.t0 = 0, time.perf_counter()
+
+
+def finish(impl: str, timer: IntervalTimer, device: torch.device, out: str) -> None:
+    """Peak memory as scaletrain measures it (CUDA allocator peak, or peak RSS), max over ranks; rank 0 writes."""
+    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(out).write_text(json.dumps({"impl": impl, "world_size": timer.world, "device": str(device),
+                                         "global_batch": timer.global_batch, "records": timer.records,
+                                         "peak_mem_bytes": int(peak.item())}))
