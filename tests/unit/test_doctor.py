@@ -11,6 +11,7 @@ from scaletrain.cluster.doctor import (
     Device,
     Facts,
     Interface,
+    _cudnn_text,
     check_cuda_visible_devices,
     check_launcher_env,
     check_one_process_many_gpus,
@@ -76,7 +77,7 @@ def test_two_ranks_per_gpu_is_an_error_and_idle_gpus_a_warning() -> None:
     two_gpus = dataclasses.replace(GPU_NODE, devices=_gpus(2), physical_gpus=2)
     [over] = check_ranks_vs_gpus(_with(two_gpus, **_torchrun(world=4, local=4)))
     assert over.level == "error" and over.check == "ranks-share-gpu"
-    assert "LOCAL_WORLD_SIZE 4 on 2 GPUs: 2 rank(s) would share a GPU" in over.message
+    assert "LOCAL_WORLD_SIZE 4 on 2 GPUs: 2 more ranks than GPUs, so ranks would share a GPU" in over.message
     assert over.fix == "one rank per GPU: --nproc 2 (torchrun --nproc-per-node 2)"
     [idle] = check_ranks_vs_gpus(_with(GPU_NODE, **_torchrun(world=2, local=2)))
     assert idle.level == "warning" and "6 GPUs left idle" in idle.message and "--nproc 8" in idle.fix
@@ -162,3 +163,7 @@ def test_gather_reads_this_machine_and_only_the_named_variables() -> None:
     assert facts.python and facts.torch and facts.cpu_count >= 1 and 1 <= facts.usable_cpus <= facts.cpu_count
     assert facts.gloo_available  # every torch build this project supports has Gloo
     assert any(i.name in ("lo", "lo0") for i in facts.interfaces)
+
+
+def test_cudnn_version_text() -> None:
+    assert _cudnn_text(91900) == "9.19.0" and _cudnn_text(8902) == "8.9.2" and _cudnn_text(None) is None

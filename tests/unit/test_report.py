@@ -32,6 +32,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("report") / "digits-w1"
     scaletrain.run(scaletrain.load("digits", overrides={
         "train.max_steps": 12, "train.log_every": 2, "train.eval_every": 6, "train.progress": False,
+        "dist.device": "cpu",
         "run.dir": str(run_dir)}))
     return run_dir
 

@@ -63,11 +63,12 @@ def _print(facts: Any, findings: list[Any], result: dict[str, Any] | None) -> No
         console.print(f"self-test: FAILED: {result['error']}", markup=False)
         return
     verdict = "result correct on all ranks" if result["ok"] else "WRONG RESULT on at least one rank"
-    console.print(f"self-test: all-reduce over {result['world_size']} ranks ({result['backend']}, "
-                  f"{result['device']}, hosts {', '.join(sorted(set(result['hosts'])))}): {verdict}; "
-                  f"{result['bytes'] / 2**20:.0f} MiB in {result['seconds_per_op'] * 1e3:.2f} ms: "
-                  f"{result['algbw_gb_per_s']:.2f} GB/s algorithm bandwidth, {result['busbw_gb_per_s']:.2f} GB/s "
-                  "bus bandwidth", markup=False)
+    speed = "one rank: no link to measure" if result["algbw_gb_per_s"] is None else (
+        f"{result['bytes'] / 2**20:.0f} MiB in {result['seconds_per_op'] * 1e3:.2f} ms: "
+        f"{result['algbw_gb_per_s']:.2f} GB/s algorithm bandwidth, {result['busbw_gb_per_s']:.2f} GB/s bus bandwidth")
+    ranks = f"{result['world_size']} rank{'s' * (result['world_size'] != 1)}"
+    console.print(f"self-test: all-reduce over {ranks} ({result['backend']}, {result['device']}, hosts "
+                  f"{', '.join(sorted(set(result['hosts'])))}): {verdict}; {speed}", markup=False)
 
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:

@@ -109,6 +109,15 @@ def _physical_gpus() -> int | None:
     return len(list(gpus.iterdir())) if gpus.is_dir() else None
 
 
+def _cudnn_text(version: int | None) -> str | None:
+    """cuDNN's integer as a version: 91900 -> 9.19.0 (cuDNN 9 counts minor x 100), 8902 -> 8.9.2."""
+    if not version:
+        return None
+    if version >= 10000:
+        return f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
+    return f"{version // 1000}.{version % 1000 // 100}.{version % 100}"
+
+
 def _env(environ: Mapping[str, str]) -> dict[str, str]:
     names = set(TORCHRUN_VARS + SLURM_VARS + OTHER_VARS)
     return {k: environ[k] for k in sorted(environ) if k in names or k.startswith(PREFIXES)}
@@ -122,7 +131,7 @@ def gather(environ: Mapping[str, str] | None = None) -> Facts:
     if torch.cuda.is_available():
         props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
         devices = tuple(Device(i, p.name, int(p.total_memory), f"{p.major}.{p.minor}") for i, p in enumerate(props))
-        cudnn = str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None
+        cudnn = _cudnn_text(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None
         try:
             version = torch.cuda.nccl.version()
             nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
@@ -226,7 +235,8 @@ def check_ranks_vs_gpus(f: Facts) -> list[Finding]:
     what = "LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in f.env else "world size"
     if local > gpus:
         return [Finding("error", "ranks-share-gpu", f"{what} {local} on {gpus} GPU{'s' * (gpus > 1)}: "
-                        f"{local - gpus} rank(s) would share a GPU (NCCL stops with 'Duplicate GPU detected')",
+                        f"{local - gpus} more rank{'s' * (local - gpus > 1)} than GPUs, so ranks would share a GPU (NCCL "
+                        "stops with 'Duplicate GPU detected')",
                         f"one rank per GPU: --nproc {gpus} (torchrun --nproc-per-node {gpus})")]
     if local < gpus:
         return [Finding("warning", "gpus-idle", f"{what} {local} on {gpus} GPUs: {gpus - local} GPU"
@@ -387,13 +397,14 @@ def self_test_body(timeout_s: float = 60.0) -> dict[str, Any] | None:
         dist.all_gather_object(hosts, socket.gethostname())
         if rank != 0:
             return None
-        algbw = size / per_op
+        # With one rank nothing crosses a link: the "all-reduce" is a local no-op, its speed no bandwidth.
+        algbw = size / per_op / 1e9 if world > 1 else None
         return {"ok": bool(ok.item()), "world_size": world, "backend": backend, "device": device.type,
                 "hosts": hosts, "check": f"sum over {world} ranks of arange({n}) + rank x {_PATTERN}",
                 "result_correct_on_all_ranks": bool(ok.item()), "bytes": size, "iters": iters,
-                "seconds_per_op": per_op, "algbw_gb_per_s": algbw / 1e9,
+                "seconds_per_op": per_op, "algbw_gb_per_s": algbw,
                 # nccl-tests' bus bandwidth: what each link carries in a ring all-reduce, comparable across sizes.
-                "busbw_gb_per_s": algbw * 2 * (world - 1) / world / 1e9}
+                "busbw_gb_per_s": algbw * 2 * (world - 1) / world if algbw is not None else None}
     finally:
         dist.destroy_process_group()
 
