@@ -10,11 +10,11 @@ from torch import nn
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
         self.n_head, self.dropout = n_head, dropout
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -27,13 +27,13 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
-        self.ln2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd),
-                                 nn.Dropout(dropout))
+        self.ln1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=bias), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd, bias=bias), nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -41,17 +41,21 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token ids (B, T) -> next-token logits (B, T, vocab). The output head shares the token embedding."""
+    """Token ids (B, T) -> next-token logits (B, T, vocab). The output head shares the token embedding.
+
+    ``bias=False`` drops the biases of linears and layer norms (as nanoGPT's option and Llama do): a little
+    faster and no worse; the default keeps them, so the default state_dict keys stay as they were.
+    """
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying
         self.apply(self._init)

@@ -1,19 +1,41 @@
-"""One function per technique, composed by parallelize() in a fixed order: compile, then data parallelism.
+"""One function per technique, composed by parallelize() in a fixed order (torchtitan's):
 
-Compiling before wrapping follows torchtitan: DDP's gradient hooks then see the compiled module's parameters,
-and a model with a ``blocks`` ModuleList is compiled block by block so that gradients of late blocks are
-ready (and their all-reduce can start) while earlier blocks are still in backward.
+    resolve the strategy (auto: by memory) -> degrees -> mesh
+    apply_tp (not yet: no tensor parallelism) -> apply_activation_checkpointing -> apply_compile
+    -> apply_fsdp (fsdp, hsdp) | apply_ddp (ddp, world > 1)
+
+Checkpointing wraps each block's forward before compile, so compile traces the checkpointed block. Compiling
+before wrapping lets DDP's gradient hooks and FSDP's hooks sit outside the compiled blocks; a model with a
+``blocks`` ModuleList is compiled block by block, so gradients of late blocks are ready (and their all-reduce
+or reduce-scatter can start) while earlier blocks are still in backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scaletrain.config import ParallelConfig
+from scaletrain.config import MemoryConfig, ParallelConfig
+from scaletrain.errors import ConfigError
+from scaletrain.observe.memory import (
+    choose_strategy,
+    device_capacity_bytes,
+    estimate_activation_bytes,
+    estimate_model_state,
+)
+from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from scaletrain.parallel.fsdp import apply_fsdp, fsdp_units, is_fsdp, mixed_precision_policy
+from scaletrain.parallel.mesh import build_mesh, resolve_degrees
+
+__all__ = ["apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "build_mesh",
+           "fsdp_units", "gradient_sync", "is_fsdp", "mixed_precision_policy", "parallelize",
+           "resolve_degrees", "resolve_strategy"]
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +52,92 @@ def apply_compile(model: nn.Module) -> None:
         log.info("compiled the whole model")
 
 
-def apply_ddp(model: nn.Module, device: torch.device, *, bucket_mb: float, find_unused: bool) -> DDP:
-    """Replicate the model; gradients are averaged by bucketed all-reduce overlapping backward."""
-    ids = [device.index] if device.type == "cuda" else None
-    wrapped = DDP(model, device_ids=ids, bucket_cap_mb=bucket_mb, find_unused_parameters=find_unused,
-                  gradient_as_bucket_view=True)
+def apply_ddp(model: nn.Module, mesh: DeviceMesh | None, *, bucket_mb: float, find_unused: bool) -> DDP:
+    """Replicate the model; gradients are averaged by bucketed all-reduce overlapping backward.
+
+    Runs over the mesh's dp_replicate axis, or the default group (all ranks) when mesh is None."""
+    ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
+    group = mesh.get_group("dp_replicate") if mesh is not None else None
+    wrapped = DDP(model, device_ids=ids, process_group=group, bucket_cap_mb=bucket_mb,
+                  find_unused_parameters=find_unused, gradient_as_bucket_view=True)
     log.info("DDP: buckets of %.0f MB", bucket_mb)
     return wrapped
 
 
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Within: backward synchronizes gradients across ranks only if ``enabled`` (off on accumulation
+    micro-steps but the last). DDP: no_sync(); FSDP2: set_requires_gradient_sync (gradients stay unsharded
+    and local until the syncing micro-step reduce-scatters their sum)."""
+    if enabled:
+        yield
+    elif isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif is_fsdp(model):
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    else:
+        yield
+
+
+def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, nnodes: int, precision: str,
+                     optimizer: str, sample: torch.Tensor | None, batch_size: int, ranks_on_host: int,
+                     cpu_offload: bool) -> str:
+    """cfg.strategy, with auto decided by memory (and logged with its numbers)."""
+    if cfg.strategy != "auto":
+        return cfg.strategy
+    if cpu_offload:
+        choice = "hsdp" if nnodes > 1 else "fsdp"
+        log.info("auto -> %s: memory.cpu_offload offloads sharded state, which needs FSDP", choice)
+        return choice
+    device = next(model.parameters()).device
+    acts = estimate_activation_bytes(model, sample.to(device), batch_size, precision=precision) \
+        if sample is not None else 0
+    replica = estimate_model_state(model, optimizer).with_activations(acts)
+    choice, reason = choose_strategy(replica, device_capacity_bytes(device, ranks_on_host),
+                                     world_size=world_size, nnodes=nnodes)
+    log.warning("%s%s", reason, "" if sample is not None else " (activations not measured: no sample input)")
+    return choice
+
+
 def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: ParallelConfig, *,
-                compile: bool) -> nn.Module:
-    """Returns the module that forward/backward go through; ``model`` itself stays the bare module."""
+                compile: bool, precision: str = "fp32", memory: MemoryConfig | None = None, nnodes: int = 1,
+                optimizer: str = "adamw", sample: torch.Tensor | None = None,
+                batch_size: int = 1) -> nn.Module:
+    """Returns the module that forward/backward go through: the DDP wrapper, or ``model`` itself (sharded in
+    place under FSDP). ``model`` is on ``device``; ``sample`` (one input, no batch dim) and ``batch_size``
+    (per rank) let strategy=auto measure activations; ``optimizer`` names its per-parameter state."""
+    memory = memory or MemoryConfig()
+    strategy = resolve_strategy(model, cfg, world_size=world_size, nnodes=nnodes, precision=precision,
+                                optimizer=optimizer, sample=sample, batch_size=batch_size,
+                                ranks_on_host=max(world_size // max(nnodes, 1), 1),
+                                cpu_offload=memory.cpu_offload)
+    if memory.cpu_offload and strategy == "ddp":
+        raise ConfigError("memory.cpu_offload", True, "false with parallel.strategy=ddp (offloading keeps "
+                          "FSDP's sharded state in host memory)",
+                          "--parallel.strategy=fsdp, or drop --memory.cpu_offload")
+    replicate, shard = resolve_degrees(strategy, cfg.dp_replicate, cfg.dp_shard, world_size, nnodes)
+    if strategy == "hsdp" and replicate == 1:
+        log.warning("hsdp with dp_replicate = 1 is fsdp over %d ranks; set --parallel.dp_replicate to "
+                    "replicate", shard)
+    # DDP runs over the default group; only sharding needs a mesh (and HSDP its two axes).
+    mesh = build_mesh(device.type, replicate, shard) if strategy in ("fsdp", "hsdp") else None
+    apply_activation_checkpointing(model, memory.activation_checkpointing)
     if compile:
         apply_compile(model)
-    if world_size > 1:
-        return apply_ddp(model, device, bucket_mb=cfg.bucket_mb, find_unused=cfg.find_unused)
+    if strategy in ("fsdp", "hsdp"):
+        if mesh is None:
+            ignored = " (memory.cpu_offload ignored)" if memory.cpu_offload else ""
+            log.warning("%s on one process without a process group: nothing to shard, the model runs "
+                        "unwrapped%s", strategy, ignored)
+            return model
+        policy = mixed_precision_policy(precision)
+        return apply_fsdp(model, mesh, param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                          reshard_after_forward=cfg.reshard_after_forward, cpu_offload=memory.cpu_offload)
+    if replicate > 1:
+        return apply_ddp(model, None, bucket_mb=cfg.bucket_mb, find_unused=cfg.find_unused)
     return model

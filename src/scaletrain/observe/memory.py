@@ -1,0 +1,325 @@
+"""Where memory goes: model state counted from the live tensors, activations measured, peaks, and advice.
+
+The four consumers of training memory on a rank are parameters, gradients, optimizer state (AdamW: two
+tensors per parameter) and activations (what forward keeps for backward; grows with the batch). The first
+three are counted here from the tensors that exist, as sharded on this rank (an FSDP parameter is a DTensor
+whose local shard is what this rank holds). Activations are measured by running forward on a small batch
+while a dispatch mode watches every tensor storage the step allocates and frees; what is still alive after
+forward is what backward will need (saved tensors, activation-checkpointing caches, the output): exact for
+the eager model at that batch size. (Tensors saved for backward, via saved_tensors_hooks, would miss what
+selective checkpointing caches and count a view as its own tensor; live storages see both right.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+GB = 1e9
+
+# The precision name the advice suggests (the trainer's train.precision value for bf16 autocast/FSDP policy).
+BF16_MIXED = "bf16-mixed"
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the unit that reads best: 812 MB, 3.21 GB."""
+    if abs(n) >= GB:
+        return f"{n / GB:.2f} GB"
+    if abs(n) >= 1e6:
+        return f"{n / 1e6:.0f} MB"
+    return f"{n / 1e3:.0f} kB"
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one rank: parameters, gradients, optimizer state, activations."""
+
+    params_bytes: int
+    grads_bytes: int
+    optim_bytes: int
+    activations_bytes: int = 0
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optim_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_state_bytes + self.activations_bytes
+
+    def with_activations(self, activations_bytes: int) -> MemoryBreakdown:
+        return MemoryBreakdown(self.params_bytes, self.grads_bytes, self.optim_bytes, activations_bytes)
+
+    def as_dict(self) -> dict[str, int]:
+        """The keys of metrics.jsonl's ``mem`` record (docs/metrics.md)."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        """params 0.50 GB + grads 0.50 GB + optimizer 1.00 GB + activations 3.20 GB = 5.20 GB"""
+        return (f"params {fmt_bytes(self.params_bytes)} + grads {fmt_bytes(self.grads_bytes)} + optimizer "
+                f"{fmt_bytes(self.optim_bytes)} + activations {fmt_bytes(self.activations_bytes)} = "
+                f"{fmt_bytes(self.total_bytes)}")
+
+
+# ---------------------------------------------------------------------------------------------- model state
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """One key per allocation: views, tied weights and DDP's gradient buckets share their storage."""
+    return _local(t).untyped_storage()._cdata
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors``, each counted once (and not if already in ``seen``).
+
+    Counting storages rather than elements includes FSDP's padding of each shard to an equal size, and counts
+    a DDP gradient (a view into its bucket, gradient_as_bucket_view) as the bucket memory it really is.
+    """
+    total = 0
+    for t in tensors:
+        key = _storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            total += _local(t).untyped_storage().nbytes()
+    return total
+
+
+def model_state_bytes(module: nn.Module, optimizer: Optimizer | None = None) -> MemoryBreakdown:
+    """Parameters, gradients and optimizer state held by this rank, from the live tensors (activations 0)."""
+    seen: set[int] = set()
+    params = list(module.parameters())
+    p_bytes = _unique_bytes(params, seen)
+    g_bytes = _unique_bytes((p.grad for p in params if p.grad is not None), seen)
+    o_bytes = 0
+    if optimizer is not None:
+        states = (v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        o_bytes = _unique_bytes(states, seen)
+    return MemoryBreakdown(p_bytes, g_bytes, o_bytes)
+
+
+OPTIM_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # state tensors per parameter (sgd: momentum buffer)
+
+
+def estimate_model_state(module: nn.Module, optimizer: str, *, shard: int = 1) -> MemoryBreakdown:
+    """Model state before training has made it: gradients as large as the parameters, and ``optimizer``'s
+    per-parameter state tensors (AdamW 2, SGD with momentum 1), divided over ``shard`` ranks."""
+    seen: set[int] = set()
+    p_bytes = _unique_bytes(module.parameters(), seen)
+    trainable = _unique_bytes((p for p in module.parameters() if p.requires_grad), set())
+    k = OPTIM_STATES.get(optimizer, 2)
+    return MemoryBreakdown(math.ceil(p_bytes / shard), math.ceil(trainable / shard),
+                           math.ceil(k * trainable / shard))
+
+
+# ---------------------------------------------------------------------------------------------- peaks
+
+
+def peak_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on a GPU, peak resident set size on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes, Linux KiB
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a new CUDA peak (a CPU's peak RSS is a high-water mark for the process's life: it cannot)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_capacity_bytes(device: torch.device, ranks_on_host: int = 1) -> int:
+    """What one rank may use: the GPU's memory, or on a CPU the host's RAM divided by the ranks sharing it."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(ram // max(ranks_on_host, 1))
+
+
+# ---------------------------------------------------------------------------------------------- activations
+
+
+class LiveBytes(TorchDispatchMode):
+    """Watches every storage an op allocates under this mode: ``current`` live bytes and their ``peak``.
+
+    Storages that existed before (parameters, inputs: pass them as ``existing``) are not counted; a storage is
+    counted from the op that first returns it until Python frees it (a weakref finalizer).
+    """
+
+    def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self._skip = {_storage_key(t) for t in existing}
+        self._live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key in self._skip or key in self._live:
+                    continue
+                self._live[key] = storage.nbytes()
+                self.current += storage.nbytes()
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self._free, key)
+        return out
+
+
+def default_loss(output: torch.Tensor) -> torch.Tensor:
+    """The memory a cross-entropy loss holds (scaletrain's default loss), against class 0."""
+    logits = output.reshape(-1, output.shape[-1])
+    return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
+
+
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16, "fp16-mixed": torch.float16,
+             "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    activations_bytes: int  # live after forward and loss: what backward will consume
+    peak_bytes: int  # most bytes live at once over forward and backward (gradients included)
+
+
+def measure_step(model: nn.Module, inputs: torch.Tensor, *, precision: str = "fp32",
+                 loss_fn: Callable[[torch.Tensor], torch.Tensor] = default_loss,
+                 backward: bool = False) -> StepMemory:
+    """One forward (and, with ``backward``, a backward) of ``model`` on ``inputs``, measured by LiveBytes.
+
+    The model's gradients, RNG and buffers are left as they were, so measuring does not change training.
+    """
+    existing = [*model.parameters(), *model.buffers(), inputs]
+    buffers = [b.detach().clone() for b in model.buffers()]
+    grads = [p.grad for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None  # a measured backward must not add into the training's gradients
+    dtype = _AUTOCAST.get(precision)
+    devices = [inputs.device] if inputs.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        tracker = LiveBytes(existing)
+        with tracker:
+            with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype is not None):
+                loss = loss_fn(model(inputs))
+            retained = tracker.current
+            if backward:
+                loss.backward()
+        del loss
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    with torch.no_grad():
+        for b, saved in zip(model.buffers(), buffers):
+            b.copy_(saved)
+    return StepMemory(retained, tracker.peak)
+
+
+def estimate_activation_bytes(model: nn.Module, sample: torch.Tensor, batch_size: int, *,
+                              precision: str = "fp32",
+                              loss_fn: Callable[[torch.Tensor], torch.Tensor] = default_loss) -> int:
+    """Activation bytes of one micro-batch of ``batch_size`` copies of ``sample`` (one input, no batch dim).
+
+    Measured (measure_step) at batch 1 and 2; activations are a + b x batch (a: what does not grow with the
+    batch, e.g. weights cast to bf16 and kept for backward), so the two points give the estimate at any batch
+    without running it. Run it on the real device: attention kernels there decide what is kept.
+    """
+    one, two = (measure_step(model, sample.unsqueeze(0).expand(b, *sample.shape).contiguous(),
+                             precision=precision, loss_fn=loss_fn).activations_bytes for b in (1, 2))
+    per_sample = two - one
+    return max(one + per_sample * (batch_size - 1), 0)
+
+
+# ---------------------------------------------------------------------------------------------- decisions
+
+
+def choose_strategy(replica: MemoryBreakdown, capacity_bytes: int, *, world_size: int, nnodes: int = 1,
+                    margin: float = 0.2) -> tuple[str, str]:
+    """ddp | fsdp | hsdp for ``--parallel.strategy=auto``, and a one-line reason with the numbers.
+
+    ``replica``: one rank's memory without sharding (model state of the whole model, one micro-batch of
+    activations). DDP when it fits in (1 - margin) x capacity; the margin leaves room for the allocator's
+    fragmentation, the CUDA context, communication buffers and temporaries. Else shard the model state:
+    HSDP (within each machine) when that fits and there are several machines, else FSDP over all ranks.
+    """
+    usable = int(capacity_bytes * (1 - margin))
+    budget = f"{1 - margin:.0%} of {fmt_bytes(capacity_bytes)}"
+    fits = replica.total_bytes <= usable
+    if world_size == 1:
+        verdict = "fits in" if fits else "does NOT fit in"
+        return "ddp", (f"auto -> ddp: one rank, nothing to shard across; {replica.describe()} {verdict} "
+                       f"{budget}")
+    if fits:
+        return "ddp", f"auto -> ddp: a full replica ({replica.describe()}) fits in {budget}"
+    state, act = replica.model_state_bytes, replica.activations_bytes
+    head = f"a full replica ({replica.describe()}) exceeds {budget}"
+    per_node = world_size // max(nnodes, 1)
+    if nnodes > 1 and per_node > 1 and state / per_node + act <= usable:
+        need = state / per_node + act
+        return "hsdp", (f"auto -> hsdp: {head}; model state sharded over the {per_node} ranks of a machine: "
+                        f"{fmt_bytes(state)} / {per_node} + activations {fmt_bytes(act)} = {fmt_bytes(need)}")
+    need = state / world_size + act
+    still = "" if need <= usable else f" -- still over {budget}: see the out-of-memory advice"
+    return "fsdp", (f"auto -> fsdp: {head}; model state sharded over {world_size} ranks: {fmt_bytes(state)} "
+                    f"/ {world_size} + activations {fmt_bytes(act)} = {fmt_bytes(need)}{still}")
+
+
+def oom_advice(breakdown: MemoryBreakdown, *, capacity_bytes: int, strategy: str, world_size: int,
+               batch_size: int, accum_steps: int, activation_checkpointing: str = "none",
+               precision: str = "fp32", margin: float = 0.1) -> str:
+    """What to change when a rank ran out of memory: the breakdown, then fixes with their flags and numbers,
+    the largest saving first."""
+    usable = capacity_bytes * (1 - margin)
+    state, act = breakdown.model_state_bytes, breakdown.activations_bytes
+    fixes: list[tuple[float, str]] = []  # (bytes saved, line)
+    if act > 0 and activation_checkpointing != "full":
+        # 0.8: a sort key only; full checkpointing kept 7% of the GPT's activations in
+        # tests/unit/test_memory_checkpointing.py.
+        text = ("--memory.activation_checkpointing=full: each block keeps only its input and recomputes the "
+                f"rest in backward (activations {fmt_bytes(act)} shrink to about one block's; ~33% more "
+                "compute)")
+        fixes.append((0.8 * act, text))
+    if act > 0 and batch_size > 1:
+        fits = [k for k in (2, 4, 8, 16, 32, 64) if batch_size % k == 0 and state + act / k <= usable]
+        k = fits[0] if fits else (2 if batch_size % 2 == 0 else batch_size)
+        total = batch_size * world_size * accum_steps
+        text = (f"--data.batch_size={batch_size // k} --train.accum_steps={accum_steps * k}: the same global "
+                f"batch {total}, activations {fmt_bytes(act)} -> {fmt_bytes(act / k)}")
+        fixes.append((act - act / k, text))
+    if strategy == "ddp" and world_size > 1:
+        text = (f"--parallel.strategy=fsdp: model state {fmt_bytes(state)} -> "
+                f"{fmt_bytes(state / world_size)} per rank, sharded over {world_size} ranks")
+        fixes.append((state - state / world_size, text))
+    if strategy in ("fsdp", "hsdp") and state > 0:
+        text = ("--memory.cpu_offload=true: sharded parameters, gradients and optimizer state in host memory "
+                f"({fmt_bytes(state)} off the device; the optimizer step runs on the CPU)")
+        fixes.append((state, text))
+    if precision == "fp32" and act > 0:
+        text = (f"--train.precision={BF16_MIXED}: activations in bf16, about half ({fmt_bytes(act)} -> "
+                f"{fmt_bytes(act / 2)})")
+        fixes.append((act / 2, text))
+    if not fixes:
+        fixes.append((0.0, "a smaller model, or more devices to shard over"))
+    lines = [f"memory per rank: {breakdown.describe()}; device {fmt_bytes(capacity_bytes)}",
+             "fixes, the largest saving first:"]
+    return "\n".join(lines + [f"  - {text}" for _, text in sorted(fixes, key=lambda f: -f[0])])

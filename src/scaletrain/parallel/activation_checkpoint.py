@@ -1,0 +1,85 @@
+"""Activation checkpointing per block: keep less from forward, recompute it in backward.
+
+- ``full``: each block keeps only its input; its forward runs again during backward (about one extra forward,
+  ~33% more compute, for activation memory of one block plus the block inputs).
+- ``selective``: torchtitan's op-level selective checkpointing. Inside each block, the outputs of attention
+  (SDPA) and of every other matrix multiply are saved; everything else -- the other half of the matmuls,
+  layer norms, GELU, residual adds, dropout -- is recomputed in backward. Saving attention avoids its
+  quadratic recompute, and pointwise ops are cheap to redo but their outputs (e.g. the 4C-wide MLP input to
+  GELU) are a large share of activation memory. It is the middle point between none and full in both memory
+  and compute, and the default that torchtitan ships (``activation_checkpoint.mode = "selective"``,
+  ``selective_ac_option = "op"``).
+
+The blocks are the same units as FSDP's (a ``blocks`` ModuleList, else the parameter-holding children).
+Checkpointing wraps each block's ``forward`` in place with ``torch.utils.checkpoint.checkpoint``
+(non-reentrant), so module names and state_dict keys do not change and FSDP/compile see the same modules.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from scaletrain.parallel.fsdp import fsdp_units
+
+log = logging.getLogger(__name__)
+
+AC_MODES = ("none", "full", "selective")
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm.default, _aten.addmm.default}
+# Ops whose outputs selective checkpointing saves (every other matmul among them, see _policy).
+_SAVE = _MATMULS | {
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_context() -> tuple[Any, Any]:
+    """A fresh pair of contexts per checkpointed call; counts matmuls separately in forward and recompute so
+    both passes agree on which outputs were saved."""
+    counts: dict[str, int] = defaultdict(int)
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        key = "recompute" if ctx.is_recompute else "forward"
+        if func in _MATMULS:
+            counts[key] += 1
+            if counts[key] % 2 == 0:  # every second matmul is recomputed
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpointed(forward: Callable[..., Any], selective: bool) -> Callable[..., Any]:
+    extra = {"context_fn": _selective_context} if selective else {}
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+    return run
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Checkpoint every block of ``model`` in place: none | full | selective (see the module docstring)."""
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r}: expected one of {AC_MODES}")
+    if mode == "none":
+        return
+    blocks = fsdp_units(model)
+    if not blocks:  # a model without blocks: checkpoint it whole (keeps only its input)
+        blocks = [model]
+    for block in blocks:
+        # An instance attribute: __call__, and the FSDP and compile hooks around it, stay the module's own.
+        block.forward = _checkpointed(block.forward, mode == "selective")  # type: ignore[method-assign]
+    log.info("activation checkpointing: %s, %d blocks", mode, len(blocks))

@@ -1,0 +1,93 @@
+"""FSDP2: ``torch.distributed.fsdp.fully_shard`` per unit and at the root, with mixed precision and offload.
+
+Units (which submodules get their own ``fully_shard``, hence their own all-gather and reduce-scatter):
+
+1. a model's ``blocks`` ModuleList (the GPT's transformer blocks, or any user model that names its
+   repeated layers so): one unit per block;
+2. otherwise the model's direct children that hold parameters (the CNN's ``features`` and ``head`` stages),
+   except children that share a parameter with another child (tied weights stay with the root, since one
+   parameter can belong to one unit only), and except a lone child (it would be the root again).
+
+Whatever no unit holds (the GPT's embeddings, final norm and tied head) belongs to the root's unit. Units are
+sharded bottom-up, as fully_shard requires, so each unit's parameters are gathered just before it runs and
+freed after it (reshard_after_forward), which is what bounds the unsharded memory to about one unit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+log = logging.getLogger(__name__)
+
+# The trainer's precision names (and the short forms used before the "-mixed" names): compute dtype.
+_COMPUTE_DTYPE = {"fp32": None, "bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16,
+                  "fp16-mixed": torch.float16, "fp16": torch.float16}
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """fp32 | bf16-mixed | fp16-mixed -> FSDP2's policy.
+
+    Parameters are cast to the compute dtype for forward/backward (the sharded fp32 master copy is what the
+    optimizer updates); gradients are reduce-scattered in fp32, as torchtitan does, so summing over many ranks
+    loses no precision. (apply_fsdp also casts the root's output to fp32, so the loss sees fp32 logits.)
+    """
+    if precision not in _COMPUTE_DTYPE:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {sorted(_COMPUTE_DTYPE)}")
+    dtype = _COMPUTE_DTYPE[precision]
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules that become their own FSDP units, by the convention in this module's docstring."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    children = [c for c in model.children() if any(True for _ in c.parameters())]
+    if len(children) < 2:
+        return []
+    owners = Counter(id(p) for c in children for p in c.parameters())  # a tied parameter counts twice
+    return [c for c in children if all(owners[id(p)] == 1 for p in c.parameters())]
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
+               cpu_offload: bool = False) -> nn.Module:
+    """Shard ``model`` in place over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns it.
+
+    The root keeps its parameters gathered after forward (fully_shard's default for the root): backward
+    needs them first. With ``cpu_offload`` the sharded parameters, gradients and optimizer state live in host
+    memory and the optimizer step runs on the CPU (pinned only where there is an accelerator to copy to).
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
+    units = fsdp_units(model)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward)
+    root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                   output_dtype=torch.float32 if param_dtype is not None else None)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload)
+    dims = "x".join(str(s) for s in mesh.shape)
+    log.info("FSDP2: %d units + root on mesh %s (%s), params %s, reduce %s, reshard_after_forward=%s%s",
+             len(units), dims, "HSDP" if mesh.ndim == 2 else "FSDP", param_dtype or "fp32",
+             reduce_dtype or "fp32", reshard_after_forward, ", CPU offload" if cpu_offload else "")
+    return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """True when ``model`` was sharded by fully_shard (its forward casts for mixed precision by itself)."""
+    return isinstance(model, FSDPModule)

@@ -1,0 +1,56 @@
+"""Strategy names map onto (dp_replicate, dp_shard) degrees in one place; wrong ones are one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.config import load
+from scaletrain.errors import ConfigError
+from scaletrain.parallel import resolve_degrees
+
+
+@pytest.mark.parametrize(("strategy", "replicate", "shard", "world", "nnodes", "want"), [
+    ("ddp", 0, 0, 8, 1, (8, 1)),
+    ("fsdp", 0, 0, 8, 1, (1, 8)),
+    ("hsdp", 0, 0, 16, 2, (2, 8)),  # replicate across the 2 machines, shard within each
+    ("hsdp", 2, -1, 4, 1, (2, 2)),  # two "machines" on one: the CPU test of HSDP
+    ("hsdp", -1, 2, 8, 1, (4, 2)),
+    ("fsdp", 1, -1, 4, 1, (1, 4)),
+    ("ddp", -1, 1, 3, 1, (3, 1)),
+    ("fsdp", 0, 0, 1, 1, (1, 1)),  # FSDP on one GPU: a 1-rank mesh
+])
+def test_presets_and_explicit_degrees(strategy, replicate, shard, world, nnodes, want):
+    assert resolve_degrees(strategy, replicate, shard, world, nnodes) == want
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("hsdp", 2, 3, 8, 1), ["2 x 3 = 6 != 8", "parallel.dp_shard"]),  # the arithmetic, shown
+    (("hsdp", 3, -1, 8, 1), ["world size 8 is not a multiple of parallel.dp_replicate = 3",
+                             "parallel.dp_shard = -1"]),
+    (("hsdp", -1, -1, 8, 1), ["at most one degree of -1"]),
+    (("ddp", 0, 2, 8, 1), ["parallel.dp_shard = 2", "--parallel.strategy=fsdp"]),
+    (("fsdp", 2, 0, 8, 1), ["parallel.dp_replicate = 2", "--parallel.strategy=hsdp"]),
+    (("hsdp", 0, 0, 9, 2), ["same number of ranks on each of the 2 machines"]),
+    (("hsdp", 8, 1, 8, 1), ["parallel.dp_shard = 1", "--parallel.strategy=ddp"]),
+    (("fsdp", 0, -2, 8, 1), ["parallel.dp_shard = -2", "-1 (the remaining ranks)"]),
+])
+def test_wrong_degrees_are_one_line_errors(args, words):
+    with pytest.raises(ConfigError) as err:
+        resolve_degrees(*args)
+    message = str(err.value)
+    assert "\n" not in message and "fix:" in message
+    for word in words:
+        assert word in message, message
+
+
+def test_config_checks_degrees_and_names_the_sections():
+    cfg = load(None, {"parallel.strategy": "hsdp", "parallel.dp_replicate": 2, "parallel.dp_shard": -1,
+                      "memory.activation_checkpointing": "selective"})
+    assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard) == (2, -1)
+    assert cfg.memory.activation_checkpointing == "selective" and not cfg.memory.cpu_offload
+    with pytest.raises(ConfigError, match="at most one degree of -1"):
+        load(None, {"parallel.dp_replicate": -1, "parallel.dp_shard": -1})
+    with pytest.raises(ConfigError, match="memory.activation_checkpointing"):
+        load(None, {"memory.activation_checkpointing": "some"})
+    with pytest.raises(ConfigError, match="parallel.strategy"):
+        load(None, {"parallel.strategy": "zero3"})
