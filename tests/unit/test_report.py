@@ -237,7 +237,7 @@ def test_default_out_is_inside_the_first_run(real_run: Path, tmp_path: Path) -> 
 @pytest.mark.parametrize(("content", "message"), [
     ('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "lo', "line 2: not valid JSON"),
     ('[1, 2]\n', "line 1: a JSON list, not an object"),
-    ('{"kind": "weird", "step": 1}\n', "line 1: kind is 'weird'"),
+    ('{"kind": 3, "step": 1}\n', "line 1: kind is 3, expected a string"),
     ('{"kind": "train", "loss": 2.0}\n', "line 1: a train record without an integer 'step'"),
     ('{"kind": "train", "step": 1, "loss": "high"}\n', "line 1: loss is 'high', not a number"),
     ('{"kind": "train", "step": 1, "phase_s": {"data": [0.1, 0.2], "step": [0.3]}}\n',
@@ -250,6 +250,13 @@ def test_malformed_metrics_name_the_line(tmp_path: Path, content: str, message: 
         load_run(tmp_path)
     text = str(err.value)
     assert "\n" not in text and str(tmp_path / "metrics.jsonl") in text and "; fix: " in text
+
+
+def test_a_kind_added_later_is_skipped(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 2, "loss": 1.5, "lr": 0.1}\n'
+                                            '{"kind": "profile", "trace": "t.json"}\n')
+    run = load_run(tmp_path)
+    assert [r["step"] for r in run.train] == [2] and run.other == [{"kind": "profile", "trace": "t.json"}]
 
 
 def test_missing_and_wrong_paths(tmp_path: Path) -> None:

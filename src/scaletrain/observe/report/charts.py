@@ -281,8 +281,10 @@ def straggler_chart(runs: list[Run]) -> Chart:
         ax.set_xticks(ticks, [str(steps[t]) for t in ticks])
         ax.set_yticks(m["ranks"], [f"rank {k}" for k in m["ranks"]])
         ax.grid(False)
-        for step, rank in m["flagged"]:
-            ax.scatter([steps.index(step)], [rank], marker="x", color="black", s=30)
+        column = {step: j for j, step in enumerate(steps)}
+        if m["flagged"]:
+            ax.scatter([column[s] for s, _ in m["flagged"]], [r for _, r in m["flagged"]], marker="x",
+                       color="black", s=30)
         ax.set_title(f"{name}: {m['phase']} vs median of ranks (slowest on average: rank {m['slowest_rank']})",
                      fontsize="medium")
         ax.set_xlabel("optimizer step (end of log interval)")
