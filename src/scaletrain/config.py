@@ -234,6 +234,8 @@ class TrainConfig:
     """Eval batches per rank per evaluation (0 = the whole held-out split)."""
     progress: bool = True
     """Show a progress bar on rank 0 when the console is a terminal."""
+    nonfinite: Literal["raise", "skip"] = "raise"
+    """A non-finite loss or gradient on any rank: raise (stop, naming rank and step) or skip the step and count it."""
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "train.epochs", self.epochs, "an integer >= 1", "--train.epochs=10")
@@ -250,9 +252,92 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many optimizer steps, and at the end (0 = only when preempted)."""
+    keep: int = 3
+    """Complete checkpoints kept; older ones are deleted once a newer one is committed (0 = keep all)."""
+    resume: str = "auto"
+    """auto (the latest complete checkpoint in the run directory, if any), never, or the path of a checkpoint."""
+    async_save: bool = True
+    """Write checkpoints on a background thread; the loop is blocked only while the state is copied."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "checkpoint.every", self.every, "an integer >= 0 (0 = off)",
+               "--checkpoint.every=500")
+        _check(self.keep >= 0, "checkpoint.keep", self.keep, "an integer >= 0 (0 = keep all)", "--checkpoint.keep=3")
+        _check(bool(self.resume.strip()), "checkpoint.resume", self.resume, "auto, never or a checkpoint path",
+               "--checkpoint.resume=auto")
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """Fault injection, off by default: rehearse failures on purpose. Kills and hangs fire on a job's first
+    attempt only (torchrun's TORCHELASTIC_RESTART_COUNT = 0), so a restarted job gets past them."""
+
+    kill_rank: int = -1
+    """SIGKILL this rank at the start of step kill_step (-1 = off)."""
+    kill_step: int = 0
+    """The step (1-based optimizer step) at whose start kill_rank dies."""
+    nan_rank: int = -1
+    """Make this rank's loss NaN at step nan_step (-1 = off)."""
+    nan_step: int = 0
+    """The step whose loss becomes NaN on nan_rank."""
+    hang_rank: int = -1
+    """Hang this rank (sleep hang_s) at the start of step hang_step (-1 = off)."""
+    hang_step: int = 0
+    """The step at whose start hang_rank hangs."""
+    hang_s: float = 3600.0
+    """Seconds hang_rank sleeps."""
+    delay_rank: int = -1
+    """Slow this rank down by delay_ms on every step, in delay_phase (-1 = off)."""
+    delay_phase: Literal["data", "compute"] = "data"
+    """Where the delay goes: data (before the batch arrives) or compute (between forward and backward)."""
+    delay_ms: float = 0.0
+    """Milliseconds of delay per step on delay_rank."""
+    interrupt_step: int = 0
+    """Act as if preempted at the end of this step: save a checkpoint and exit 0 (0 = off)."""
+
+    def __post_init__(self) -> None:
+        for key in ("kill", "nan", "hang", "delay"):
+            rank = getattr(self, f"{key}_rank")
+            _check(rank >= -1, f"chaos.{key}_rank", rank, "a rank >= 0, or -1 for off", f"--chaos.{key}_rank=1")
+        for key in ("kill_step", "nan_step", "hang_step", "interrupt_step"):
+            value = getattr(self, key)
+            _check(value >= 0, f"chaos.{key}", value, "a step >= 0", f"--chaos.{key}=10")
+        _check(self.hang_s >= 0, "chaos.hang_s", self.hang_s, "seconds >= 0", "--chaos.hang_s=60")
+        _check(self.delay_ms >= 0, "chaos.delay_ms", self.delay_ms, "milliseconds >= 0", "--chaos.delay_ms=30")
+
+
+RESTORABLE = ("weights", "optimizer", "rng", "data", "scheduler")
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    trace: bool = False
+    """Write per-step fingerprints (weights, optimizer, RNG, data, LR) to RUN_DIR/trace/ (a host sync and hashing every step; used by verify-resume)."""
+    skip_restore: str = ""
+    """Parts of a checkpoint NOT to restore on resume, comma-separated (weights, optimizer, rng, data, scheduler): shows what each part is for."""
+
+    def __post_init__(self) -> None:
+        for part in self.skipped():
+            _check(part in RESTORABLE, "debug.skip_restore", self.skip_restore,
+                   f"a comma-separated subset of {', '.join(RESTORABLE)}", "--debug.skip_restore=rng")
+
+    def skipped(self) -> set[str]:
+        return {p.strip() for p in self.skip_restore.split(",") if p.strip()}
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
-    strategy: Literal["ddp"] = "ddp"
-    """Data-parallel strategy across ranks: ddp (full replicas, gradients all-reduced during backward)."""
+    strategy: Literal["ddp", "fsdp", "hsdp", "auto"] = "ddp"
+    """Data parallelism: ddp (full replicas), fsdp (shard params/grads/optimizer over all ranks), hsdp (shard within a machine, replicate across machines), auto (ddp if it fits the device, else fsdp/hsdp)."""
+    dp_replicate: int = 0
+    """Ranks holding replicas of each shard, the mesh's dp_replicate degree (0 = from strategy, -1 = the remaining ranks)."""
+    dp_shard: int = 0
+    """Ranks each replica is sharded over, the mesh's dp_shard degree (0 = from strategy, -1 = the remaining ranks)."""
+    reshard_after_forward: bool = True
+    """fsdp/hsdp: free gathered parameters after each block's forward and gather again in backward (less memory, more communication)."""
     bucket_mb: float = 25.0
     """ddp: gradient bucket size in MB; smaller buckets start communication earlier in backward."""
     find_unused: bool = False
@@ -260,6 +345,21 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check(self.bucket_mb > 0, "parallel.bucket_mb", self.bucket_mb, "a number > 0", "--parallel.bucket_mb=25")
+        for key in ("dp_replicate", "dp_shard"):
+            value = getattr(self, key)
+            _check(value >= -1, f"parallel.{key}", value, "a degree >= 1, -1 (the remaining ranks) or 0 (from "
+                   "parallel.strategy)", f"--parallel.{key}=-1")
+        _check(not (self.dp_replicate == -1 and self.dp_shard == -1), "parallel.dp_shard", -1,
+               "at most one degree of -1 (the remaining ranks), since parallel.dp_replicate is -1 too",
+               "give one as a number, e.g. --parallel.dp_replicate=2 --parallel.dp_shard=-1")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Per block: none, full (keep block inputs, recompute the rest in backward) or selective (keep attention and every other matmul output)."""
+    cpu_offload: bool = False
+    """fsdp/hsdp: keep sharded parameters, gradients and optimizer state in host memory; the optimizer step runs on the CPU."""
 
 
 @dataclass(frozen=True)
@@ -271,7 +371,11 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -279,9 +383,20 @@ class Config:
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
 
+    def trajectory(self) -> dict[str, dict[str, Any]]:
+        """The settings that decide what is computed: everything but where the run happens and writes
+        (run.name, run.dir, dist), how it is shown (train.progress), how it is saved, and fault injection."""
+        tree = self.to_dict()
+        for section in ("dist", "checkpoint", "chaos", "debug"):
+            tree.pop(section, None)
+        tree["run"] = {k: v for k, v in tree["run"].items() if k not in ("name", "dir")}
+        tree["train"] = {k: v for k, v in tree["train"].items() if k != "progress"}
+        return tree
+
     def digest(self) -> str:
-        """SHA-256 of the resolved config (first 16 hex digits): names a configuration in checkpoints and reports."""
-        return hashlib.sha256(self.to_toml().encode()).hexdigest()[:16]
+        """SHA-256 (first 16 hex digits) of trajectory(): the same digest means the same training computation,
+        wherever it runs; it names a configuration in checkpoints and reports."""
+        return hashlib.sha256(tomli_w.dumps(self.trajectory()).encode()).hexdigest()[:16]
 
     @property
     def run_dir(self) -> Path:

@@ -36,3 +36,11 @@ class DataError(UserError):
     def __init__(self, path: Any, problem: str, fix: str) -> None:
         super().__init__(f"{path}: {problem}; fix: {fix}")
         self.path = path
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used: missing, damaged, tampered with, or for another model."""
+
+    def __init__(self, path: Any, problem: str, fix: str) -> None:
+        super().__init__(f"checkpoint {path}: {problem}; fix: {fix}")
+        self.path, self.problem = path, problem

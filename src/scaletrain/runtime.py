@@ -9,6 +9,8 @@ from __future__ import annotations
 import gc
 import os
 import random
+import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -85,7 +87,52 @@ def init(cfg: DistConfig) -> Runtime:
         owns = True
     elif not under_launcher():
         backend = "none"
-    return Runtime(rank, local_rank, world, local_world, device, backend, owns)
+    rt = Runtime(rank, local_rank, world, local_world, device, backend, owns)
+    _announce(rt)
+    return rt
+
+
+def _store() -> dist.Store | None:
+    """The process group's key-value store (torchrun's agent store), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def _attempt() -> str:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _announce(rt: Runtime) -> None:
+    """Record this rank's host in the store once, so that a failure can name where a missing rank runs."""
+    store = _store() if rt.distributed else None
+    if store is not None:
+        store.set(f"scaletrain/{_attempt()}/host/{rt.rank}", socket.gethostname())
+
+
+def missing_peers(rt: Runtime, step: int, wait_s: float = 2.0) -> list[tuple[int, str]]:
+    """After a collective failed: the ranks that did not also report the failure within wait_s, as
+    (rank, host). Every surviving rank calls this at its failure, so the ranks that never answer are the
+    hung or dead ones. Costs nothing until a failure."""
+    store = _store() if rt.distributed else None
+    if store is None:
+        return []
+    prefix = f"scaletrain/{_attempt()}"
+    try:
+        store.set(f"{prefix}/failed/{rt.rank}", str(step))
+        deadline = time.monotonic() + wait_s
+        missing = list(range(rt.world_size))
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"{prefix}/failed/{r}"])]
+            time.sleep(0.1)
+        hosts = []
+        for r in missing:
+            key = f"{prefix}/host/{r}"
+            hosts.append((r, store.get(key).decode() if store.check([key]) else "?"))
+        return hosts
+    except (RuntimeError, dist.DistError):  # the store itself is gone (the agent died): nothing to name
+        return []
 
 
 def close(rt: Runtime) -> None:

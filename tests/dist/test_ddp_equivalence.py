@@ -77,15 +77,19 @@ def _count_collectives(rank: int, world: int) -> dict:
     splits.eval = None
     job = build_job(cfg, rt, splits)
     calls = []
-    real = dist.all_reduce
-    dist.all_reduce = lambda t, *a, **k: (calls.append(job.step), real(t, *a, **k))[1]
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast", "all_gather_object")}
+    for name, fn in real.items():
+        setattr(dist, name, lambda *a, _fn=fn, _name=name, **k: (calls.append((_name, job.step)), _fn(*a, **k))[1])
     try:
         Loop(job, Console(False), MetricsWriter(None)).run()
     finally:
-        dist.all_reduce = real
+        for name, fn in real.items():
+            setattr(dist, name, fn)
     return {"calls": calls}
 
 
 def test_the_loss_is_reduced_at_log_steps_only():
+    """Besides DDP's gradient all-reduce (inside backward), the loop's only collective is one all_gather
+    per log interval: loss, non-finite counters and the preemption flag travel together."""
     ranks = run_ranks(_count_collectives, 2)
-    assert ranks[0]["calls"] == ranks[1]["calls"] == [4, 8, 12]
+    assert ranks[0]["calls"] == ranks[1]["calls"] == [("all_gather", 4), ("all_gather", 8), ("all_gather", 12)]

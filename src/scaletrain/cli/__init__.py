@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-from scaletrain.cli import bench, doctor, launch, report, train
+from scaletrain.cli import bench, checkpoint, doctor, launch, report, train, verify_resume
 from scaletrain.cli.options import Parser
 from scaletrain.errors import EXIT_FAILURE, EXIT_USAGE, UserError
 
-COMMANDS = {"train": train, "launch": launch, "report": report, "bench": bench, "doctor": doctor}
+COMMANDS = {"train": train, "launch": launch, "verify-resume": verify_resume, "checkpoint": checkpoint,
+            "report": report, "bench": bench, "doctor": doctor}
 
 
 def build_parser() -> Parser:

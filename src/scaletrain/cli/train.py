@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from scaletrain.cli.options import add_config_options, check_types, config_overrides
@@ -59,5 +61,28 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         return 0
     preflight(cfg, cfg.dist.nproc * cfg.dist.nnodes)
     # Chosen once here so all workers write where this process said; the last --run.dir wins in their argv.
-    worker_argv = [*argv[argv.index("train"):], f"--run.dir={choose_run_dir(cfg).run.dir}"]
-    return launch(cfg.dist, ["scaletrain", *worker_argv], module=True, run_id=f"scaletrain-{cfg.run.name}")
+    run_dir = choose_run_dir(cfg).run_dir
+    worker_argv = [*argv[argv.index("train"):], f"--run.dir={run_dir}"]
+    code = launch(cfg.dist, ["scaletrain", *worker_argv], module=True, run_id=f"scaletrain-{cfg.run.name}",
+                  report_signal=False)
+    if code <= 128:
+        return code
+    stop = _stopped_record(run_dir)
+    if stop and stop.get("checkpoint"):
+        # The launcher was signalled too, but the workers saved before stopping: the work is safe.
+        print(f"scaletrain: preempted ({stop['reason']}) at step {stop['step']}; checkpoint {stop['checkpoint']} "
+              "saved; run the same command again to resume", file=sys.stderr)
+        return 0
+    print(f"scaletrain: stopped by signal {code - 128} before the workers could save; the workers were stopped "
+          "too", file=sys.stderr)
+    return code
+
+
+def _stopped_record(run_dir: Path) -> dict[str, Any] | None:
+    """The run's last metrics record if it says the workers stopped after saving a checkpoint."""
+    try:
+        last = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").strip().splitlines()[-1]
+        record = json.loads(last)
+    except (OSError, IndexError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and record.get("kind") == "stopped" else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -72,7 +73,8 @@ def _quiet_agent_logs() -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: str = "scaletrain") -> int:
+def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: str = "scaletrain",
+           report_signal: bool = True) -> int:
     """Start cfg.nproc workers on this machine and wait for them; returns the job's exit code.
 
     On one machine everything stays on loopback: the rendezvous store, MASTER_ADDR, and Gloo's sockets
@@ -92,6 +94,7 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     parsed = torchrun.get_args_parser().parse_args(torchrun_args(cfg, target, module=module, run_id=run_id))
     # Set, not parsed: torchrun's parser would read the script's own --options (abbreviations included).
     parsed.training_script_args = target[1:]
+    previous = signal.signal(signal.SIGUSR1, _forward_to_workers)
     try:
         torchrun.run(parsed)
     except ChildFailedError as err:
@@ -108,6 +111,36 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
               "same command", file=sys.stderr)
         return 1
     except SignalException as err:
-        print(f"scaletrain: stopped by {err.sigval.name}; the workers were stopped too", file=sys.stderr)
+        if report_signal:
+            print(f"scaletrain: stopped by {err.sigval.name}; the workers were stopped too", file=sys.stderr)
         return 128 + int(err.sigval)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
     return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (Linux /proc; elsewhere none)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
+    return found
+
+
+def _forward_to_workers(signum: int, frame: object) -> None:
+    """Slurm's --signal=USR1@T reaches every process of the step, but a user's `kill -USR1` reaches only this
+    one, whose default action would end the agent and orphan the workers: pass it on to them instead. The
+    workers treat it as preemption (save, exit 0)."""
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)

@@ -75,11 +75,17 @@ class ShardedLoader:
         self.steps_per_epoch = size // self.step_samples
         assert self.steps_per_epoch >= 1, "validated by the trainer before building the loader"
         self.micro_samples = batch_size * world
+        self.seed = seed
         self.sampler = ShardedSampler(size, rank=rank, world=world, seed=seed, shuffle=shuffle,
                                       usable=self.steps_per_epoch * self.step_samples)
+        # The loader's own generator: starting an epoch's iterator draws worker seeds from it, never from the
+        # global RNG, so resuming mid-epoch (a new iterator) leaves dropout and everything else unchanged.
+        self.generator = torch.Generator()
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True,
                                  num_workers=num_workers, pin_memory=pin_memory,
-                                 persistent_workers=num_workers > 0)
+                                 persistent_workers=num_workers > 0, generator=self.generator)
+        self.track_indices = False  # set to make last_indices available (verify-resume's traces)
+        self.last_indices: list[int] = []
 
     @property
     def epoch(self) -> int:
@@ -87,13 +93,18 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         """Micro-batches forever; the cursor counts a batch as consumed once it is handed out."""
+        s = self.sampler
         while True:
+            self.generator.manual_seed(self.seed * 1_000_003 + s.epoch)
+            perm = epoch_permutation(s.size, s.seed, s.epoch, s.shuffle) if self.track_indices else None
             for batch in self.loader:
-                self.sampler.cursor += self.micro_samples
+                if perm is not None:
+                    self.last_indices = perm[s.cursor + s.rank : s.cursor + self.micro_samples : s.world].tolist()
+                s.cursor += self.micro_samples
                 yield batch
-            self.sampler.epoch += 1
-            self.sampler.cursor = 0
-            self.sampler.end = self.sampler.usable
+            s.epoch += 1
+            s.cursor = 0
+            s.end = s.usable
 
     def state_dict(self) -> dict[str, int]:
         s = self.sampler

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import resource
-import sys
 from pathlib import Path
 from typing import Any
 
-import torch
+from scaletrain.observe.memory import peak_bytes as peak_memory_bytes  # noqa: F401  (moved; the old name stays)
 
 
 class MetricsWriter:
     """Appends one JSON object per line. Written at log and eval steps only, never every step."""
 
-    def __init__(self, path: Path | None) -> None:
-        self._file = open(path, "w", encoding="utf-8") if path is not None else None  # noqa: SIM115
+    def __init__(self, path: Path | None, *, append: bool = False) -> None:
+        mode = "a" if append else "w"
+        self._file = open(path, mode, encoding="utf-8") if path is not None else None  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -26,14 +25,6 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA allocator peak on a GPU, peak resident set size on a CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes, Linux KiB
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -1,8 +1,15 @@
-"""How samples map onto steps: per-rank batch x world x accumulation, checked once."""
+"""How samples map onto steps: per-rank batch x world x accumulation, checked once.
+
+A run resumed at another world size keeps the checkpoint's global batch when it can, by changing the
+accumulation (2 ranks x 32 -> 1 rank x 32 x 2 accumulation), and says so; when it cannot (the old global batch
+is not a multiple of the new batch_size x world), the change is stated, and the linear scaling rule, if on,
+follows it. Never silently.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from scaletrain.config import Config
 from scaletrain.errors import ConfigError
@@ -17,6 +24,7 @@ class BatchPlan:
     steps_per_epoch: int
     total_steps: int
     peak_lr: float  # after the linear scaling rule, if enabled
+    note: str = ""  # what a resume at another world size changed or kept
 
     @property
     def global_batch(self) -> int:
@@ -28,11 +36,9 @@ class BatchPlan:
                 f"rank{'s' if self.world_size > 1 else ''} x {self.accum_steps} accumulation")
 
 
-def plan_batches(cfg: Config, world_size: int, train_size: int) -> BatchPlan:
-    """Resolve accumulation from train.global_batch (if set), the steps to run and the peak lr."""
+def _accumulation(cfg: Config, world_size: int, resume: dict[str, Any] | None) -> tuple[int, str]:
     b, train = cfg.data.batch_size, cfg.train
     per_micro = b * world_size
-    accum = train.accum_steps
     if train.global_batch:
         if train.global_batch % per_micro:
             lower = max(per_micro, train.global_batch // per_micro * per_micro)
@@ -43,15 +49,53 @@ def plan_batches(cfg: Config, world_size: int, train_size: int) -> BatchPlan:
             raise ConfigError("train.accum_steps", train.accum_steps,
                               f"1 or {train.global_batch // per_micro} (= global_batch / (batch_size x world))",
                               "set only one of train.global_batch and train.accum_steps")
-        accum = train.global_batch // per_micro
-    step_samples = per_micro * accum
+        return train.global_batch // per_micro, ""
+    if resume is None or int(resume["world_size"]) == world_size:
+        return train.accum_steps, ""
+    was_world, was_global = int(resume["world_size"]), int(resume["global_batch"])
+    if train.accum_steps == 1 and was_global % per_micro == 0:
+        accum = was_global // per_micro
+        return accum, (f"world size {was_world} -> {world_size}: accumulation {accum} keeps the global batch "
+                       f"at {was_global}")
+    now = per_micro * train.accum_steps
+    why = "train.accum_steps is set" if train.accum_steps != 1 else \
+        f"{was_global} is not a multiple of batch_size x world = {per_micro}"
+    return train.accum_steps, (f"world size {was_world} -> {world_size}: the global batch changes {was_global} -> "
+                               f"{now} ({why}); set --train.global_batch to fix it")
+
+
+def _total_steps(cfg: Config, steps_per_epoch: int, step_samples: int, train_size: int,
+                 resume: dict[str, Any] | None) -> int:
+    if cfg.train.max_steps:
+        return cfg.train.max_steps
+    if resume is None:
+        return cfg.train.epochs * steps_per_epoch
+    # Steps already done, then the rest of the interrupted epoch at this step size, then whole epochs.
+    loader = resume["loader"]
+    epoch, cursor = int(loader["epoch"]), int(loader["cursor"])
+    if int(loader.get("step_samples", step_samples)) == step_samples:
+        end = int(loader.get("end", steps_per_epoch * step_samples))
+    else:
+        end = cursor + (train_size - cursor) // step_samples * step_samples
+    left = (end - cursor) // step_samples
+    return int(resume["step"]) + left + max(0, cfg.train.epochs - epoch - 1) * steps_per_epoch
+
+
+def plan_batches(cfg: Config, world_size: int, train_size: int, resume: dict[str, Any] | None = None) -> BatchPlan:
+    """Resolve accumulation (from train.global_batch, or from a resumed checkpoint's global batch), the steps
+    to run and the peak lr. ``resume``: the checkpoint's world_size, global_batch, step and loader state."""
+    b = cfg.data.batch_size
+    accum, note = _accumulation(cfg, world_size, resume)
+    step_samples = b * world_size * accum
+    if resume is not None and not note and int(resume["global_batch"]) != step_samples:
+        note = f"the global batch changes {resume['global_batch']} -> {step_samples} (the configuration changed)"
     steps_per_epoch = train_size // step_samples
     if steps_per_epoch < 1:
         raise ConfigError("data.batch_size", b,
                           f"a global batch ({b} x {world_size} x {accum} = {step_samples}) no larger than the "
                           f"{train_size} training samples", "a smaller --data.batch_size or fewer ranks")
-    total = train.max_steps or train.epochs * steps_per_epoch
+    total = _total_steps(cfg, steps_per_epoch, step_samples, train_size, resume)
     lr = cfg.optim.lr
     if cfg.optim.scale_lr:
         lr = scaled_lr(lr, step_samples, cfg.optim.base_batch)
-    return BatchPlan(b, world_size, accum, steps_per_epoch, total, lr)
+    return BatchPlan(b, world_size, accum, steps_per_epoch, total, lr, note)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,13 @@ from scaletrain.models import build_model
 from scaletrain.parallel import parallelize
 from scaletrain.runtime import Runtime, seed_all
 from scaletrain.train.batching import BatchPlan, plan_batches
+from scaletrain.train.chaos import Chaos
+from scaletrain.train.guard import NonFiniteGuard, supports_device_skip
 from scaletrain.train.lr import build_scheduler
 from scaletrain.train.precision import check_precision, grad_scaler
+
+if TYPE_CHECKING:
+    from scaletrain.train.trace import Tracer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -42,7 +48,10 @@ class Job:
     loader: ShardedLoader
     eval_data: Dataset | None
     loss_fn: LossFn
+    guard: NonFiniteGuard
+    chaos: Chaos
     step: int = 0  # optimizer steps completed
+    tracer: Tracer | None = None  # per-step fingerprints (debug.trace)
 
     def release(self) -> None:
         """Drop the parallel wrapper (it holds the process group) so closing the group really ends it."""
@@ -55,31 +64,39 @@ def build_optimizer(module: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
+    # Fused kernels: faster, and they skip a non-finite step on the device (train/guard.py) without a sync.
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2))
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
 
 
 ModelArg = nn.Module | Callable[[], nn.Module] | None
 
 
 def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
-              loss_fn: LossFn | None = None) -> Job:
+              loss_fn: LossFn | None = None, resume: dict[str, Any] | None = None) -> Job:
     """``model``: None (the built-in model the config names), a module, or a callable building one (a class
-    works): a callable is called after seeding, so run.seed decides the initial weights."""
+    works): a callable is called after seeding, so run.seed decides the initial weights. ``resume``: the
+    metadata of the checkpoint the job will continue from (its global batch and position shape the plan)."""
     check_precision(cfg.train.precision, rt.device)
-    plan = plan_batches(cfg, rt.world_size, len(splits.train))  # type: ignore[arg-type]
+    plan = plan_batches(cfg, rt.world_size, len(splits.train), resume)  # type: ignore[arg-type]
     seed_all(cfg.run.seed)  # the same initial weights on every rank
     if model is None:
         module = build_model(cfg.model, splits.task, splits.info)
     else:
         module = model if isinstance(model, nn.Module) else model()
     module.to(rt.device)
-    wrapped = parallelize(module, rt.device, rt.world_size, cfg.parallel, compile=cfg.train.compile)
+    wrapped = parallelize(module, rt.device, rt.world_size, cfg.parallel, compile=cfg.train.compile,
+                          precision=cfg.train.precision, memory=cfg.memory,
+                          nnodes=rt.world_size // rt.local_world_size, optimizer=cfg.optim.name,
+                          sample=splits.train[0][0], batch_size=plan.batch_size)
     torch.manual_seed(cfg.run.seed + rt.rank)  # dropout masks differ between ranks
     optimizer = build_optimizer(module, cfg.optim, plan.peak_lr)
     loader = ShardedLoader(splits.train, batch_size=plan.batch_size, rank=rt.rank, world=rt.world_size,
                            accum=plan.accum_steps, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
                            num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda")
+    scaler = grad_scaler(cfg.train.precision, rt.device)
+    guard = NonFiniteGuard(rt.device, scaler_owns_skips=scaler.is_enabled(), device_skip=supports_device_skip(optimizer))
     return Job(cfg, rt, plan, module, wrapped, optimizer, build_scheduler(optimizer, cfg.schedule, plan.total_steps),
-               grad_scaler(cfg.train.precision, rt.device), loader, splits.eval, loss_fn or cross_entropy)
+               scaler, loader, splits.eval, loss_fn or cross_entropy, guard, Chaos(cfg.chaos, rt.rank))

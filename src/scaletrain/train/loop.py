@@ -1,7 +1,12 @@
-"""The step loop: micro-batches with no_sync, clip, optimizer, schedule; log and eval at their intervals.
+"""The step loop: micro-batches with no_sync, clip, the non-finite guard, optimizer, schedule; then, at their
+intervals, log, evaluate and checkpoint.
 
-The hot loop never waits on the device: the loss is summed into a device tensor, and it is reduced across
-ranks and read back only at log steps (train.log_every).
+The hot loop never waits on the device. The loss is summed into a device tensor; the non-finite decision is
+made on the device (train/guard.py). Once per log interval (train.log_every) one all_gather brings every
+rank's numbers to every rank: the loss, the non-finite counters and whether the rank was asked to stop
+(SIGTERM/SIGUSR1). That is the only per-interval collective and host sync besides DDP's own all-reduce, so
+every rank takes the same decisions at the same step. Checkpoint steps that are not log steps gather the
+same numbers first: nothing is saved after a non-finite step under train.nonfinite=raise.
 """
 
 from __future__ import annotations
@@ -9,94 +14,206 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from scaletrain.checkpoint import rng
 from scaletrain.observe.console import Console
 from scaletrain.observe.metrics import MetricsWriter
+from scaletrain.train.checkpointing import FORMAT_FULL, Checkpointer, SaveResult, describe_versions
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast
+from scaletrain.train.preempt import PreemptFlag
+from scaletrain.train.state import model_tensors, optimizer_tree, scheduler_tree
+from scaletrain.train.trace import Tracer
+
+DONE, PREEMPTED, INTERRUPTED = "done", "preempted", "interrupted"
 
 
 class TrainingFailed(Exception):
     """Training cannot go on (exit code 1): a non-finite loss, say."""
 
 
-def train_step(job: Job, batches: Any) -> torch.Tensor:
+def _grad_norm(job: Job) -> torch.Tensor | None:
+    """The total gradient norm (clipping to optim.grad_clip if set); None under fp16 without clipping, where
+    the scaler checks gradients itself."""
+    clip = job.cfg.optim.grad_clip
+    params = [p for p in job.module.parameters() if p.grad is not None]
+    if clip > 0:
+        job.scaler.unscale_(job.optimizer)
+        return torch.nn.utils.clip_grad_norm_(params, clip)
+    if job.guard.scaler_owns_skips:
+        return None
+    return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+
+def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
     """One optimizer step over accum_steps micro-batches; returns the step's mean loss on the device."""
-    rt, precision = job.rt, job.cfg.train.precision
-    accum = job.plan.accum_steps
+    rt, precision, chaos, tracer = job.rt, job.cfg.train.precision, job.chaos, job.tracer
+    accum, step = job.plan.accum_steps, job.step + 1
     step_loss = torch.zeros((), device=rt.device)
+    if tracer is not None:
+        tracer.step_started(job)
     for micro in range(accum):
+        chaos.delay("data")
         x, y = next(batches)
+        if tracer is not None:
+            tracer.batch(job, x, y)
         x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
         # Only the last micro-step all-reduces gradients; the others accumulate locally.
         skip_sync = micro < accum - 1 and hasattr(job.model, "no_sync")
         with job.model.no_sync() if skip_sync else contextlib.nullcontext():
             with autocast(precision, rt.device):
-                loss = job.loss_fn(job.model(x), y) / accum
+                loss = chaos.poison(step, job.loss_fn(job.model(x), y)) / accum
+            chaos.delay("compute")
             job.scaler.scale(loss).backward()
         step_loss += loss.detach()
-    if job.cfg.optim.grad_clip > 0:
-        job.scaler.unscale_(job.optimizer)
-        torch.nn.utils.clip_grad_norm_(job.module.parameters(), job.cfg.optim.grad_clip)
-    job.scaler.step(job.optimizer)
+    job.guard.watch_loss(step, step_loss)
+    norm = _grad_norm(job)
+    apply = job.guard.gate(step, job.optimizer, norm) if norm is not None else True
+    if apply:
+        job.scaler.step(job.optimizer)
+    job.guard.disarm(job.optimizer)
     job.scaler.update()
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
     job.step += 1
+    if tracer is not None:
+        tracer.step_done(job, step_loss)
     return step_loss
-
-
-def _mean_over_ranks(job: Job, loss_sum: torch.Tensor, steps: int) -> float:
-    if job.rt.distributed:
-        dist.all_reduce(loss_sum)
-    return loss_sum.item() / (steps * job.rt.world_size)  # host-device sync: log steps only
 
 
 class Loop:
     """Runs job.step .. plan.total_steps; keeps the log interval's running sums."""
 
-    def __init__(self, job: Job, console: Console, writer: MetricsWriter) -> None:
+    def __init__(self, job: Job, console: Console, writer: MetricsWriter, *,
+                 checkpointer: Checkpointer | None = None, preempt: PreemptFlag | None = None) -> None:
         self.job, self.console, self.writer = job, console, writer
+        self.checkpointer, self.preempt = checkpointer, preempt or PreemptFlag()
         self.train_time = 0.0  # seconds spent in training steps (eval excluded)
         self.last_loss = math.nan
         self.last_eval: dict[str, float] = {}
         self.eval_step = -1
+        self.loss_sum = torch.zeros((), device=job.rt.device)  # this rank's finite losses since the last log
+        self.loss_count = torch.zeros((), device=job.rt.device)  # how many there were
+        self.since = 0  # steps since the last log step
+        self.skipped_seen = 0.0
+        self.stopped_by = 0  # the signal that stopped the run, if any
+        self.saves: list[SaveResult] = []
 
-    def epoch_of(self, step: int) -> int:
-        return step // self.job.plan.steps_per_epoch
+    # -- the loop -----------------------------------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self) -> str:
+        """Train to the end (DONE), or until preempted (PREEMPTED) or chaos.interrupt_step (INTERRUPTED),
+        after saving a checkpoint."""
         job, plan = self.job, self.job.plan
         batches = iter(job.loader)
         job.model.train()
         if job.eval_data is not None and job.step == 0:
             self._evaluate()  # the untrained baseline, so every curve has its starting point
         self.console.start_progress(plan.total_steps, job.step)
-        loss_sum = torch.zeros((), device=job.rt.device)
-        since, t0 = 0, time.perf_counter()
+        t0 = time.perf_counter()
         try:
             while job.step < plan.total_steps:
-                loss_sum += train_step(job, batches)
-                since += 1
+                job.chaos.before_step(job.step + 1)
+                step_loss = train_step(job, batches)
+                finite = torch.isfinite(step_loss)
+                self.loss_sum += torch.where(finite, step_loss, 0.0)  # a skipped step's loss is not averaged in
+                self.loss_count += finite
+                self.since += 1
+                self.preempt.tick()
                 self.console.advance()
+                stop = ""
                 if job.step % job.cfg.train.log_every == 0 or job.step == plan.total_steps:
                     elapsed = time.perf_counter() - t0
-                    self._log(_mean_over_ranks(job, loss_sum, since), since, elapsed)
-                    loss_sum.zero_()
-                    since, t0 = 0, time.perf_counter()
+                    stop = self._log(self._gather(), elapsed)
+                    t0 = time.perf_counter()
                 if self._eval_due():
                     started = time.perf_counter()
                     self._evaluate()
                     t0 += time.perf_counter() - started  # eval time is not training time
+                if job.chaos.interrupt_after(job.step):
+                    stop = stop or INTERRUPTED
+                ckpt = self.checkpointer
+                if stop or (ckpt is not None and ckpt.due(job.step, plan.total_steps)):
+                    if not (job.step % job.cfg.train.log_every == 0 or job.step == plan.total_steps):
+                        stop = self._check(self._gather()) or stop
+                    t0 += self._save(final=bool(stop))
+                self._log_saves()
+                if stop:
+                    return stop
         finally:
             self.console.stop_progress()
         if job.eval_data is not None and self.eval_step != job.step:
             self._evaluate()
+        return DONE
+
+    # -- sync points --------------------------------------------------------------------------------------
+
+    def _gather(self) -> list[list[float]]:
+        """Every rank's [loss_sum, loss_count, signal, skipped, first skipped, first bad loss], on every rank:
+        one all_gather and one host-device sync."""
+        job = self.job
+        mine = torch.stack([self.loss_sum, self.loss_count,
+                            torch.tensor(float(self.preempt.signum), device=job.rt.device), *job.guard.state()])
+        if job.rt.distributed:
+            rows = [torch.empty_like(mine) for _ in range(job.rt.world_size)]
+            dist.all_gather(rows, mine)
+            return torch.stack(rows).tolist()  # host-device sync: sync points only
+        return [mine.tolist()]
+
+    def _check(self, rows: list[list[float]]) -> str:
+        """Act on the gathered counters: stop for a non-finite step (train.nonfinite=raise), report skipped
+        ones, and return PREEMPTED if any rank was signalled."""
+        job = self.job
+        skipped = max(r[3] for r in rows)
+        if skipped > self.skipped_seen:
+            first = int(min(r[4] for r in rows if r[4] >= 0))
+            bad = [(int(r[5]), rank) for rank, r in enumerate(rows) if r[5] >= 0]
+            where = (f"non-finite loss on rank {min(bad)[1]} at step {min(bad)[0]}" if bad else
+                     f"non-finite gradients at step {first} (the loss was finite on every rank)")
+            if job.cfg.train.nonfinite == "raise":
+                raise TrainingFailed(f"{where}; the step was not applied and nothing after it was saved; fix: "
+                                     "lower --optim.lr, set --optim.grad_clip=1.0, more --schedule.warmup_steps, "
+                                     "or --train.nonfinite=skip to skip such steps")
+            self.console.print(f"warning: {where}: step skipped ({int(skipped)} skipped so far)")
+            self.skipped_seen = skipped
+        signals = [int(r[2]) for r in rows if r[2]]
+        if signals:
+            self.stopped_by = signals[0]
+            return PREEMPTED
+        return ""
+
+    def _log(self, rows: list[list[float]], elapsed: float) -> str:
+        job = self.job
+        steps = self.since
+        counted = sum(r[1] for r in rows)
+        loss = sum(r[0] for r in rows) / counted if counted else math.nan
+        stop = self._check(rows)
+        if not math.isfinite(loss) and job.cfg.train.nonfinite == "raise":
+            raise TrainingFailed(f"loss is {loss} at step {job.step}; fix: lower --optim.lr, set "
+                                 "--optim.grad_clip=1.0, or use more warmup (--schedule.warmup_steps)")
+        self.train_time += elapsed
+        self.last_loss = loss
+        record = {"kind": "train", "step": job.step, "epoch": job.loader.epoch + 1, "loss": loss,
+                  "lr": job.scheduler.get_last_lr()[0],
+                  "samples_per_s": steps * job.plan.global_batch / elapsed, "step_time_s": elapsed / steps,
+                  "skipped_steps": int(self.skipped_seen)}
+        self.writer.write(record)
+        self.console.status(f"loss {loss:.4f}")
+        self.console.print(
+            f"step {job.step:>6}/{job.plan.total_steps} | epoch {record['epoch']} | loss {loss:.4f} | "
+            f"lr {record['lr']:.3e} | {record['samples_per_s']:,.0f} samples/s | {record['step_time_s']:.4f} s/step")
+        self.loss_sum.zero_()
+        self.loss_count.zero_()
+        self.since = 0
+        return stop
+
+    # -- evaluation ---------------------------------------------------------------------------------------
 
     def _eval_due(self) -> bool:
         job = self.job
@@ -105,27 +222,11 @@ class Loop:
         every = job.cfg.train.eval_every or job.plan.steps_per_epoch
         return job.step % every == 0 or job.step == job.plan.total_steps
 
-    def _log(self, loss: float, steps: int, elapsed: float) -> None:
-        job = self.job
-        if not math.isfinite(loss):
-            raise TrainingFailed(f"loss is {loss} at step {job.step}; fix: lower --optim.lr, set "
-                                 "--optim.grad_clip=1.0, or use more warmup (--schedule.warmup_steps)")
-        self.train_time += elapsed
-        self.last_loss = loss
-        record = {"kind": "train", "step": job.step, "epoch": self.epoch_of(job.step - 1) + 1, "loss": loss,
-                  "lr": job.scheduler.get_last_lr()[0],
-                  "samples_per_s": steps * job.plan.global_batch / elapsed, "step_time_s": elapsed / steps}
-        self.writer.write(record)
-        self.console.status(f"loss {loss:.4f}")
-        self.console.print(
-            f"step {job.step:>6}/{job.plan.total_steps} | epoch {record['epoch']} | loss {loss:.4f} | "
-            f"lr {record['lr']:.3e} | {record['samples_per_s']:,.0f} samples/s | {record['step_time_s']:.4f} s/step")
-
     def _evaluate(self) -> None:
         job = self.job
         metrics = evaluate(job)
         self.last_eval, self.eval_step = metrics, job.step
-        epoch = self.epoch_of(job.step - 1) + 1 if job.step else 0
+        epoch = job.loader.epoch + 1 if job.step else 0
         self.writer.write({"kind": "eval", "step": job.step, "epoch": epoch,
                            **{f"eval_{k}": v for k, v in metrics.items()}})
         text = f"eval  @ step {job.step} (epoch {epoch}) | loss {metrics['loss']:.4f}"
@@ -133,3 +234,62 @@ class Loop:
             text += f" | accuracy {100 * metrics['accuracy']:.2f}% ({metrics['correct']:.0f}/{metrics['count']:.0f})"
         self.console.print(text)
 
+    # -- checkpoints --------------------------------------------------------------------------------------
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's own part of a checkpoint."""
+        return {"rng": rng.capture(self.job.rt.device), "loss_sum": float(self.loss_sum.item()),
+                "loss_count": float(self.loss_count.item()), "since": self.since,
+                "guard": self.job.guard.state_dict()}
+
+    def load_rank_state(self, state: dict[str, Any] | None) -> None:
+        """Restore this rank's part; the RNG last, since building anything may draw from it."""
+        if state is None:
+            return
+        self.loss_sum.fill_(state["loss_sum"])
+        self.loss_count.fill_(state["loss_count"])
+        self.since = int(state["since"])
+        self.job.guard.load_state_dict(state["guard"])
+        self.skipped_seen = float(state["guard"]["skipped"])
+        if "rng" in state:
+            rng.restore(state["rng"], self.job.rt.device)
+
+    def trainer_state(self) -> dict[str, Any]:
+        job = self.job
+        return {"step": job.step, "loader": job.loader.state_dict(), "scheduler": scheduler_tree(job.scheduler),
+                "scaler": job.scaler.state_dict() if job.scaler.is_enabled() else {},
+                "train_time_s": self.train_time, "last_loss": self.last_loss}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        job = self.job
+        return {"format": FORMAT_FULL, "step": job.step, "epoch": job.loader.epoch + 1, "world_size": job.rt.world_size,
+                "global_batch": job.plan.global_batch, "batch_size": job.plan.batch_size,
+                "accum_steps": job.plan.accum_steps, "loader": job.loader.state_dict(),
+                "config_digest": job.cfg.digest(), "config": job.cfg.to_toml(), **describe_versions()}
+
+    def _save(self, *, final: bool) -> float:
+        """Checkpoint now (every rank); returns the seconds the loop was blocked."""
+        job, ckpt = self.job, self.checkpointer
+        if ckpt is None:
+            return 0.0
+        with self.preempt.saving():
+            blocked = ckpt.save(job.step, model_tensors(job.module), optimizer_tree(job.module, job.optimizer),
+                                self.trainer_state(), self.rank_state(), self.checkpoint_meta(), background=not final)
+            if final:
+                ckpt.wait()
+        return blocked
+
+    def _log_saves(self) -> None:
+        if self.checkpointer is None:
+            return
+        for result in self.checkpointer.poll():
+            self.saves.append(result)
+            self.writer.write({"kind": "checkpoint", "step": result.step, "path": str(result.path),
+                               "bytes": result.bytes, "blocked_s": result.blocked_s, "save_s": result.save_s,
+                               "async": result.background})
+        for warning in self.checkpointer.warnings:
+            self.console.print(f"warning: {warning}")
+        self.checkpointer.warnings.clear()
+
+
+__all__ = ["DONE", "INTERRUPTED", "PREEMPTED", "Loop", "Tracer", "TrainingFailed", "train_step"]

@@ -19,9 +19,13 @@ from scaletrain.data import Splits, build_splits, in_memory
 from scaletrain.observe.console import Console
 from scaletrain.observe.metrics import MetricsWriter, peak_memory_bytes, write_json
 from scaletrain.runtime import Runtime
+from scaletrain.train.checkpointing import Checkpointer, Resume, find_resume
 from scaletrain.train.job import Job, LossFn, ModelArg, build_job
-from scaletrain.train.loop import Loop
+from scaletrain.train.loop import DONE, PREEMPTED, Loop, TrainingFailed
+from scaletrain.train.preempt import PreemptFlag
+from scaletrain.train.resume import config_changes, restore, truncate_metrics
 from scaletrain.train.rundir import agree_run_dir
+from scaletrain.train.trace import Tracer
 
 
 def _header(job: Job, splits: Splits, console: Console) -> None:
@@ -82,26 +86,99 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
     console.table("summary", rows)
 
 
+def _resumed(job: Job, loop: Loop, resume: Resume, console: Console, writer: MetricsWriter) -> None:
+    """Load the checkpoint into the built job and say so, in one line (plus one per change)."""
+    cfg, rt = job.cfg, job.rt
+    trainer, rank_state = restore(job, resume, cfg.debug.skipped())
+    loop.train_time, loop.last_loss = float(trainer.get("train_time_s", 0.0)), float(trainer.get("last_loss", "nan"))
+    loop.load_rank_state(rank_state)  # the RNG last: nothing may draw from it between here and the loop
+    loader = job.loader.state_dict()
+    console.print(f"resumed from {resume.path}: step {job.step} of {job.plan.total_steps}, epoch "
+                  f"{loader['epoch'] + 1}, {loader['cursor']:,} of {loader['size']:,} samples of the epoch done")
+    if job.plan.note:
+        console.print(f"resume: {job.plan.note}")
+    if rank_state is None and "rng" not in cfg.debug.skipped():
+        console.print(f"resume: the checkpoint was made with {resume.meta['world_size']} ranks; ranks without "
+                      "saved state keep RNG seeded from run.seed + rank")
+    changes = config_changes(resume.meta.get("config", ""), cfg)
+    if changes:
+        console.print(f"warning: the configuration differs from the checkpoint's: {'; '.join(changes)}")
+    if cfg.debug.skipped():
+        console.print(f"resume: NOT restored (debug.skip_restore): {', '.join(sorted(cfg.debug.skipped()))}")
+    writer.write({"kind": "resume", "step": job.step, "path": str(resume.path),
+                  "world_size_was": resume.meta["world_size"], "world_size": rt.world_size,
+                  "global_batch_was": resume.meta["global_batch"], "global_batch": job.plan.global_batch})
+    if job.tracer is not None:
+        job.tracer.resumed(job)
+
+
+def _collective_failure(err: RuntimeError, job: Job) -> Exception:
+    """A failed or timed-out collective becomes one line naming the ranks that did not answer."""
+    text = str(err)
+    looks = isinstance(err, dist.DistError) or any(
+        s in text for s in ("gloo", "Gloo", "NCCL", "Timed out", "timed out", "Connection closed", "Connection reset"))
+    if not (job.rt.distributed and looks):
+        return err
+    step = job.step + 1
+    missing = runtime.missing_peers(job.rt, step)
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    who = ", ".join(f"rank {r} (host {h})" for r, h in missing) or "no rank could be named"
+    return TrainingFailed(f"a collective failed during step {step} ({first}); not answering: {who}; fix: if a rank "
+                          f"hangs, look at its stack (py-spy dump); --dist.timeout_s={job.cfg.dist.timeout_s} bounds "
+                          "the wait, and --max-restarts lets torchrun restart the group from the last checkpoint")
+
+
+def _stopped(job: Job, loop: Loop, outcome: str, console: Console, writer: MetricsWriter) -> dict[str, Any]:
+    last = loop.saves[-1].path if loop.saves else None
+    reason = PreemptFlag.name(loop.stopped_by) if outcome == PREEMPTED else "chaos.interrupt_step"
+    console.print(f"stopped ({reason}) at step {job.step}: checkpoint {last} saved; run the same command again "
+                  "to resume")
+    record = {"kind": "stopped", "step": job.step, "reason": reason, "checkpoint": str(last) if last else None}
+    writer.write(record)
+    return {"stopped": outcome, **record, "steps": job.step, "world_size": job.rt.world_size}
+
+
 def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         loss_fn: LossFn | None = None, rt: Runtime | None = None) -> dict[str, Any]:
-    """Train as configured; returns the summary (the same dict on every rank)."""
+    """Train as configured, resuming from the run directory's latest checkpoint if there is one; returns the
+    summary (the same dict on every rank), or, when preempted, ``{"stopped": ..., "steps": ...}``."""
     started = time.perf_counter()
     rt = rt or runtime.init(cfg.dist)
     writer = MetricsWriter(None)
     job: Job | None = None
+    checkpointer: Checkpointer | None = None
+    preempt = PreemptFlag(f"[rank {rt.rank}] " if rt.world_size > 1 else "").install()
     try:
         cfg = agree_run_dir(cfg, rt)
-        splits = splits or build_splits(cfg.data, cfg.model)
-        job = build_job(cfg, rt, splits, model, loss_fn)
         console = Console(rt.is_main, cfg.train.progress)
+        splits = splits or build_splits(cfg.data, cfg.model)
+        resume = find_resume(cfg.checkpoint, cfg.run_dir, rt, lambda m: console.print(f"warning: {m}"))
+        job = build_job(cfg, rt, splits, model, loss_fn, resume=resume.meta if resume else None)
         run_dir = cfg.run_dir
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
-            writer = MetricsWriter(run_dir / "metrics.jsonl")
+            if resume is not None:
+                truncate_metrics(run_dir / "metrics.jsonl", resume.step)
+            writer = MetricsWriter(run_dir / "metrics.jsonl", append=resume is not None)
+        checkpointer = Checkpointer(cfg.checkpoint, run_dir, rt)
+        if cfg.debug.trace:
+            job.tracer = Tracer(run_dir, rt.rank)
+        loop = Loop(job, console, writer, checkpointer=checkpointer, preempt=preempt)
         _header(job, splits, console)
-        loop = Loop(job, console, writer)
-        loop.run()
+        if resume is not None:
+            checkpointer.last_step = resume.step
+            _resumed(job, loop, resume, console, writer)
+        try:
+            outcome = loop.run()
+        except RuntimeError as err:
+            raise _collective_failure(err, job) from err
+        with preempt.saving():
+            checkpointer.close()
+        preempt.finished()
+        loop._log_saves()
+        if outcome != DONE:
+            return _stopped(job, loop, outcome, console, writer)
         summary = _finish(job, loop, time.perf_counter() - started)
         if rt.is_main:
             save_weights(job, run_dir / "model.safetensors")
@@ -109,10 +186,17 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         _summary_table(summary, run_dir, console)
         return summary
     finally:
-        writer.close()
-        if job is not None:
-            job.release()
-        runtime.close(rt)
+        preempt.uninstall()
+        try:
+            if checkpointer is not None:
+                checkpointer.close()  # a save in flight completes even when training failed
+        finally:
+            writer.close()
+            if job is not None:
+                if job.tracer is not None:
+                    job.tracer.close()
+                job.release()
+            runtime.close(rt)
 
 
 def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_data: Any = None,

@@ -1,0 +1,131 @@
+"""`scaletrain checkpoint inspect PATH` and `scaletrain checkpoint export PATH OUT.safetensors`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+from scaletrain.errors import CheckpointError, UserError
+
+HELP = "Inspect a checkpoint (step, world size, config digest, sizes, checksums) or export its weights."
+
+
+def add_parser(sub: Any, name: str) -> None:
+    from scaletrain.cli.options import Parser
+
+    p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", parser_class=Parser)
+    i = actions.add_parser("inspect", help="show a checkpoint (or every checkpoint of a run) and verify checksums",
+                           allow_abbrev=False)
+    i.add_argument("path", metavar="PATH", help="a step-NNNNNNNN directory, a checkpoints directory or a run directory")
+    i.add_argument("--no-hashes", action="store_true", help="check sizes only (fast on large checkpoints)")
+    i.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    e = actions.add_parser("export", help="write the consolidated weights as one safetensors file",
+                           allow_abbrev=False)
+    e.add_argument("path", metavar="PATH", help="a step-NNNNNNNN directory (or a run directory: its latest)")
+    e.add_argument("out", metavar="OUT.safetensors", help="the file to write (never overwritten)")
+
+
+def _checkpoints(path: Path) -> list[Path]:
+    from scaletrain.checkpoint import commit
+
+    if not path.exists():
+        raise UserError(f"{path}: no such file or directory; fix: point at a run directory or a step-NNNNNNNN "
+                        "directory")
+    if (path / commit.MANIFEST).is_file() or commit.step_of(path) is not None:
+        return [path]
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    found = [p for _, p in commit.committed(root)]
+    if not found:
+        raise UserError(f"{path}: holds no checkpoint (no step-NNNNNNNN directories); fix: point at a run "
+                        "directory that was trained with --checkpoint.every")
+    return found
+
+
+def _describe(path: Path, hashes: bool) -> dict[str, Any]:
+    from scaletrain.checkpoint import commit
+
+    info: dict[str, Any] = {"path": str(path), "step": commit.step_of(path)}
+    try:
+        manifest = commit.verify(path, hashes=hashes)
+        info["status"] = "verified" if hashes else "sizes ok"
+    except CheckpointError as err:
+        info["status"] = f"BAD: {err}"
+        try:
+            manifest = commit.read_manifest(path)
+        except CheckpointError:
+            return info
+    meta = manifest.get("meta", {})
+    info.update(step=manifest["step"], created=manifest.get("created"), files=manifest["files"],
+                bytes=sum(f["bytes"] for f in manifest["files"].values()),
+                **{k: meta.get(k) for k in ("format", "epoch", "world_size", "global_batch", "config_digest",
+                                            "torch", "scaletrain")})
+    return info
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    infos = [_describe(p, not args.no_hashes) for p in _checkpoints(Path(args.path))]
+    if args.json:
+        print(json.dumps(infos, indent=1))
+    else:
+        console = Console(highlight=False)
+        table = Table(title=f"checkpoints in {args.path}", title_justify="left")
+        for col in ("step", "epoch", "world", "global batch", "config digest", "size", "created", "status"):
+            table.add_column(col, justify="right" if col in ("step", "epoch", "world", "global batch", "size") else "left")
+        for info in infos:
+            created = info.get("created")
+            when = datetime.datetime.fromtimestamp(created).strftime("%m-%d %H:%M") if created else "?"
+            table.add_row(str(info.get("step")), str(info.get("epoch", "?")), str(info.get("world_size", "?")),
+                          str(info.get("global_batch", "?")), str(info.get("config_digest", "?")),
+                          f"{info.get('bytes', 0) / 2**20:,.1f} MiB", when, info["status"])
+        console.print(table)
+        if len(infos) == 1 and "files" in infos[0]:
+            files = Table(title="files", title_justify="left")
+            for col in ("file", "bytes", "sha256"):
+                files.add_column(col, justify="right" if col == "bytes" else "left")
+            for name, rec in infos[0]["files"].items():
+                files.add_row(name, f"{rec['bytes']:,}", rec["sha256"][:16] + "...")
+            console.print(files)
+    return 0 if all(not i["status"].startswith("BAD") for i in infos) else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    import safetensors.torch
+
+    from scaletrain.checkpoint import commit
+    from scaletrain.train.checkpointing import Resume, read_model
+
+    out = Path(args.out)
+    if out.exists():
+        raise UserError(f"{out}: already exists and is never overwritten; fix: choose a new file name")
+    if out.suffix != ".safetensors":
+        raise UserError(f"{out}: expected a .safetensors file name; fix: {out.with_suffix('.safetensors')}")
+    path = _checkpoints(Path(args.path))[-1]
+    resume = Resume(path, commit.verify(path))
+    tensors, aliases = read_model(resume)
+    meta = resume.meta
+    tmp = out.with_name(out.name + ".tmp")
+    safetensors.torch.save_file(tensors, str(tmp), metadata={
+        "format": "pt", "step": str(resume.step), "config_digest": str(meta.get("config_digest", "")),
+        "aliases": json.dumps(aliases)})
+    tmp.replace(out)
+    n = sum(t.numel() for t in tensors.values())
+    print(f"exported step {resume.step} of {path}: {len(tensors)} tensors, {n / 1e6:.3f}M parameters -> {out}"
+          + (f" (tied: {', '.join(f'{a} = {b}' for a, b in aliases.items())})" if aliases else ""))
+    return 0
+
+
+def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
+    if leftovers:
+        raise UserError(f"unexpected argument {leftovers[0]!r}; fix: scaletrain checkpoint --help")
+    if args.action == "inspect":
+        return _inspect(args)
+    if args.action == "export":
+        return _export(args)
+    raise UserError("checkpoint needs an action: inspect or export; fix: scaletrain checkpoint inspect RUN_DIR")

@@ -1,0 +1,139 @@
+"""`scaletrain verify-resume RECIPE|FILE.toml [--steps N] [--at K] [--drop PARTS] [--section.key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from scaletrain.cli.options import add_config_options, check_types, config_overrides
+from scaletrain.config import RESTORABLE, load, recipe_names
+from scaletrain.errors import UserError
+
+HELP = ("Check that your job resumes exactly: run it straight for N steps, and again interrupted at step K and "
+        "resumed; report identical, or the first diverging step and which part of the state differs.")
+
+
+def add_parser(sub: Any, name: str) -> None:
+    p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
+                       usage="scaletrain verify-resume RECIPE|FILE.toml [--steps N] [--at K] [--drop PARTS] "
+                             "[--section.key=value ...] [--nproc N]")
+    p.add_argument("config", metavar="RECIPE|FILE.toml",
+                   help=f"a built-in recipe ({', '.join(recipe_names())}) or a TOML file")
+    own = p.add_argument_group("verify-resume")
+    own.add_argument("--steps", type=str, default="0", help="steps to compare (0 = up to two epochs, at most 200)")
+    own.add_argument("--at", type=str, default="0", help="interrupt after this step (0 = a random mid-epoch step)")
+    own.add_argument("--drop", default="", help=f"resume WITHOUT these parts ({', '.join(RESTORABLE)}), "
+                     "to see what each is for")
+    own.add_argument("--work-dir", default="", help="keep the three runs here (default: a temporary directory)")
+    add_config_options(p)
+
+
+def _int(flag: str, text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise UserError(f"{flag} = {text!r}: expected an integer >= {low}; fix: {flag} {max(low, 10)}")
+    return value
+
+
+def choose_steps(total: int, per_epoch: int, steps: int, at: int, rng: random.Random) -> tuple[int, int]:
+    """(N, K): N steps to compare, interrupted after step K; K random and mid-epoch unless given."""
+    n = steps or min(total, max(2 * per_epoch, 20), 200)
+    if n > total:
+        raise UserError(f"--steps {n}: the job has only {total} steps; fix: --steps {total} or fewer")
+    if n < 2:
+        raise UserError(f"--steps {n}: at least 2 steps are needed (one before and one after the interruption); "
+                        "fix: --steps 20")
+    if at:
+        if not 1 <= at < n:
+            raise UserError(f"--at {at}: expected a step in [1, {n - 1}] (before the last compared step); fix: "
+                            f"--at {n // 2}")
+        return n, at
+    mid = [k for k in range(1, n) if k % per_epoch] or list(range(1, n))
+    return n, rng.choice(mid)
+
+
+def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
+    from scaletrain.cli.train import preflight
+    from scaletrain.data import build_splits
+    from scaletrain.observe.console import Console
+    from scaletrain.train.batching import plan_batches
+    from scaletrain.train.verify import compare, read_trace, run_train
+
+    overrides = config_overrides(args, leftovers)
+    check_types(overrides)
+    cfg = load(args.config, cli_overrides=overrides)
+    drop = load(None, cli_overrides={"debug.skip_restore": args.drop}).debug.skip_restore
+    world = cfg.dist.nproc * cfg.dist.nnodes
+    preflight(cfg, world)
+    plan = plan_batches(cfg, world, len(build_splits(cfg.data, cfg.model).train))  # type: ignore[arg-type]
+    n, k = choose_steps(plan.total_steps, plan.steps_per_epoch, _int("--steps", args.steps, 0),
+                        _int("--at", args.at, 0), random.Random())
+    console = Console(True, progress=False)
+    epoch, into = divmod(k, plan.steps_per_epoch)
+    console.print(f"verify-resume: {args.config} on {world} rank(s), {n} steps, interrupted after step {k} "
+                  f"(epoch {epoch + 1}, {into} of {plan.steps_per_epoch} steps in)"
+                  + (f", resumed without: {drop}" if drop else ""))
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="scaletrain-verify-"))
+    if args.work_dir and work.exists() and any(work.iterdir()):
+        raise UserError(f"--work-dir {work}: not empty; fix: name a new or empty directory")
+    rest = argv[argv.index("verify-resume") + 1:]
+    rest.remove(args.config)
+    cli = _without_own_values(rest)
+    env = dict(os.environ)
+    try:
+        console.print(f"  run A: straight to step {n} ...")
+        run_train(args.config, [*cli, f"--chaos.interrupt_step={n}"], work / "straight", env)
+        console.print(f"  run B: to step {k}, then stop as if preempted ...")
+        run_train(args.config, [*cli, f"--chaos.interrupt_step={k}"], work / "resumed", env)
+        console.print(f"  run C: a new process resumes B's checkpoint and runs to step {n} ...")
+        run_train(args.config, [*cli, f"--chaos.interrupt_step={n}", f"--debug.skip_restore={drop}"],
+                  work / "resumed", env)
+        verdict = compare(read_trace(work / "straight"), _first(work / "resumed", k), _after(work / "resumed", k),
+                          n, k)
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    console.print(verdict.text())
+    if not verdict.identical:
+        console.print(f"  differing trace fields: {', '.join(verdict.fields)}")
+    return 0 if verdict.identical else 1
+
+
+_OWN = ("--steps", "--at", "--drop", "--work-dir")
+
+
+def _without_own_values(args: list[str]) -> list[str]:
+    """The command line minus verify-resume's own options (and their values), passed on to each run."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in _OWN:
+            skip = True
+            continue
+        if a.startswith(tuple(o + "=" for o in _OWN)):
+            continue
+        out.append(a)
+    return out
+
+
+def _first(run_dir: Path, k: int) -> dict[int, list[dict[str, Any]]]:
+    from scaletrain.train.verify import read_trace
+
+    return {r: [x for x in recs if "event" not in x and x["step"] <= k] for r, recs in read_trace(run_dir).items()}
+
+
+def _after(run_dir: Path, k: int) -> dict[int, list[dict[str, Any]]]:
+    from scaletrain.train.verify import read_trace
+
+    return {r: [x for x in recs if "event" in x or x["step"] > k] for r, recs in read_trace(run_dir).items()}

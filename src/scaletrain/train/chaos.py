@@ -1,0 +1,49 @@
+"""Fault injection from the [chaos] config section: rehearse a killed, hung, slow or NaN-producing rank.
+
+Off by default; every hook is a cheap integer comparison when off. A kill or a hang fires on the job's first
+attempt only (torchrun's TORCHELASTIC_RESTART_COUNT = 0), so that a restarted group gets past it as a real
+job gets past a one-off failure.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from scaletrain.config import ChaosConfig
+
+
+class Chaos:
+    def __init__(self, cfg: ChaosConfig, rank: int) -> None:
+        self.cfg, self.rank = cfg, rank
+        self.first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        self.delay_s = cfg.delay_ms / 1000 if cfg.delay_rank == rank else 0.0
+
+    def before_step(self, step: int) -> None:
+        """``step`` is the 1-based step about to run."""
+        cfg = self.cfg
+        if not self.first_attempt:
+            return
+        if cfg.kill_rank == self.rank and cfg.kill_step == step:
+            print(f"[rank {self.rank}] chaos: SIGKILL at the start of step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.hang_rank == self.rank and cfg.hang_step == step:
+            print(f"[rank {self.rank}] chaos: hanging for {cfg.hang_s:g} s at the start of step {step}",
+                  file=sys.stderr, flush=True)
+            time.sleep(cfg.hang_s)
+
+    def delay(self, phase: str) -> None:
+        if self.delay_s and self.cfg.delay_phase == phase:
+            time.sleep(self.delay_s)
+
+    def poison(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if self.cfg.nan_rank == self.rank and self.cfg.nan_step == step:
+            return loss * float("nan")
+        return loss
+
+    def interrupt_after(self, step: int) -> bool:
+        return self.cfg.interrupt_step == step

@@ -1,0 +1,301 @@
+"""Checkpointing a training job: what goes in, writing it without stalling the loop, and finding where to resume.
+
+Layout of ``RUN_DIR/checkpoints/step-NNNNNNNN/`` (the consolidated format, for DDP and single-process runs;
+everything is safetensors or JSON, so loading never unpickles anything):
+
+    model.safetensors          the bare model's weights by name (tied weights once; aliases in its metadata)
+    optimizer.safetensors      the optimizer state by parameter name (checkpoint/tree.py)
+    trainer.json               step, loader position (global sample cursor), LR schedule, grad scaler
+    rank-NNNNN.safetensors     per rank: every RNG, the log interval's running loss, the non-finite counters
+    manifest.json              written last: every file's size and SHA-256, and the run's metadata
+
+Model and optimizer are written once (rank 0; DDP keeps replicas identical); per-rank state comes from every
+rank through one gather. The commit protocol is checkpoint/commit.py's.
+
+Saving blocks the loop only while the state is copied into reusable host buffers; a background thread then
+writes, fsyncs, hashes and commits (``checkpoint.async_save``). A new save first waits for the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+
+from scaletrain import __version__
+from scaletrain.checkpoint import commit, tree
+from scaletrain.config import CheckpointConfig
+from scaletrain.errors import CheckpointError, ConfigError
+from scaletrain.runtime import Runtime
+
+FORMAT_FULL = "full"
+MODEL, OPTIMIZER, TRAINER = "model.safetensors", "optimizer.safetensors", "trainer.json"
+
+
+class NonFiniteState(Exception):
+    """The state to be saved holds a NaN or an infinity: the save is refused and training stops."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+@dataclass
+class Resume:
+    """A verified checkpoint that every rank agreed to load."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.manifest["meta"]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def read(self, name: str) -> bytes:
+        return commit.read_verified(self.path, name, self.manifest)
+
+
+@dataclass
+class SaveResult:
+    step: int
+    path: Path
+    bytes: int
+    blocked_s: float  # the loop's stall
+    save_s: float  # from the stall's start until committed
+    background: bool
+
+
+@dataclass
+class Snapshot:
+    """Host copies of everything rank 0 writes, taken at a step boundary."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    model_meta: dict[str, str]
+    optim: dict[str, torch.Tensor]
+    optim_meta: dict[str, str]
+    trainer: dict[str, Any]
+    ranks: list[Any]
+    meta: dict[str, Any]
+    started: float = field(default_factory=time.perf_counter)
+
+
+def _finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The first floating-point tensor holding a NaN or infinity, or None."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+class Checkpointer:
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, rt: Runtime) -> None:
+        self.cfg, self.rt = cfg, rt
+        self.root = run_dir / "checkpoints"
+        writes = rt.is_main and cfg.async_save
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scaletrain-ckpt") if writes else None
+        self._pending: Future[SaveResult] | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.finished: list[SaveResult] = []  # committed saves the loop has not logged yet
+        self.warnings: list[str] = []
+        self.last_step = -1  # the last step saved or being saved
+
+    def due(self, step: int, total: int) -> bool:
+        every = self.cfg.every
+        return every > 0 and step != self.last_step and (step % every == 0 or step == total)
+
+    # -- saving -------------------------------------------------------------------------------------------
+
+    def save(self, step: int, model: tuple[dict[str, torch.Tensor], dict[str, str]], optim: dict[str, Any],
+             trainer: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any], *,
+             background: bool = True) -> float:
+        """Save the state of ``step`` (every rank calls this). Returns the seconds the loop was blocked."""
+        started = time.perf_counter()
+        ranks: list[Any] = [None] * self.rt.world_size
+        if self.rt.distributed:
+            dist.gather_object(rank_state, ranks if self.rt.is_main else None, dst=0)
+        else:
+            ranks = [rank_state]
+        self.last_step = step
+        if not self.rt.is_main:
+            return time.perf_counter() - started
+        self.wait()  # the buffers are reused: the previous write must be done with them
+        tensors, aliases = model
+        optim_tensors, optim_meta = tree.split(optim)
+        snap = Snapshot(step, self._copy("model/", tensors), {"aliases": json.dumps(aliases)},
+                        self._copy("optim/", optim_tensors), optim_meta, trainer, ranks, meta, started)
+        if self.rt.device.type == "cuda":
+            torch.cuda.current_stream(self.rt.device).synchronize()  # the copies above were non-blocking
+        blocked = time.perf_counter() - started
+        if self._pool is not None and background:
+            self._pending = self._pool.submit(self._write, snap, blocked, True)
+        else:
+            self.finished.append(self._write(snap, blocked, False))
+        return blocked
+
+    def _copy(self, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy into host buffers kept between saves (pinned for a GPU), so a save allocates nothing."""
+        out = {}
+        pin = self.rt.device.type == "cuda"
+        for name, t in tensors.items():
+            key = prefix + name
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                self._buffers[key] = buf
+            buf.copy_(t.detach(), non_blocking=pin)
+            out[name] = buf
+        return out
+
+    def _write(self, snap: Snapshot, blocked: float, background: bool) -> SaveResult:
+        bad = _finite(snap.model) or _finite(snap.optim)  # checked on the copies, off the loop's path
+        if bad:
+            raise NonFiniteState(f"refusing to checkpoint step {snap.step}: {bad} is not finite; fix: "
+                                 "--train.nonfinite=skip, a lower --optim.lr, or --optim.grad_clip=1.0")
+        stage = commit.new_stage(self.root, snap.step)
+        try:
+            records = {
+                MODEL: _save_file(stage / MODEL, snap.model, snap.model_meta),
+                OPTIMIZER: _save_file(stage / OPTIMIZER, snap.optim, snap.optim_meta),
+                TRAINER: commit.write_bytes(stage / TRAINER, json.dumps(snap.trainer, indent=1).encode()),
+            }
+            for rank, state in enumerate(snap.ranks):
+                records[rank_file(rank)] = commit.write_bytes(stage / rank_file(rank), tree.encode(state))
+            final = commit.commit(stage, snap.step, records, snap.meta)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        commit.prune(self.root, self.cfg.keep, protect=final)
+        size = sum(r.bytes for r in records.values())
+        return SaveResult(snap.step, final, size, blocked, time.perf_counter() - snap.started, background)
+
+    def poll(self) -> list[SaveResult]:
+        """Saves committed since the last poll (a failed background save becomes a warning)."""
+        if self._pending is not None and self._pending.done():
+            self._collect(raise_errors=False)
+        done, self.finished = self.finished, []
+        return done
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; its failure is raised here."""
+        if self._pending is not None:
+            self._collect(raise_errors=True)
+
+    def _collect(self, *, raise_errors: bool) -> None:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        try:
+            self.finished.append(pending.result())
+        except Exception as err:
+            if raise_errors or isinstance(err, NonFiniteState):
+                raise
+            self.warnings.append(f"checkpoint save failed ({type(err).__name__}: {err}); training goes on and "
+                                 "the previous checkpoint stays the latest")
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+
+
+def _save_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> commit.FileRecord:
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)  # streams to disk, GIL released
+    commit.fsync_file(path)
+    return commit.hash_file(path)
+
+
+# -- finding and reading ----------------------------------------------------------------------------------
+
+def _choose(cfg: CheckpointConfig, root: Path, warn: Any) -> Resume | None:
+    """Rank 0's choice of checkpoint for checkpoint.resume (auto | never | PATH)."""
+    if cfg.resume == "never":
+        if commit.committed(root):
+            latest = commit.committed(root)[-1][1]
+            raise ConfigError("checkpoint.resume", "never", f"a run directory without checkpoints ({root} holds "
+                              f"{latest.name})", "--checkpoint.resume=auto to continue that run, or a new --run.dir")
+        return None
+    commit.clean_stale(root)
+    if cfg.resume == "auto":
+        found = commit.latest_valid(root, warn)
+        return Resume(*found) if found else None
+    path = Path(cfg.resume)
+    if not path.is_dir():
+        raise CheckpointError(path, "not a directory", "point --checkpoint.resume at a step-NNNNNNNN directory, "
+                              "or use auto")
+    if (path / commit.MANIFEST).is_file():
+        return Resume(path, commit.verify(path))
+    inner = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    found = commit.latest_valid(inner, warn)
+    if found is None:
+        raise CheckpointError(path, "holds no complete checkpoint", "point at a step-NNNNNNNN directory")
+    return Resume(*found)
+
+
+def find_resume(cfg: CheckpointConfig, run_dir: Path, rt: Runtime, warn: Any) -> Resume | None:
+    """The checkpoint this run continues from, chosen and verified once on rank 0; every rank then checks that
+    it sees the same checkpoint (a rank that would load another step is an error, not a drift)."""
+    root = run_dir / "checkpoints"
+    choice: list[Any] = [None]
+    if rt.is_main:
+        try:
+            choice[0] = _choose(cfg, root, warn)
+        except (CheckpointError, ConfigError) as err:
+            choice[0] = err
+    if rt.distributed:
+        dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], Exception):
+        raise choice[0]
+    resume: Resume | None = choice[0]
+    if rt.distributed:
+        mine: Any = None
+        if resume is not None:
+            try:
+                mine = commit.read_manifest(resume.path)["step"]
+            except CheckpointError as err:
+                mine = str(err)
+        seen: list[Any] = [None] * rt.world_size
+        dist.all_gather_object(seen, mine)
+        want = resume.step if resume is not None else None
+        odd = [r for r, s in enumerate(seen) if s != want]
+        if odd:
+            raise CheckpointError(resume.path if resume else root, f"rank {odd[0]} sees {seen[odd[0]]!r} where rank 0 "
+                                  f"loads step {want}", "put the run directory on storage every machine shares")
+    return resume
+
+
+def read_model(resume: Resume) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors, meta = tree.load_tensors(resume.read(MODEL), str(resume.path / MODEL))
+    try:
+        aliases = json.loads(meta.get("aliases", "{}"))
+    except json.JSONDecodeError:
+        raise CheckpointError(resume.path / MODEL, "its alias table is not JSON", "the file is damaged") from None
+    return tensors, aliases
+
+
+def read_tree(resume: Resume, name: str) -> Any:
+    return tree.decode(resume.read(name), str(resume.path / name))[0]
+
+
+def read_trainer(resume: Resume) -> dict[str, Any]:
+    try:
+        return json.loads(resume.read(TRAINER))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(resume.path / TRAINER, f"not JSON ({err})", "the file is damaged") from None
+
+
+def describe_versions() -> dict[str, str]:
+    return {"torch": torch.__version__, "scaletrain": __version__}

@@ -1,0 +1,69 @@
+"""The non-finite guard: a step whose loss or gradients are not finite is never applied, decided on the device.
+
+The decision uses the total gradient norm, which is the same number on every rank (DDP averages gradients
+before it is computed; under sharding the norm is all-reduced), so every rank makes the same decision
+without an extra collective. A fused optimizer reads the decision from ``optimizer.found_inf`` and skips
+the update inside its kernel (the step counter is left unchanged), the mechanism torch's GradScaler uses:
+no host-device sync per step. What happened is read back at the loop's sync points (log steps,
+checkpoints): the number of skipped steps, the first one, and the first step whose loss was not finite on
+this rank, so that ``train.nonfinite=raise`` can name the rank and step.
+
+With fp16 the GradScaler owns skipping (an overflow there is routine, not an error); the guard then only
+watches the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim import Optimizer
+
+
+def supports_device_skip(optimizer: Optimizer) -> bool:
+    """True for torch's fused optimizers, which skip a step on ``found_inf`` inside the kernel."""
+    return bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+class NonFiniteGuard:
+    def __init__(self, device: torch.device, *, scaler_owns_skips: bool, device_skip: bool) -> None:
+        self.scaler_owns_skips = scaler_owns_skips
+        self.device_skip = device_skip
+        self.skipped = torch.zeros((), device=device)  # steps not applied (the same on every rank)
+        self.first_skip = torch.full((), -1.0, device=device)  # the first of them
+        self.first_bad_loss = torch.full((), -1.0, device=device)  # first step with a non-finite loss, this rank
+
+    def watch_loss(self, step: int, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss)
+        self.first_bad_loss = torch.where((self.first_bad_loss < 0) & bad, float(step), self.first_bad_loss)
+
+    def gate(self, step: int, optimizer: Optimizer, grad_norm: torch.Tensor) -> bool:
+        """Arm the optimizer for this step; returns False when the caller must not call step() (the
+        host-side fallback for a non-fused optimizer, which costs a sync)."""
+        if self.scaler_owns_skips:
+            return True
+        found = (~torch.isfinite(grad_norm)).to(self.skipped.dtype)
+        self.skipped += found
+        self.first_skip = torch.where((self.first_skip < 0) & (found > 0), float(step), self.first_skip)
+        if self.device_skip:
+            optimizer.found_inf = found  # type: ignore[attr-defined]
+            optimizer.grad_scale = None  # type: ignore[attr-defined]
+            return True
+        return not bool(found.item())  # host-device sync: only for optimizers that cannot skip on the device
+
+    @staticmethod
+    def disarm(optimizer: Optimizer) -> None:
+        for attr in ("found_inf", "grad_scale"):
+            if hasattr(optimizer, attr):
+                delattr(optimizer, attr)
+
+    def state(self) -> list[torch.Tensor]:
+        """What the sync points gather from each rank: skipped, first skipped step, first bad loss step."""
+        return [self.skipped, self.first_skip, self.first_bad_loss]
+
+    def state_dict(self) -> dict[str, float]:
+        return {"skipped": float(self.skipped.item()), "first_skip": float(self.first_skip.item()),
+                "first_bad_loss": float(self.first_bad_loss.item())}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.skipped.fill_(state["skipped"])
+        self.first_skip.fill_(state["first_skip"])
+        self.first_bad_loss.fill_(state["first_bad_loss"])

@@ -1,0 +1,104 @@
+"""Preemption: SIGTERM (a scheduler's or torchrun's stop) or SIGUSR1 (Slurm's --signal=USR1@SECONDS) sets a
+flag; the loop reads it at its next sync point, where every rank learns whether any rank was signalled,
+and then all of them save a checkpoint together and exit 0. The handler itself does nothing else: a signal
+can arrive in the middle of a collective, where saving is impossible.
+
+Catching SIGTERM changes what it means to a process that cannot reach a sync point: one that hangs, or
+waits in a collective for a peer that died. torchrun stops the survivors of a failed worker with SIGTERM
+and waits 30 s before SIGKILL. So a signal also starts a watchdog: if the loop completes no step for a while
+(5 x its recent step time, at least 2 s) and is not saving, the process exits with 128 + the signal, as if
+it had not caught it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+MIN_GRACE_S = 2.0
+
+
+class PreemptFlag:
+    def __init__(self, label: str = "") -> None:
+        self.signum = 0  # the first signal received, 0 = none
+        self.label = label  # e.g. "[rank 1] ", for the watchdog's one line
+        self._previous: dict[int, Any] = {}
+        self._last_tick = time.monotonic()
+        self._ticked = False
+        self._gaps: list[float] = []  # seconds between the recent ticks
+        self._saving = 0
+        self._finished = False
+        self._watchdog: threading.Thread | None = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = self.signum or signum
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="scaletrain-preempt-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def install(self) -> PreemptFlag:
+        """Catch the signals (main thread only: Python delivers signals there). Returns self."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def tick(self) -> None:
+        """The loop completed a step (cheap: a clock read and a short list)."""
+        now = time.monotonic()
+        if self._ticked:
+            self._gaps.append(now - self._last_tick)
+            del self._gaps[:-16]
+        self._ticked = True
+        self._last_tick = now
+
+    def _step_time(self) -> float:
+        """The median of the recent gaps between steps (evaluations and saves in between do not skew it)."""
+        gaps = sorted(self._gaps)
+        return gaps[len(gaps) // 2] if gaps else 0.0
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """A checkpoint is being written: no step completes, and that is progress."""
+        self._saving += 1
+        try:
+            yield
+        finally:
+            self._saving -= 1
+            self._last_tick = time.monotonic()
+
+    def finished(self) -> None:
+        """The loop is over (the final save is done): the watchdog has nothing left to guard."""
+        self._finished = True
+
+    def _watch(self) -> None:
+        signalled = time.monotonic()
+        while not self._finished:
+            time.sleep(0.2)
+            grace = max(MIN_GRACE_S, 5 * self._step_time())
+            idle = time.monotonic() - max(self._last_tick, signalled)
+            if not self._saving and not self._finished and idle > grace:
+                print(f"{self.label}scaletrain: no step completed for {idle:.1f} s after {self.name(self.signum)}: "
+                      "exiting without a checkpoint (the process is stuck, or its peers are gone)",
+                      file=sys.stderr, flush=True)
+                os._exit(128 + self.signum)
+
+    @staticmethod
+    def name(signum: int) -> str:
+        try:
+            return signal.Signals(signum).name
+        except ValueError:
+            return f"signal {signum}"

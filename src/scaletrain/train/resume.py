@@ -1,0 +1,88 @@
+"""Continuing a run from a checkpoint: load every part into a freshly built job, and say what changed."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from scaletrain.config import Config, tomllib
+from scaletrain.train.checkpointing import (
+    OPTIMIZER,
+    Resume,
+    rank_file,
+    read_model,
+    read_trainer,
+    read_tree,
+)
+from scaletrain.train.job import Job
+from scaletrain.train.state import load_model_tensors, load_optimizer_tree, load_scheduler_tree
+
+
+def restore(job: Job, resume: Resume, skip: set[str] = frozenset()) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Load model, optimizer, schedule, scaler, loader position and step into ``job``. Returns the trainer
+    state and this rank's own saved state (RNG, running loss) for the loop to restore last; the latter is
+    None when the checkpoint has no state for this rank (it was made with fewer ranks)."""
+    where = str(resume.path)
+    if "weights" not in skip:
+        tensors, aliases = read_model(resume)
+        load_model_tensors(job.module, {k: v.to(job.rt.device) for k, v in tensors.items()}, aliases, where)
+    if "optimizer" not in skip:
+        load_optimizer_tree(job.module, job.optimizer, read_tree(resume, OPTIMIZER), str(resume.path / OPTIMIZER))
+    trainer = read_trainer(resume)
+    job.step = int(trainer["step"])
+    if "scheduler" not in skip:
+        load_scheduler_tree(job.scheduler, job.optimizer, trainer["scheduler"])
+    else:
+        job.scheduler.last_epoch = job.step  # at least at the right step count, so the run ends where it should
+    if trainer.get("scaler") and job.scaler.is_enabled():
+        job.scaler.load_state_dict(trainer["scaler"])
+    if "data" not in skip:
+        job.loader.load_state_dict(trainer["loader"])
+    name = rank_file(job.rt.rank)
+    if name not in resume.manifest["files"]:
+        return trainer, None
+    state = read_tree(resume, name)
+    if "rng" in skip:
+        state.pop("rng", None)
+    return trainer, state
+
+
+def config_changes(saved_toml: str, cfg: Config) -> list[str]:
+    """The trajectory settings that differ between the checkpoint's config and this one, as 'key: a -> b'."""
+    try:
+        old = tomllib.loads(saved_toml)
+    except tomllib.TOMLDecodeError:
+        return ["(the checkpoint's config could not be read)"]
+    now = cfg.trajectory()
+    base = Config().trajectory()  # defaults, for keys an older checkpoint did not have
+    changes = []
+    for section, values in now.items():
+        for key, value in values.items():
+            was = old.get(section, {}).get(key, base.get(section, {}).get(key))
+            if was != value:
+                changes.append(f"{section}.{key}: {was!r} -> {value!r}")
+    return changes
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Drop the records a crashed attempt wrote after the checkpoint's step, so that the resumed run's
+    metrics.jsonl reads as if it had never stopped. Returns the number of records dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the crash
+            dropped += 1
+            continue
+        if isinstance(record, dict) and int(record.get("step", 0)) > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return dropped

@@ -1,0 +1,108 @@
+"""The training state as plain trees, keyed by names rather than by object identity.
+
+The model by parameter name (tied weights stored once, their aliases recorded), the optimizer by parameter
+name rather than by its position in a param group (so a checkpoint does not depend on how the model was
+wrapped or on the order of param groups), the LR schedule by its step. Everything returned here is a
+reference to live tensors: the checkpointer copies what it keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+from scaletrain.errors import CheckpointError
+
+
+def model_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(unique tensors by name, {alias: name}) of the module's state_dict; an alias shares storage, shape and
+    strides with an earlier name (weight tying), so it is stored once."""
+    unique: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in module.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+               tensor.stride(), tensor.dtype) if tensor.numel() else None
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        unique[name] = tensor
+    return unique, aliases
+
+
+def load_model_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
+                       where: str) -> None:
+    full = {**tensors, **{alias: tensors[name] for alias, name in aliases.items() if name in tensors}}
+    want = set(module.state_dict())
+    if set(full) != want:
+        missing, extra = sorted(want - set(full)), sorted(set(full) - want)
+        raise CheckpointError(where, f"weights do not fit this model (missing {missing[:3]}, unexpected "
+                              f"{extra[:3]})", "resume with the model configuration the checkpoint was made with")
+    for name, value in module.state_dict().items():
+        if tuple(value.shape) != tuple(full[name].shape):
+            raise CheckpointError(where, f"{name} has shape {tuple(full[name].shape)} in the checkpoint, "
+                                  f"{tuple(value.shape)} in this model", "resume with the same model configuration")
+    module.load_state_dict(full, strict=True)
+
+
+def _param_names(module: nn.Module, optimizer: Optimizer) -> list[str]:
+    """The name of every parameter in the optimizer, in state_dict index order."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [i for i, p in enumerate(order) if id(p) not in names]
+    assert not missing, f"optimizer holds parameters the module does not: indices {missing[:5]}"
+    return [names[id(p)] for p in order]
+
+
+def optimizer_tree(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    names = _param_names(module, optimizer)
+    sd = optimizer.state_dict()
+    return {"state": {names[i]: s for i, s in sd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
+
+
+def load_optimizer_tree(module: nn.Module, optimizer: Optimizer, tree: dict[str, Any], where: str) -> None:
+    names = _param_names(module, optimizer)
+    index = {n: i for i, n in enumerate(names)}
+    saved_groups = tree["param_groups"]
+    live_groups = optimizer.state_dict()["param_groups"]
+    shape_saved = [sorted(g["params"]) for g in saved_groups]
+    shape_live = [sorted(names[i] for i in g["params"]) for g in live_groups]
+    if shape_saved != shape_live:
+        raise CheckpointError(where, "optimizer state does not fit this model's parameter groups",
+                              "resume with the model and optimizer configuration the checkpoint was made with")
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in saved_groups]
+    for group in groups:  # JSON has no tuples; the optimizers' own defaults use them
+        for key, value in group.items():
+            if key != "params" and isinstance(value, list):
+                group[key] = tuple(value)
+    state = {index[n]: s for n, s in tree["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def scheduler_tree(scheduler: LambdaLR) -> dict[str, Any]:
+    """The schedule's position: the schedule itself is rebuilt from the config."""
+    return {"last_epoch": scheduler.last_epoch, "step_count": scheduler._step_count,
+            "base_lrs": list(scheduler.base_lrs), "last_lr": list(scheduler.get_last_lr())}
+
+
+def load_scheduler_tree(scheduler: LambdaLR, optimizer: Optimizer, tree: dict[str, Any]) -> bool:
+    """Continue the schedule at the saved step. Returns False when this run's peak lr differs from the saved
+    one (another global batch under the linear scaling rule): the lr then follows this run's peak."""
+    scheduler.last_epoch = int(tree["last_epoch"])
+    scheduler._step_count = int(tree["step_count"])
+    same_peak = [float(x) for x in tree["base_lrs"]] == [float(x) for x in scheduler.base_lrs]
+    if same_peak:
+        lrs = [float(x) for x in tree["last_lr"]]
+    else:
+        lrs = [base * lmbda(scheduler.last_epoch) for base, lmbda in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, base, lr in zip(optimizer.param_groups, scheduler.base_lrs, lrs):
+        group["initial_lr"], group["lr"] = base, lr
+    scheduler._last_lr = lrs
+    return same_peak

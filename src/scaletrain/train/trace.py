@@ -1,0 +1,94 @@
+"""Per-step fingerprints of the whole training state, for `scaletrain verify-resume` (debug.trace).
+
+After every optimizer step each rank appends one JSON line to RUN_DIR/trace/rank-NNNNN.jsonl: the step's
+loss (this rank's, exact), the learning rate it ran at, SHA-256 digests of the batch it trained on and of
+the state after the step (weights, optimizer, every RNG, LR schedule, loader position), and the batch's
+sample indices. A resumed run also writes one ``"event": "resume"`` line with the state as loaded, which
+must equal the uninterrupted run's state after that step. Costs a host sync and a pass over the state
+every step: a verification tool, off by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scaletrain.checkpoint import rng
+from scaletrain.train.job import Job
+from scaletrain.train.state import optimizer_tree, scheduler_tree
+
+PARTS = ("weights", "optimizer", "rng", "scheduler", "data")
+
+
+def _digest_tree(node: Any, h: Any) -> None:
+    if isinstance(node, torch.Tensor):
+        t = node.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(node, dict):
+        for k in sorted(node, key=str):
+            h.update(str(k).encode())
+            _digest_tree(node[k], h)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _digest_tree(v, h)
+    else:
+        h.update(repr(node).encode())
+
+
+def digest(node: Any) -> str:
+    h = hashlib.sha256()
+    _digest_tree(node, h)
+    return h.hexdigest()[:16]
+
+
+def fingerprint(job: Job) -> dict[str, str]:
+    """Digests of the state between steps. The optimizer's param groups count without their lr, which the
+    scheduler part covers."""
+    opt = optimizer_tree(job.module, job.optimizer)
+    groups = [{k: v for k, v in g.items() if k not in ("lr", "initial_lr")} for g in opt["param_groups"]]
+    return {
+        "weights": digest(job.module.state_dict()),
+        "optimizer": digest({"state": opt["state"], "param_groups": groups}),
+        "rng": digest(rng.capture(job.rt.device)),
+        "scheduler": digest({k: v for k, v in scheduler_tree(job.scheduler).items()}),
+        "loader": digest(job.loader.state_dict()),
+    }
+
+
+class Tracer:
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        folder = run_dir / "trace"
+        folder.mkdir(parents=True, exist_ok=True)
+        self._file = open(folder / f"rank-{rank:05d}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._data = hashlib.sha256()
+        self._indices: list[int] = []
+        self._lr = 0.0
+
+    def step_started(self, job: Job) -> None:
+        self._data = hashlib.sha256()
+        self._indices = []
+        self._lr = job.optimizer.param_groups[0]["lr"]
+
+    def batch(self, job: Job, x: torch.Tensor, y: torch.Tensor) -> None:
+        for t in (x, y):
+            self._data.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        self._indices += job.loader.last_indices
+
+    def step_done(self, job: Job, loss: torch.Tensor) -> None:
+        self._write({"step": job.step, "loss": float(loss.item()), "lr": self._lr,
+                     "data": self._data.hexdigest()[:16], "indices": self._indices, **fingerprint(job)})
+
+    def resumed(self, job: Job) -> None:
+        self._write({"step": job.step, "event": "resume", **fingerprint(job)})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,125 @@
+"""verify-resume: does a run interrupted at step k and resumed from its checkpoint equal one that never stopped?
+
+Three real runs of the user's own job, each a separate `scaletrain train` process tree with per-step traces
+(train/trace.py): A runs straight to step N; B runs to step k and stops exactly as a preempted job does
+(checkpoint, exit 0); C is started fresh, resumes B's checkpoint, and runs to N. All three stop through the
+same mechanism, so the LR schedule is the configured one, not a shortened copy.
+
+The comparison, per rank: B's steps 1..k against A's (if they differ, the job is not reproducible even
+without an interruption, and resuming cannot be judged); C's state right after loading against A's state
+after step k (a part that differs there was not restored); then C's steps k+1..N against A's. The first
+difference names the step, the rank and the parts: weights, optimizer, RNG, data order, LR schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scaletrain.errors import UserError
+
+# Trace fields grouped into the parts a user can act on, in the order a cause shows up.
+PARTS: dict[str, tuple[str, ...]] = {
+    "data order": ("indices", "data", "loader"),
+    "LR schedule": ("lr", "scheduler"),
+    "RNG": ("rng",),
+    "weights": ("weights",),
+    "optimizer": ("optimizer",),
+    "loss": ("loss",),
+}
+STATE_FIELDS = ("weights", "optimizer", "rng", "scheduler", "loader")
+
+
+@dataclass
+class Verdict:
+    identical: bool
+    steps: int
+    at: int
+    ranks: int
+    phase: str = ""  # "before the interruption" | "at resume" | "after resume"
+    step: int = 0  # first differing step
+    rank: int = 0
+    parts: list[str] = field(default_factory=list)
+    fields: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        if self.identical:
+            return (f"identical: interrupted after step {self.at} and resumed, the run matches the uninterrupted "
+                    f"one bit for bit at every one of {self.steps} steps on all {self.ranks} rank(s): loss, "
+                    "weights, optimizer, RNG, data order and LR schedule")
+        where = {"at resume": f"right after loading the checkpoint of step {self.step}",
+                 "before the interruption": f"at step {self.step}, before any interruption (the job is not "
+                                            "reproducible run to run, so resuming cannot be judged)",
+                 "after resume": f"at step {self.step}"}[self.phase]
+        return f"diverged {where} on rank {self.rank}: {', '.join(self.parts)} differ{'s' if len(self.parts) == 1 else ''}"
+
+
+def _parts(fields: list[str]) -> list[str]:
+    return [part for part, names in PARTS.items() if any(f in fields for f in names)] or fields
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any], names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if n in a and a.get(n) != b.get(n)]
+
+
+def read_trace(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """rank -> trace records, in file order."""
+    folder = run_dir / "trace"
+    traces: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(folder.glob("rank-*.jsonl")):
+        rank = int(path.stem.split("-")[1])
+        traces[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return traces
+
+
+def compare(straight: dict[int, list[dict[str, Any]]], first: dict[int, list[dict[str, Any]]],
+            resumed: dict[int, list[dict[str, Any]]], steps: int, at: int) -> Verdict:
+    """Compare the three runs' traces (see the module docstring)."""
+    step_fields = ("indices", "data", "lr", "rng", "weights", "optimizer", "scheduler", "loader", "loss")
+    verdict = Verdict(True, steps, at, len(straight))
+    found: list[tuple[int, int, int, list[str]]] = []  # (phase order, step, rank, fields)
+    for rank in sorted(straight):
+        a = {r["step"]: r for r in straight[rank] if "event" not in r}
+        b = {r["step"]: r for r in first.get(rank, []) if "event" not in r}
+        loads = [r for r in resumed.get(rank, []) if r.get("event") == "resume"]
+        c = {r["step"]: r for r in resumed.get(rank, []) if "event" not in r}
+        for s in range(1, at + 1):
+            fields = _diff(a.get(s, {}), b.get(s, {"missing": True}), step_fields) if s in a else []
+            if fields:
+                found.append((0, s, rank, fields))
+                break
+        if loads and at in a:
+            fields = _diff(a[at], loads[0], STATE_FIELDS)
+            if fields:
+                found.append((1, at, rank, fields))
+        elif not loads:
+            found.append((1, at, rank, ["resume"]))
+        for s in range(at + 1, steps + 1):
+            if s not in a:
+                continue
+            fields = _diff(a[s], c.get(s, {k: None for k in step_fields}), step_fields)
+            if fields:
+                found.append((2, s, rank, fields))
+                break
+    if found:
+        order, step, rank, fields = min(found, key=lambda f: (f[0], f[1], f[2]))
+        verdict.identical = False
+        verdict.phase = ("before the interruption", "at resume", "after resume")[order]
+        verdict.step, verdict.rank, verdict.fields = step, rank, fields
+        verdict.parts = _parts(fields)
+    return verdict
+
+
+def run_train(config: str, args: list[str], run_dir: Path, env: dict[str, str]) -> None:
+    """One `scaletrain train` process tree; a failure is a UserError carrying its last lines."""
+    cmd = [sys.executable, "-m", "scaletrain", "train", config, *args, f"--run.dir={run_dir}",
+           "--debug.trace=true", "--train.progress=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        tail = " | ".join(line for line in proc.stderr.strip().splitlines()[-3:])
+        raise UserError(f"verify-resume: the run in {run_dir} failed (exit {proc.returncode}): {tail}; fix: "
+                        f"make `scaletrain train {config} ...` work first")
