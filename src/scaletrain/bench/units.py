@@ -17,7 +17,7 @@ from scaletrain.errors import ConfigError
 
 _MULTIPLIERS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
                 "g": 2**30, "gb": 2**30, "gib": 2**30}
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)([a-z]*)")
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
 SIZE_FORMS = "sizes like 1KB, 256MB, 1GB (1KB = 1024 bytes), a list 1KB,64KB, or a doubling range 1KB..256MB"
 
 # nccl-tests (doc/PERFORMANCE.md): busbw = algbw x factor, the factor making busbw comparable to the

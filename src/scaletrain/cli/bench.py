@@ -295,7 +295,7 @@ def _scaling(args: argparse.Namespace, leftovers: list[str], argv: list[str]) ->
         print(f"note: {', '.join(map(str, crowded))} rank(s) x {threads} thread(s) exceed the {cores} cores here: "
               "those ranks share cores, so their efficiency measures contention, not scaling")
     with tempfile.TemporaryDirectory(prefix="scaletrain-scaling-") as tmp:
-        runs_dir = Path(args.runs_dir) if args.runs_dir else Path(tmp)
+        runs_dir = Path(args.runs_dir).resolve() if args.runs_dir else Path(tmp)
         try:
             results = scaling.measure(recipe, nprocs, run_overrides, threads=threads, runs_dir=runs_dir)
             if not args.runs_dir:
