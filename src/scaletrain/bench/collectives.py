@@ -54,16 +54,17 @@ def dist_config(backend: str) -> DistConfig:
 
 
 def check_backend(backend: str, nproc: int) -> None:
-    """Before any worker starts: nccl needs CUDA, and one GPU per rank."""
-    if backend != "nccl":
+    """Before any worker starts: nccl (asked for, or auto's choice on a CUDA machine) needs one GPU per rank."""
+    cuda = torch.cuda.is_available()
+    if backend == "gloo" or (backend == "auto" and not cuda):
         return
-    if not torch.cuda.is_available():
+    if not cuda:
         raise ConfigError("--backend", backend, "gloo or auto on a machine without CUDA (nccl needs GPUs)",
                           "--backend gloo")
-    if nproc > torch.cuda.device_count():
-        raise ConfigError("--nproc", nproc, f"at most {torch.cuda.device_count()} with --backend nccl (one GPU "
-                          "per rank; NCCL cannot run two ranks on one GPU)",
-                          f"--nproc {torch.cuda.device_count()}, or --backend gloo")
+    gpus = torch.cuda.device_count()
+    if nproc > gpus:
+        raise ConfigError("--nproc", nproc, f"at most {gpus} with --backend {backend} on this machine (nccl: one "
+                          f"GPU per rank; NCCL cannot run two ranks on one GPU)", f"--nproc {gpus}, or --backend gloo")
 
 
 def elements(size_bytes: int, world: int) -> int:

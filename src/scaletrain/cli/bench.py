@@ -146,8 +146,8 @@ def _allreduce(args: argparse.Namespace, leftovers: list[str], argv: list[str]) 
     if under_launcher():  # a rank: torchrun (ours below, or the user's) decided the world
         return _allreduce_rank(args, backend, ops, sizes, iters, warmup)
     nproc = parse_int(args.nproc, "--nproc", minimum=1, example="2")
-    check_backend(backend, nproc)
     check_sizes(sizes, nproc)
+    check_backend(backend, nproc)
     worker_argv = ["scaletrain", *argv[argv.index("bench"):]]
     return launch(DistConfig(nproc=nproc), worker_argv, module=True, run_id="scaletrain-bench-allreduce")
 
