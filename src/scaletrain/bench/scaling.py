@@ -25,7 +25,7 @@ from scaletrain.bench.runs import TrainRun, run_training, steady_state
 from scaletrain.config import load
 from scaletrain.errors import ConfigError
 
-RESERVED = ("train.max_steps", "train.log_every", "dist.")
+RESERVED = ("train.max_steps", "train.log_every", "dist.nproc", "dist.nnodes", "dist.rdzv", "dist.max_restarts")
 
 
 def run_overrides(recipe: str, nprocs: list[int], mode: str, steps: int, warmup: int,
@@ -34,9 +34,10 @@ def run_overrides(recipe: str, nprocs: list[int], mode: str, steps: int, warmup:
     for key, value in overrides.items():
         if key.startswith(RESERVED):
             raise ConfigError(key, value, "a key the bench does not set itself (it sets train.max_steps and "
-                              "train.log_every from --steps/--warmup, and the world size from --nproc)",
+                              "train.log_every from --steps/--warmup, and the world from --nproc)",
                               "drop it; use --steps, --warmup or --nproc instead")
     cfg = load(recipe, cli_overrides=overrides)  # the recipe's mistakes show here, before any run starts
+    _check_gpus(cfg.dist.device, max(nprocs))
     out = {**overrides, "train.max_steps": str(warmup + steps), "train.log_every": str(warmup),
            "train.progress": "false"}
     out.setdefault("train.eval_batches", "1")  # evaluation is not timed; keep it short
@@ -54,6 +55,18 @@ def run_overrides(recipe: str, nprocs: list[int], mode: str, steps: int, warmup:
                           f"{b} x {math.lcm(*nprocs)} = {per_step}, so that every world size runs whole "
                           "micro-batches", f"--train.global_batch={per_step}")
     return {**out, "train.global_batch": str(global_batch)}
+
+
+def _check_gpus(device: str, nproc: int) -> None:
+    """On GPUs every rank needs its own (NCCL cannot run two ranks on one GPU)."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if nproc > gpus:
+        raise ConfigError("--nproc", nproc, f"at most {gpus} ranks on this machine's {gpus} GPU(s) (one GPU per "
+                          "rank)", f"--nproc up to {gpus}, or --dist.device=cpu to scale on the CPU")
 
 
 def measure(recipe: str, nprocs: list[int], overrides: Mapping[str, str], *, threads: int, runs_dir: Path,
