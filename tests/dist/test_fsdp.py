@@ -13,6 +13,8 @@ Everything goes through parallelize(), the one place the trainer composes the te
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import torch.nn.functional as F
 from spawn_ranks import run_ranks
@@ -23,7 +25,7 @@ from scaletrain import runtime
 from scaletrain.config import DistConfig, MemoryConfig, ParallelConfig
 from scaletrain.models import GPT
 from scaletrain.observe.memory import MemoryBreakdown, model_state_bytes
-from scaletrain.parallel import gradient_sync, is_fsdp, parallelize
+from scaletrain.parallel import gradient_sync, is_fsdp, parallelize, resolve_strategy
 
 V, T, GLOBAL, STEPS, CLIP = 64, 32, 8, 5, 0.3
 
@@ -73,9 +75,22 @@ def _run(rank: int, world: int, strategy: str, *, accum: int = 1, replicate: int
             "placements": str(next(model.parameters()).placements) if strategy != "ddp" else ""}
 
 
+def _auto(rank: int, world: int, capacity: int) -> tuple[bool, str]:
+    """strategy=auto with the device's capacity stated: (sharded?, the reason)."""
+    model = _model()
+    sample = torch.randint(0, V, (T,))
+    with mock.patch("scaletrain.parallel.device_capacity_bytes", return_value=capacity):
+        _, reason = resolve_strategy(model, ParallelConfig(strategy="auto"), world_size=world, sample=sample,
+                                     batch_size=4)
+        wrapped = parallelize(model, torch.device("cpu"), world, ParallelConfig(strategy="auto"),
+                              compile=False, sample=sample, batch_size=4)
+    return is_fsdp(wrapped), reason
+
+
 def _two_ranks(rank: int, world: int) -> dict:
     runtime.init(DistConfig(device="cpu"))
-    return {"ddp": _run(rank, world, "ddp"),
+    return {"auto_fits": _auto(rank, world, 10**10), "auto_tight": _auto(rank, world, 1_200_000),
+            "ddp": _run(rank, world, "ddp"),
             "fsdp": _run(rank, world, "fsdp"),
             "fsdp_accum": _run(rank, world, "fsdp", accum=2),
             "fsdp_selective": _run(rank, world, "fsdp", activation_checkpointing="selective"),
@@ -110,6 +125,11 @@ def test_fsdp_and_ddp_on_two_ranks_equal_one_process():
     assert min(ref["norms"]) > CLIP  # clipping was active on every step, so its global norm is tested too
     ranks = run_ranks(_two_ranks, 2)
     for r in ranks:
+        # auto: a replica, 457 kB of model state + 598 kB of activations measured at batch 4, fits 80% of
+        # 10 GB but not 80% of 1.2 MB (960 kB); sharded over 2 ranks (228 + 598 kB) it does
+        assert not r["auto_fits"][0] and r["auto_fits"][1].startswith("auto -> ddp: a full replica")
+        assert r["auto_tight"][0] and r["auto_tight"][1].startswith("auto -> fsdp: a full replica")
+        assert "still over" not in r["auto_tight"][1]
         for name in ("ddp", "fsdp", "fsdp_accum", "fsdp_selective", "fsdp_offload"):
             assert _max_diff(r[name]["params"], ref["params"]) < 1e-5, name
             norms = torch.tensor(r[name]["norms"])

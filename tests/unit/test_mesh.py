@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from scaletrain.config import load
+from scaletrain.config import MemoryConfig, ParallelConfig, load
 from scaletrain.errors import ConfigError
-from scaletrain.parallel import resolve_degrees
+from scaletrain.models import GPT
+from scaletrain.parallel import is_fsdp, parallelize, resolve_degrees
 
 
 @pytest.mark.parametrize(("strategy", "replicate", "shard", "world", "nnodes", "want"), [
@@ -54,3 +56,17 @@ def test_config_checks_degrees_and_names_the_sections():
         load(None, {"memory.activation_checkpointing": "some"})
     with pytest.raises(ConfigError, match="parallel.strategy"):
         load(None, {"parallel.strategy": "zero3"})
+
+
+def test_parallelize_on_one_process():
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match="memory.cpu_offload = True.*--parallel.strategy=fsdp"):
+        parallelize(GPT(16, 8, 1, 1, 8), cpu, 1, ParallelConfig(strategy="ddp"), compile=False,
+                    memory=MemoryConfig(cpu_offload=True))
+    model = GPT(16, 8, 1, 1, 8)
+    # no process group: nothing to shard over, so the model runs as it is (with a warning)
+    assert parallelize(model, cpu, 1, ParallelConfig(strategy="fsdp"), compile=False) is model
+    assert not is_fsdp(model)
+    auto = parallelize(model, cpu, 1, ParallelConfig(strategy="auto"), compile=False,
+                       sample=torch.zeros(8, dtype=torch.long), batch_size=2)
+    assert auto is model  # one rank: auto is ddp, which on one rank is the bare model

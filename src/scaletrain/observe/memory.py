@@ -35,11 +35,11 @@ BF16_MIXED = "bf16-mixed"
 
 
 def fmt_bytes(n: float) -> str:
-    """Bytes in the unit that reads best: 812 MB, 3.21 GB."""
+    """Bytes in the unit that reads best: 3.21 GB, 812 MB, 1.1 MB, 598 kB."""
     if abs(n) >= GB:
         return f"{n / GB:.2f} GB"
     if abs(n) >= 1e6:
-        return f"{n / 1e6:.0f} MB"
+        return f"{n / 1e6:.0f} MB" if abs(n) >= 1e8 else f"{n / 1e6:.1f} MB"
     return f"{n / 1e3:.0f} kB"
 
 

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -84,24 +85,34 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, nnodes: int, precision: str,
-                     optimizer: str, sample: torch.Tensor | None, batch_size: int, ranks_on_host: int,
-                     cpu_offload: bool) -> str:
-    """cfg.strategy, with auto decided by memory (and logged with its numbers)."""
+def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, nnodes: int = 1,
+                     precision: str = "fp32", optimizer: str = "adamw", sample: torch.Tensor | None = None,
+                     batch_size: int = 1, cpu_offload: bool = False) -> tuple[str, str]:
+    """(strategy, reason): cfg.strategy as given, or for auto the memory rule's choice with its numbers.
+
+    ``model`` is the bare model on its device; ``sample`` is one input (no batch dim) for measuring
+    activations at ``batch_size`` per rank. Every rank takes rank 0's decision, so they cannot disagree.
+    """
     if cfg.strategy != "auto":
-        return cfg.strategy
+        return cfg.strategy, f"parallel.strategy={cfg.strategy}"
     if cpu_offload:
         choice = "hsdp" if nnodes > 1 else "fsdp"
-        log.info("auto -> %s: memory.cpu_offload offloads sharded state, which needs FSDP", choice)
-        return choice
+        return choice, f"auto -> {choice}: memory.cpu_offload offloads sharded state, which needs FSDP"
     device = next(model.parameters()).device
-    acts = estimate_activation_bytes(model, sample.to(device), batch_size, precision=precision) \
-        if sample is not None else 0
+    capacity = device_capacity_bytes(device, max(world_size // max(nnodes, 1), 1))
+    note = ""
+    try:
+        acts = estimate_activation_bytes(model, sample.to(device), batch_size, precision=precision) \
+            if sample is not None else 0
+        note = "" if sample is not None else " (activations not measured: no sample input)"
+    except torch.OutOfMemoryError:
+        acts, note = capacity, " (measuring activations at batch 2 ran out of memory)"
     replica = estimate_model_state(model, optimizer).with_activations(acts)
-    choice, reason = choose_strategy(replica, device_capacity_bytes(device, ranks_on_host),
-                                     world_size=world_size, nnodes=nnodes)
-    log.warning("%s%s", reason, "" if sample is not None else " (activations not measured: no sample input)")
-    return choice
+    choice, reason = choose_strategy(replica, capacity, world_size=world_size, nnodes=nnodes)
+    decision = [choice, reason + note]
+    if dist.is_initialized() and world_size > 1:
+        dist.broadcast_object_list(decision, src=0)
+    return decision[0], decision[1]
 
 
 def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: ParallelConfig, *,
@@ -110,12 +121,14 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
                 batch_size: int = 1) -> nn.Module:
     """Returns the module that forward/backward go through: the DDP wrapper, or ``model`` itself (sharded in
     place under FSDP). ``model`` is on ``device``; ``sample`` (one input, no batch dim) and ``batch_size``
-    (per rank) let strategy=auto measure activations; ``optimizer`` names its per-parameter state."""
+    (per rank) let strategy=auto measure activations; ``optimizer`` names its per-parameter state. To show
+    auto's reason, call resolve_strategy first and pass its choice in cfg.strategy."""
     memory = memory or MemoryConfig()
-    strategy = resolve_strategy(model, cfg, world_size=world_size, nnodes=nnodes, precision=precision,
-                                optimizer=optimizer, sample=sample, batch_size=batch_size,
-                                ranks_on_host=max(world_size // max(nnodes, 1), 1),
-                                cpu_offload=memory.cpu_offload)
+    strategy, reason = resolve_strategy(model, cfg, world_size=world_size, nnodes=nnodes, precision=precision,
+                                        optimizer=optimizer, sample=sample, batch_size=batch_size,
+                                        cpu_offload=memory.cpu_offload)
+    if cfg.strategy == "auto":
+        log.info("%s", reason)
     if memory.cpu_offload and strategy == "ddp":
         raise ConfigError("memory.cpu_offload", True, "false with parallel.strategy=ddp (offloading keeps "
                           "FSDP's sharded state in host memory)",

@@ -90,7 +90,8 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     wrapped = parallelize(module, rt.device, rt.world_size, cfg.parallel, compile=cfg.train.compile,
                           precision=cfg.train.precision, memory=cfg.memory,
                           nnodes=rt.world_size // rt.local_world_size, optimizer=cfg.optim.name,
-                          sample=splits.train[0][0], batch_size=plan.batch_size)
+                          sample=splits.train[0][0] if cfg.parallel.strategy == "auto" else None,
+                          batch_size=plan.batch_size)
     torch.manual_seed(cfg.run.seed + rt.rank)  # dropout masks differ between ranks
     optimizer = build_optimizer(module, cfg.optim, plan.peak_lr)
     loader = ShardedLoader(splits.train, batch_size=plan.batch_size, rank=rt.rank, world=rt.world_size,
