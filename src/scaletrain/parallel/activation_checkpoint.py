@@ -7,8 +7,8 @@
   layer norms, GELU, residual adds, dropout -- is recomputed in backward. Saving attention avoids its
   quadratic recompute, and pointwise ops are cheap to redo but their outputs (e.g. the 4C-wide MLP input to
   GELU) are a large share of activation memory. It is the middle point between none and full in both memory
-  and compute, and the default that torchtitan ships (``activation_checkpoint.mode = "selective"``,
-  ``selective_ac_option = "op"``).
+  and compute. (torchtitan's other selective option, ``selective_ac_option = n``, fully checkpoints every
+  n-th block; op-level keeps the choice inside every block, which suits models with few blocks too.)
 
 The blocks are the same units as FSDP's (a ``blocks`` ModuleList, else the parameter-holding children).
 Checkpointing wraps each block's ``forward`` in place with ``torch.utils.checkpoint.checkpoint``
