@@ -8,7 +8,7 @@ import torch
 from scaletrain.config import MemoryConfig, ParallelConfig, load
 from scaletrain.errors import ConfigError
 from scaletrain.models import GPT
-from scaletrain.parallel import is_fsdp, parallelize, resolve_degrees
+from scaletrain.parallel import check_layout, is_fsdp, parallelize, resolve_degrees
 
 
 @pytest.mark.parametrize(("strategy", "replicate", "shard", "world", "nnodes", "want"), [
@@ -70,3 +70,12 @@ def test_parallelize_on_one_process():
     auto = parallelize(model, cpu, 1, ParallelConfig(strategy="auto"), compile=False,
                        sample=torch.zeros(8, dtype=torch.long), batch_size=2)
     assert auto is model  # one rank: auto is ddp, which on one rank is the bare model
+
+
+def test_layout_checked_before_any_worker_starts():
+    check_layout(ParallelConfig(strategy="hsdp", dp_replicate=2, dp_shard=-1), MemoryConfig(), 8)
+    check_layout(ParallelConfig(strategy="auto"), MemoryConfig(cpu_offload=True), 8)  # auto then shards
+    with pytest.raises(ConfigError, match="2 x 3 = 6 != 8"):
+        check_layout(ParallelConfig(strategy="hsdp", dp_replicate=2, dp_shard=3), MemoryConfig(), 8)
+    with pytest.raises(ConfigError, match="memory.cpu_offload"):
+        check_layout(ParallelConfig(strategy="ddp"), MemoryConfig(cpu_offload=True), 8)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from scaletrain.parallel.fsdp import apply_fsdp, fsdp_units, is_fsdp, mixed_prec
 from scaletrain.parallel.mesh import build_mesh, resolve_degrees
 
 __all__ = ["apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "build_mesh",
-           "fsdp_units", "gradient_sync", "is_fsdp", "mixed_precision_policy", "parallelize",
+           "check_layout", "fsdp_units", "gradient_sync", "is_fsdp", "mixed_precision_policy", "parallelize",
            "resolve_degrees", "resolve_strategy"]
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,17 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
+def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nnodes: int = 1) -> None:
+    """The layout checks that need no model, as one-line ConfigErrors. Call it before starting workers, so a
+    mistake is reported once rather than by every rank (parallelize() repeats them)."""
+    if memory.cpu_offload and cfg.strategy == "ddp":
+        raise ConfigError("memory.cpu_offload", True, "false with parallel.strategy=ddp (offloading keeps "
+                          "FSDP's sharded state in host memory)",
+                          "--parallel.strategy=fsdp, or drop --memory.cpu_offload")
+    if cfg.strategy != "auto":
+        resolve_degrees(cfg.strategy, cfg.dp_replicate, cfg.dp_shard, world_size, nnodes)
+
+
 def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, nnodes: int = 1,
                      precision: str = "fp32", optimizer: str = "adamw", sample: torch.Tensor | None = None,
                      batch_size: int = 1, cpu_offload: bool = False) -> tuple[str, str]:
@@ -129,10 +141,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
                                         cpu_offload=memory.cpu_offload)
     if cfg.strategy == "auto":
         log.info("%s", reason)
-    if memory.cpu_offload and strategy == "ddp":
-        raise ConfigError("memory.cpu_offload", True, "false with parallel.strategy=ddp (offloading keeps "
-                          "FSDP's sharded state in host memory)",
-                          "--parallel.strategy=fsdp, or drop --memory.cpu_offload")
+    check_layout(replace(cfg, strategy=strategy), memory, world_size, nnodes)
     replicate, shard = resolve_degrees(strategy, cfg.dp_replicate, cfg.dp_shard, world_size, nnodes)
     if strategy == "hsdp" and replicate == 1:
         log.warning("hsdp with dp_replicate = 1 is fsdp over %d ranks; set --parallel.dp_replicate to "
