@@ -72,7 +72,7 @@ def test_throughput_of_a_sequence_model_is_in_tokens(tmp_path):
 
 def test_weak_scaling_over_one_and_two_ranks(tmp_path):
     proc = scaletrain("bench", "scaling", "--recipe", "digits", "--nproc", "1,2", "--steps", "2", "--warmup", "2",
-                      "--json", "sc.json", "--plot", "sc.png", "--runs-dir", "runs", cwd=tmp_path)
+                      "--json", "sc.json", "--plot", "sc.png", "--runs-dir", "runs", "--dist.device=cpu", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "sc.json").read_text())
     assert data["mode"] == "weak" and data["threads_per_rank"] == 1

@@ -19,6 +19,7 @@ from scaletrain.bench.collectives import (
     pattern,
 )
 from scaletrain.bench.units import OPS
+from scaletrain.errors import ConfigError
 
 CPU = torch.device("cpu")
 
@@ -98,3 +99,15 @@ def test_a_wrong_result_is_an_error_on_every_rank(two_ranks):
         for messages in per_rank:
             assert f"{op} of 1KB on 2 ranks returned wrong values on rank(s) [1]" in messages[op], messages
         assert "first at index 3" in per_rank[1][op] and "iteration 0" in per_rank[1][op]
+
+
+def test_nccl_needs_a_gpu_per_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with two GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_backend("nccl", 2)
+    check_backend("gloo", 8)
+    for backend in ("nccl", "auto"):  # auto means nccl on a CUDA machine
+        with pytest.raises(ConfigError) as info:
+            check_backend(backend, 3)
+        assert f"--nproc = 3: expected at most 2 with --backend {backend}" in str(info.value)
+        assert "fix: --nproc 2, or --backend gloo" in str(info.value)

@@ -42,22 +42,26 @@ def test_strong_efficiency_from_a_baseline_above_one():
     assert results[0]["baseline_nproc"] == 2
 
 
+CPU = {"dist.device": "cpu"}  # CPU ranks, also on a machine with fewer GPUs than ranks
+
+
 def test_strong_mode_fixes_the_global_batch():
-    out = scaling.run_overrides("digits", [1, 2, 4], "strong", steps=8, warmup=4, overrides={})
+    out = scaling.run_overrides("digits", [1, 2, 4], "strong", steps=8, warmup=4, overrides=CPU)
     assert out["train.global_batch"] == str(32 * 4)  # digits: 32 per rank x lcm(1, 2, 4)
     assert out["train.max_steps"] == "12" and out["train.log_every"] == "4"
-    assert scaling.run_overrides("digits", [1, 3], "strong", 8, 4, {})["train.global_batch"] == "96"
-    assert "train.global_batch" not in scaling.run_overrides("digits", [1, 2], "weak", 8, 4, {})
+    assert scaling.run_overrides("digits", [1, 3], "strong", 8, 4, CPU)["train.global_batch"] == "96"
+    assert "train.global_batch" not in scaling.run_overrides("digits", [1, 2], "weak", 8, 4, CPU)
 
 
 @pytest.mark.parametrize("mode, overrides, words", [
     ("strong", {"train.global_batch": "100"}, ["train.global_batch = 100", "32 x 2 = 64", "--train.global_batch=64"]),
     ("weak", {"train.global_batch": "64"}, ["train.global_batch = 64", "unset with --mode weak", "--mode strong"]),
     ("weak", {"train.max_steps": "5"}, ["train.max_steps = '5'", "use --steps"]),
+    ("weak", {"dist.nproc": "2"}, ["dist.nproc = '2'", "use --steps, --warmup or --nproc"]),
 ])
 def test_scaling_overrides_that_cannot_work(mode, overrides, words):
     with pytest.raises(ConfigError) as info:
-        scaling.run_overrides("digits", [1, 2], mode, 8, 4, overrides)
+        scaling.run_overrides("digits", [1, 2], mode, 8, 4, {**CPU, **overrides})
     for word in words:
         assert word in str(info.value)
 
@@ -72,3 +76,15 @@ def test_throughput_table_has_the_lectures_shape():
     assert rows == [["2", "100", "90", "0.90x", "2", "2"], ["64", "1,500", "6,000", "4.00x", "64", "64"]]
     columns, rows = throughput.table([device("cpu", {4: 10.0})])
     assert columns == ["batch size", "cpu samples/s", "cpu peak MiB"] and rows == [["4", "10", "4"]]
+
+
+def test_on_gpus_each_rank_needs_its_own(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError) as info:
+        scaling.run_overrides("digits", [1, 2], "weak", 8, 4, {})
+    assert "--nproc = 2: expected at most 1 ranks" in str(info.value) and "--dist.device=cpu" in str(info.value)
+    scaling.run_overrides("digits", [1, 2], "weak", 8, 4, CPU)  # CPU ranks need no GPU
+    scaling.run_overrides("digits", [1], "weak", 8, 4, {})

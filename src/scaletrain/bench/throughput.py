@@ -121,6 +121,8 @@ def measure_device(spec: dict[str, Any]) -> dict[str, Any]:
     from scaletrain.runtime import pick_device
 
     device = pick_device(DistConfig(device=spec["device"]), 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # initialises CUDA: resetting its peak memory before that is an error
     total = spec["warmup"] + spec["repeats"] * spec["steps"]
     rows = []
     for b in spec["batch_sizes"]:
