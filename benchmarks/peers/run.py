@@ -103,6 +103,9 @@ def main() -> int:
     print(f"peers: gpt-stdlib job, {args.nproc} ranks on {args.device}, {args.threads} thread(s) per rank, global "
           f"batch {common.BATCH * args.nproc}, {args.steps} steps in intervals of {args.log_every} (first one "
           f"warm-up), {args.rounds} interleaved rounds of {', '.join(args.impls)}")
+    if args.nproc == 1:
+        print("note: at 1 rank scaletrain does not wrap the model in DDP (nothing to synchronise) while the others "
+              "do: compare at 2 ranks or more")
     if args.device == "cpu" and args.nproc * args.threads > usable_cores():
         print(f"note: {args.nproc} ranks x {args.threads} thread(s) exceed the {usable_cores()} cores here")
     runs: dict[str, list[dict[str, Any]]] = {impl: [] for impl in args.impls}
