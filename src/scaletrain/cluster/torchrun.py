@@ -14,7 +14,8 @@ from typing import Any
 from scaletrain.config import DistConfig
 
 # The agent stops the surviving workers with SIGTERM (then SIGKILL): those exits are consequences, not causes.
-_STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
+# A worker that catches SIGTERM (preemption) and then cannot save exits with 128 + SIGTERM instead.
+_STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM)
 
 
 def _loopback_interface() -> str | None:

@@ -59,6 +59,7 @@ def _finish(job: Job, loop: Loop, wall_s: float) -> dict[str, Any]:
         "eval": loop.last_eval, "samples_per_s": samples / loop.train_time if loop.train_time else 0.0,
         "peak_mem_bytes": int(peak.item()), "device": str(rt.device), "backend": rt.backend,
         "params": sum(p.numel() for p in job.module.parameters()), "config_digest": job.cfg.digest(),
+        "skipped_steps": int(loop.skipped_seen),
         "torch": torch.__version__, "scaletrain": __version__,
     }
 
@@ -164,6 +165,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         checkpointer = Checkpointer(cfg.checkpoint, run_dir, rt)
         if cfg.debug.trace:
             job.tracer = Tracer(run_dir, rt.rank)
+            job.loader.track_indices = True
         loop = Loop(job, console, writer, checkpointer=checkpointer, preempt=preempt)
         _header(job, splits, console)
         if resume is not None:

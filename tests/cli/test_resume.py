@@ -1,0 +1,220 @@
+"""Exact resume through the real command line: 2 Gloo ranks started by torchrun on loopback.
+
+The reference is an uninterrupted run; every interrupted run (a worker SIGKILLed from outside, a
+preemption signal) must end with the same loss at every log step and bit-identical final weights. Dropout
+is on, so the RNG of every rank has to come back too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from scaletrain.checkpoint import commit
+from scaletrain.train.checkpointing import Resume, read_model
+
+JOB = ["digits", "--nproc", "2", "--train.epochs=2", "--model.dropout=0.1", "--train.log_every=4",
+       "--train.progress=false"]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+       "PYTHONUNBUFFERED": "1"}
+for _key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    ENV.pop(_key, None)
+
+
+def start(*args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "scaletrain", "train", *args], cwd=cwd, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def train(*args: str, cwd: Path) -> tuple[int, str, str]:
+    return finish(start(*args, cwd=cwd))
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+
+
+def weights_digest(run_dir: Path) -> str:
+    tensors = safetensors.torch.load_file(str(run_dir / "model.safetensors"))
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode() + tensors[name].numpy().tobytes())
+    return h.hexdigest()
+
+
+def workers_of(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        kids += [int(k) for k in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return kids
+
+
+def wait_for(predicate, timeout: float = 120, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("reference")
+    code, _, err = train(*JOB, "--run.dir=run", cwd=work)
+    assert code == 0, err[-3000:]
+    return work / "run"
+
+
+def test_a_worker_killed_from_outside_is_restarted_and_the_run_is_bit_identical(reference, tmp_path):
+    proc = start(*JOB, "--run.dir=run", "--checkpoint.every=8", "--max-restarts=1", cwd=tmp_path)
+    first = tmp_path / "run" / "checkpoints" / "step-00000008"
+    wait_for(lambda: (first / commit.MANIFEST).exists() or proc.poll() is not None, what="the first checkpoint")
+    victim = workers_of(proc.pid)[-1]
+    os.kill(victim, signal.SIGKILL)  # mid-epoch: an epoch is 22 steps here
+    code, out, err = finish(proc)
+    assert code == 0, err[-3000:]
+    assert out.count("resumed from ") == 1, out[-2000:]
+    assert losses(tmp_path / "run") == losses(reference)
+    assert weights_digest(tmp_path / "run") == weights_digest(reference)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 44 and summary["skipped_steps"] == 0
+
+    # checkpoint inspect/export on the same run
+    cli = [sys.executable, "-m", "scaletrain", "checkpoint"]
+    shown = subprocess.run([*cli, "inspect", "run"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "verified" in shown.stdout and "44" in shown.stdout, shown.stdout + shown.stderr
+    out_file = tmp_path / "w.safetensors"
+    exported = subprocess.run([*cli, "export", "run", str(out_file)], cwd=tmp_path, env=ENV, capture_output=True,
+                              text=True, timeout=60)
+    assert exported.returncode == 0, exported.stderr
+    final = safetensors.torch.load_file(str(tmp_path / "run" / "model.safetensors"))
+    got = safetensors.torch.load_file(str(out_file))
+    assert set(got) == set(final) and all(torch.equal(got[k], final[k]) for k in final)
+    again = subprocess.run([*cli, "export", "run", str(out_file)], cwd=tmp_path, env=ENV, capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 2 and "never overwritten" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_a_preempted_job_saves_exits_0_and_resumes_with_no_lost_step(reference, tmp_path):
+    proc = start(*JOB, "--run.dir=run", cwd=tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and '"step": 8' in metrics.read_text() or proc.poll() is not None,
+             what="step 8")
+    os.kill(workers_of(proc.pid)[-1], signal.SIGUSR1)  # one rank only: all must agree to stop
+    code, out, err = finish(proc)
+    assert code == 0, err[-3000:]
+    stopped = json.loads(metrics.read_text().splitlines()[-1])
+    assert stopped["kind"] == "stopped" and stopped["reason"] == "SIGUSR1"
+    assert stopped["step"] % 4 == 0 and stopped["step"] < 44  # agreed at a log step (the only sync point)
+    assert f"step-{stopped['step']:08d}" in stopped["checkpoint"]
+
+    code, out, err = train(*JOB, "--run.dir=run", cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    assert f"resumed from run/checkpoints/step-{stopped['step']:08d}: step {stopped['step']} of 44" in out
+    assert losses(tmp_path / "run") == losses(reference)
+    assert weights_digest(tmp_path / "run") == weights_digest(reference)
+
+
+def test_the_restart_budget_exhausted_fails_fast_and_leaves_no_process(tmp_path):
+    proc = start(*JOB, "--run.dir=run", "--checkpoint.every=8", cwd=tmp_path)
+    first = tmp_path / "run" / "checkpoints" / "step-00000008"
+    wait_for(lambda: (first / commit.MANIFEST).exists() or proc.poll() is not None, what="the first checkpoint")
+    workers = workers_of(proc.pid)
+    os.kill(workers[1], signal.SIGKILL)
+    killed = time.monotonic()
+    code, _, err = finish(proc, timeout=60)
+    assert time.monotonic() - killed < 10  # a liveness bound, with a wide margin
+    assert code == 1
+    assert "worker rank 1 was killed by SIGKILL" in err
+    assert "Traceback" not in err.split("worker rank 1")[-1]
+    assert not any(alive(pid) for pid in workers)
+
+
+def test_a_nan_on_one_rank_is_skipped_on_every_rank_or_stops_the_job(tmp_path):
+    nan = ["--chaos.nan_rank=1", "--chaos.nan_step=6", "--checkpoint.every=4", "--checkpoint.keep=0"]
+    code, out, err = train(*JOB, "--run.dir=skip", "--train.nonfinite=skip", *nan, cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    assert "non-finite loss on rank 1 at step 6: step skipped (1 skipped so far)" in out
+    summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1 and math.isfinite(summary["train_loss"])
+    for _, path in commit.committed(tmp_path / "skip" / "checkpoints"):
+        tensors, _ = read_model(Resume(path, commit.verify(path)))
+        assert all(torch.isfinite(t).all() for t in tensors.values()), path
+
+    code, out, err = train(*JOB, "--run.dir=raise", *nan, cwd=tmp_path)
+    assert code == 1
+    assert "training failed: non-finite loss on rank 1 at step 6" in err and "Traceback" not in err
+    saved = [s for s, _ in commit.committed(tmp_path / "raise" / "checkpoints")]
+    assert saved == [4]  # the checkpoint due at step 8 was never written
+
+
+def test_a_hung_rank_is_named_within_the_timeout(tmp_path):
+    started = time.monotonic()
+    code, out, err = train(*JOB, "--run.dir=run", "--chaos.hang_rank=1", "--chaos.hang_step=3",
+                           "--dist.timeout_s=5", "--chaos.hang_s=120", cwd=tmp_path)
+    assert code == 1
+    assert "a collective failed during step 3" in err and "not answering: rank 1 (host" in err, err[-2000:]
+    assert "--dist.timeout_s=5" in err
+    assert time.monotonic() - started < 90  # far below the 120 s hang: the timeout ended it
+
+
+def _trace(run_dir: Path) -> dict[int, list[dict]]:
+    from scaletrain.train.verify import read_trace
+
+    return read_trace(run_dir)
+
+
+def test_world_size_2_to_1_to_2_keeps_the_state_and_sees_every_sample_once(tmp_path):
+    job = ["digits", "--train.epochs=1", "--model.dropout=0.1", "--train.log_every=4", "--train.progress=false",
+           "--debug.trace=true", "--run.dir=run"]
+    code, _, err = train(*job, "--nproc", "2", "--chaos.interrupt_step=7", cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    first = _trace(tmp_path / "run")
+    code, out, err = train(*job, "--nproc", "1", "--chaos.interrupt_step=14", cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    assert "world size 2 -> 1: accumulation 2 keeps the global batch at 64" in out
+    second = _trace(tmp_path / "run")
+    code, out, err = train(*job, "--nproc", "2", cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    assert "world size 1 -> 2: accumulation 1 keeps the global batch at 64" in out
+    third = _trace(tmp_path / "run")
+
+    # The state as loaded equals the state as saved, across each change of world size (rank 0's view).
+    resumes = [r for r in third[0] if r.get("event") == "resume"]
+    after_7 = next(r for r in first[0] if r["step"] == 7 and "event" not in r)
+    after_14 = next(r for r in second[0] if r["step"] == 14 and "event" not in r)
+    for loaded, saved in zip(resumes, (after_7, after_14)):
+        assert loaded["step"] == saved["step"]
+        for part in ("weights", "optimizer", "scheduler", "loader"):
+            assert loaded[part] == saved[part], (saved["step"], part)
+
+    # Every sample of the epoch's 22 steps x 64 was seen exactly once across ranks and world sizes.
+    seen = [i for rank in third for r in third[rank] if "indices" in r for i in r["indices"]]
+    assert len(seen) == 22 * 64 == len(set(seen))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 22 and summary["world_size"] == 2

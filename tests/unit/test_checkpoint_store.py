@@ -1,0 +1,179 @@
+"""The checkpoint format and commit protocol: exact round trips, manifests, fallback, tampering.
+
+A planted pickle payload would create a marker file if anything unpickled it; every file the loader reads is
+tried, with the manifest updated to match (the attacker rewrote it too), and must be refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from scaletrain.checkpoint import commit, tree
+from scaletrain.config import load
+from scaletrain.errors import CheckpointError
+from scaletrain.runtime import Runtime
+from scaletrain.train.checkpointing import Resume
+from scaletrain.train.run import run
+
+
+def test_tree_round_trip_is_exact():
+    state = {
+        "state": {"fc.weight": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)}},
+        "param_groups": [{"params": ["fc.weight"], "lr": 0.1, "betas": (0.9, 0.999), "foreach": None,
+                          "fused": True}],
+        "ints": {1: "one", 2: [torch.arange(5), 2.5]},
+        "odd": [float("nan"), float("inf"), -0.0, 1e-310, 2**70],
+        "dtypes": [torch.randn(3, dtype=torch.bfloat16), torch.tensor([1, 2], dtype=torch.uint8),
+                   torch.tensor([True, False])],
+    }
+    back, meta = tree.decode(tree.encode(state, {"note": "x"}), "test")
+    assert meta == {"note": "x"}
+    assert back["param_groups"][0]["betas"] == (0.9, 0.999)  # tuples stay tuples
+    assert set(back["ints"]) == {1, 2}  # int keys stay ints
+    assert math.isnan(back["odd"][0]) and back["odd"][1:] == [float("inf"), -0.0, 1e-310, 2**70]
+    assert math.copysign(1.0, back["odd"][2]) == -1.0
+    assert torch.equal(back["state"]["fc.weight"]["exp_avg"], state["state"]["fc.weight"]["exp_avg"])
+    for a, b in zip(back["dtypes"], state["dtypes"]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _stage(root: Path, step: int, payload: bytes = b"weights") -> Path:
+    stage = commit.new_stage(root, step)
+    records = {"a.bin": commit.write_bytes(stage / "a.bin", payload)}
+    (stage / "sub").mkdir()
+    (stage / "sub" / "b.bin").write_bytes(b"shard of another rank")  # hashed by commit itself
+    return commit.commit(stage, step, records, {"note": step})
+
+
+def test_commit_writes_the_manifest_last_and_never_overwrites(tmp_path):
+    path = _stage(tmp_path, 5)
+    assert path.name == "step-00000005" and not list(tmp_path.glob(".tmp-*"))
+    manifest = commit.verify(path)
+    assert manifest["step"] == 5 and manifest["meta"] == {"note": 5}
+    assert manifest["files"]["a.bin"]["bytes"] == 7 and set(manifest["files"]) == {"a.bin", "sub/b.bin"}
+    with pytest.raises(CheckpointError, match="never overwritten"):
+        _stage(tmp_path, 5, b"other")
+    assert commit.verify(path)["files"]["a.bin"]["bytes"] == 7  # untouched
+    assert not list(tmp_path.glob(".tmp-*"))  # the refused stage is gone
+
+
+def test_stale_stages_are_not_checkpoints_and_are_cleaned(tmp_path):
+    _stage(tmp_path, 1)
+    half = commit.new_stage(tmp_path, 2)  # a save killed before its manifest
+    (half / "a.bin").write_bytes(b"partial")
+    trash = tmp_path / ".trash-step-00000000-dead"  # a delete killed half way
+    trash.mkdir()
+    assert [s for s, _ in commit.committed(tmp_path)] == [1]
+    removed = commit.clean_stale(tmp_path)
+    assert sorted(p.name for p in removed) == sorted([half.name, trash.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for step in (1, 2, 3, 4):
+        _stage(tmp_path, step)
+    commit.prune(tmp_path, keep=2)
+    assert [s for s, _ in commit.committed(tmp_path)] == [3, 4]
+    commit.prune(tmp_path, keep=0)  # 0 keeps all
+    assert [s for s, _ in commit.committed(tmp_path)] == [3, 4]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no-manifest", "garbage-manifest"])
+def test_a_bad_latest_is_named_set_aside_and_the_previous_one_used(tmp_path, damage):
+    _stage(tmp_path, 1)
+    latest = _stage(tmp_path, 2, b"0123456789")
+    if damage == "truncate":
+        (latest / "a.bin").write_bytes(b"01234")
+    elif damage == "flip":
+        (latest / "a.bin").write_bytes(b"0123456780")
+    elif damage == "no-manifest":
+        (latest / commit.MANIFEST).unlink()
+    else:
+        (latest / commit.MANIFEST).write_text("{not json")
+    warnings: list[str] = []
+    found = commit.latest_valid(tmp_path, warnings.append)
+    assert found is not None and found[0].name == "step-00000001"
+    assert len(warnings) == 1 and "step-00000002" in warnings[0] and "falling back" in warnings[0]
+    named = {"truncate": "a.bin", "flip": "a.bin", "no-manifest": "manifest.json", "garbage-manifest": "manifest.json"}
+    assert named[damage] in warnings[0]
+    assert (tmp_path / "corrupt-step-00000002-1").is_dir()  # kept for inspection, not deleted
+
+
+# -- a real checkpoint, tampered with ---------------------------------------------------------------------
+
+MARKER = Path(os.environ.get("TMPDIR", "/tmp")) / "scaletrain-pwned-marker"
+
+
+class _Payload:
+    def __reduce__(self):
+        return (open, (str(MARKER), "w"))
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tamper") / "run"
+    cfg = load("digits", {"run.dir": str(run_dir), "train.max_steps": 6, "checkpoint.every": 3,
+                          "checkpoint.keep": 0, "train.progress": False, "train.log_every": 3})
+    run(cfg)
+    return run_dir
+
+
+def _restore_into_fresh_job(run_dir: Path, step_dir: Path):
+    from scaletrain.data import digits
+    from scaletrain.train.job import build_job
+    from scaletrain.train.resume import restore
+
+    cfg = load("digits", {"run.dir": str(run_dir), "train.progress": False})
+    rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "none")
+    job = build_job(cfg, rt, digits(0.2))
+    return (job, *restore(job, Resume(step_dir, commit.verify(step_dir))))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "rank-00000.safetensors",
+                                  "trainer.json"])
+def test_a_planted_pickle_is_refused_even_with_a_matching_manifest(real_run, tmp_path, name):
+    import shutil
+
+    step_dir = tmp_path / "step-00000006"
+    shutil.copytree(real_run / "checkpoints" / "step-00000006", step_dir)
+    (step_dir / name).write_bytes(pickle.dumps(_Payload()))
+    manifest = json.loads((step_dir / commit.MANIFEST).read_text())
+    record = commit.hash_file(step_dir / name)
+    manifest["files"][name] = {"bytes": record.bytes, "sha256": record.sha256}  # the attacker fixed it too
+    (step_dir / commit.MANIFEST).write_text(json.dumps(manifest))
+    MARKER.unlink(missing_ok=True)
+    with pytest.raises(CheckpointError) as err:
+        _restore_into_fresh_job(real_run, step_dir)
+    assert name in str(err.value) and "fix:" in str(err.value)
+    assert not MARKER.exists(), "a pickle payload ran"
+
+
+def test_a_tampered_file_without_a_new_manifest_falls_back(real_run, tmp_path):
+    import shutil
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(real_run / "checkpoints", root)
+    (root / "step-00000006" / "optimizer.safetensors").write_bytes(pickle.dumps(_Payload()))
+    warnings: list[str] = []
+    path, _ = commit.latest_valid(root, warnings.append)
+    assert path.name == "step-00000003" and "optimizer.safetensors" in warnings[0]
+    assert not MARKER.exists()
+
+
+def test_restore_reproduces_the_saved_state(real_run):
+    step_dir = real_run / "checkpoints" / "step-00000006"
+    job, trainer, rank_state = _restore_into_fresh_job(real_run, step_dir)
+    assert job.step == trainer["step"] == 6 and trainer["loader"]["cursor"] == 6 * 32
+    assert rank_state is not None and set(rank_state) >= {"rng", "loss_sum", "since", "guard"}
+    final = safetensors.torch.load_file(str(real_run / "model.safetensors"))  # the run's own final weights
+    for name, value in job.module.state_dict().items():
+        assert torch.equal(value, final[name]), name
+    assert job.optimizer.state_dict()["state"][0]["momentum_buffer"].abs().sum() > 0  # momentum came back
