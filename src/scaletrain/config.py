@@ -222,8 +222,8 @@ class TrainConfig:
     """Micro-steps accumulated per optimizer step (gradients are all-reduced on the last one only)."""
     global_batch: int = 0
     """Samples per optimizer step across all ranks; > 0 derives accum_steps from it (0 = use accum_steps)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute precision: fp32, bf16 autocast, or fp16 autocast with a gradient scaler (CUDA only)."""
+    precision: Literal["fp32", "bf16-mixed", "fp16-mixed"] = "fp32"
+    """Compute precision: fp32, or bf16/fp16 compute with fp32 master weights (autocast; FSDP's MixedPrecisionPolicy under fsdp/hsdp); fp16 adds a gradient scaler (CUDA only)."""
     compile: bool = False
     """Compile the model with torch.compile before wrapping it for data parallelism."""
     log_every: int = 10
@@ -456,7 +456,8 @@ def coerce(key: str, value: Any, tp: Any, origin: str, from_text: bool = False) 
         choices = get_args(tp)
         if value in choices:
             return value
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        names = [str(c) for c in choices]
+        close = [c for c in names if c.startswith(str(value))][:1] or difflib.get_close_matches(str(value), names, n=1)
         hint = f"--{key}={close[0]}" if close else f"--{key}={choices[0]}"
         raise ConfigError(key, value, describe_type(tp), hint, origin)
     if tp is bool:

@@ -13,6 +13,10 @@ EXIT_FAILURE = 1  # training failed (a crash, a non-finite loss)
 EXIT_USAGE = 2  # usage or configuration error
 
 
+class TrainingFailed(Exception):
+    """Training cannot go on (exit code 1): a non-finite loss, a failed collective, out of memory."""
+
+
 class UserError(Exception):
     """A mistake in the user's input. ``str(err)`` is the whole one-line message."""
 

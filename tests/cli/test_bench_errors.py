@@ -72,8 +72,8 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAM
 @pytest.mark.parametrize("extra, words", [
     (["--batch-sizes", "4096"], ["--batch-sizes = 4096: expected a global batch",
                                  "no larger than the 1437 training samples", "fix: smaller --batch-sizes"]),
-    (["--train.precision=fp16"], ["train.precision = 'fp16': expected fp32 or bf16 on a CPU",
-                                  "fix: --train.precision=bf16"]),
+    (["--train.precision=fp16-mixed"], ["train.precision = 'fp16-mixed': expected fp32 or bf16-mixed on a CPU",
+                                  "fix: --train.precision=bf16-mixed"]),
 ])
 def test_mistakes_found_by_the_device_process_are_one_line(extra, words, tmp_path):
     """Found only in the per-device process (with the data loaded): still one line, no traceback."""

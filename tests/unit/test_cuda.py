@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
 def test_digits_trains_on_one_gpu(precision, tmp_path):
     cfg = load("digits", {"run.dir": str(tmp_path / precision), "train.precision": precision,
                           "train.epochs": 10, "train.progress": False})

@@ -34,7 +34,7 @@ def test_compiled_training_matches_eager():
 
 def test_bf16_autocast_tracks_fp32():
     fp32_losses, _ = _train()
-    bf16_losses, bf16 = _train(**{"train.precision": "bf16"})
+    bf16_losses, bf16 = _train(**{"train.precision": "bf16-mixed"})
     assert bf16_losses != fp32_losses  # it did run in lower precision
     assert bf16_losses == pytest.approx(fp32_losses, rel=0.03)  # bf16 keeps 8 mantissa bits
     assert all(v.dtype == torch.float32 for v in bf16.values())  # master weights stay fp32
@@ -42,8 +42,8 @@ def test_bf16_autocast_tracks_fp32():
 
 def test_autocast_and_scaler_choices():
     cpu = torch.device("cpu")
-    with autocast("bf16", cpu):
+    with autocast("bf16-mixed", cpu):
         assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16
     with autocast("fp32", cpu):
         assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.float32
-    assert not grad_scaler("bf16", cpu).is_enabled()
+    assert not grad_scaler("bf16-mixed", cpu).is_enabled()

@@ -98,8 +98,8 @@ def _inspect(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import safetensors.torch
 
-    from scaletrain.checkpoint import commit
-    from scaletrain.train.checkpointing import Resume, read_model
+    from scaletrain.checkpoint import commit, dcp
+    from scaletrain.train.checkpointing import FORMAT_DCP, Resume, read_model
 
     out = Path(args.out)
     if out.exists():
@@ -108,8 +108,11 @@ def _export(args: argparse.Namespace) -> int:
         raise UserError(f"{out}: expected a .safetensors file name; fix: {out.with_suffix('.safetensors')}")
     path = _checkpoints(Path(args.path))[-1]
     resume = Resume(path, commit.verify(path))
-    tensors, aliases = read_model(resume)
     meta = resume.meta
+    if meta.get("format") == FORMAT_DCP:  # shards of an FSDP run, consolidated here in one process
+        tensors, aliases = dcp.full_tensors(path / dcp.DCP_DIR, "model."), dict(meta.get("aliases", {}))
+    else:
+        tensors, aliases = read_model(resume)
     tmp = out.with_name(out.name + ".tmp")
     safetensors.torch.save_file(tensors, str(tmp), metadata={
         "format": "pt", "step": str(resume.step), "config_digest": str(meta.get("config_digest", "")),

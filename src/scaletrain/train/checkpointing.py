@@ -29,18 +29,20 @@ from typing import Any
 import safetensors.torch
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from scaletrain import __version__
 from scaletrain.checkpoint import commit, tree
 from scaletrain.config import CheckpointConfig
-from scaletrain.errors import CheckpointError, ConfigError
+from scaletrain.errors import CheckpointError, ConfigError, TrainingFailed
 from scaletrain.runtime import Runtime
 
-FORMAT_FULL = "full"
+FORMAT_FULL, FORMAT_DCP = "full", "dcp"
 MODEL, OPTIMIZER, TRAINER = "model.safetensors", "optimizer.safetensors", "trainer.json"
+OPTIMIZER_GROUPS = "optimizer-groups.safetensors"  # dcp format: the param groups (the shards hold tensors only)
 
 
-class NonFiniteState(Exception):
+class NonFiniteState(TrainingFailed):
     """The state to be saved holds a NaN or an infinity: the save is refused and training stops."""
 
 
@@ -90,6 +92,10 @@ class Snapshot:
     ranks: list[Any]
     meta: dict[str, Any]
     started: float = field(default_factory=time.perf_counter)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _finite(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -144,6 +150,55 @@ class Checkpointer:
         else:
             self.finished.append(self._write(snap, blocked, False))
         return blocked
+
+    def save_sharded(self, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     trainer: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any]) -> float:
+        """Save a sharded (FSDP) job through DCP: every rank writes its shards into the staging directory,
+        which must be on storage all ranks share; rank 0 then writes the rest and commits. Synchronous."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        from scaletrain.checkpoint import dcp
+        from scaletrain.train.state import dedupe
+
+        started = time.perf_counter()
+        self.wait()
+        where: list[Any] = [str(commit.new_stage(self.root, step)) if self.rt.is_main else None]
+        if self.rt.distributed:
+            dist.broadcast_object_list(where, src=0)
+        stage = Path(where[0])
+        model, aliases = dedupe(get_model_state_dict(module))
+        optim = get_optimizer_state_dict(module, optimizer)
+        dcp.save({"model": model, "optim": optim["state"]}, stage / dcp.DCP_DIR)
+        local = {**{f"model.{k}": _local(v) for k, v in model.items()},
+                 **{f"optim.{k}": _local(v) for k, v in tree.split(optim["state"])[0].items()}}
+        rank_state = {**rank_state, "nonfinite": _finite(local) or ""}
+        ranks: list[Any] = [None] * self.rt.world_size
+        if self.rt.distributed:
+            dist.gather_object(rank_state, ranks if self.rt.is_main else None, dst=0)
+        else:
+            ranks = [rank_state]
+        self.last_step = step
+        if not self.rt.is_main:
+            return time.perf_counter() - started
+        bad = next((f"rank {r}: {state['nonfinite']}" for r, state in enumerate(ranks) if state["nonfinite"]), "")
+        try:
+            if bad:
+                raise NonFiniteState(f"refusing to checkpoint step {step}: {bad} is not finite; fix: "
+                                     "--train.nonfinite=skip, a lower --optim.lr, or --optim.grad_clip=1.0")
+            records = {OPTIMIZER_GROUPS: commit.write_bytes(stage / OPTIMIZER_GROUPS,
+                                                            tree.encode(optim["param_groups"])),
+                       TRAINER: commit.write_bytes(stage / TRAINER, json.dumps(trainer, indent=1).encode())}
+            for rank, state in enumerate(ranks):
+                records[rank_file(rank)] = commit.write_bytes(stage / rank_file(rank), tree.encode(state))
+            final = commit.commit(stage, step, records, {**meta, "aliases": aliases})
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        commit.prune(self.root, self.cfg.keep, protect=final)
+        size = sum(r["bytes"] for r in commit.read_manifest(final)["files"].values())
+        took = time.perf_counter() - started
+        self.finished.append(SaveResult(step, final, size, took, took, False))
+        return took
 
     def _copy(self, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy into host buffers kept between saves (pinned for a GPU), so a save allocates nothing."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -18,7 +20,8 @@ def evaluate(job: Job) -> dict[str, float]:
     the result is sum(correct) / sum(count) over the whole split: no mean of means, no sample twice.
     Accuracy is exact at any world size; the loss agrees to float32 rounding (batch means are float32).
     Runs on the bare module: DDP's forward is not needed without gradients, and ranks may see one sample
-    more or less than each other.
+    more or less than each other. Under FSDP the module's forward is collective, so a rank with fewer
+    batches runs uncounted forwards until every rank has run as many.
     """
     cfg, rt, module = job.cfg, job.rt, job.module
     assert job.eval_data is not None
@@ -28,11 +31,26 @@ def evaluate(job: Job) -> dict[str, float]:
     module.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss x count, correct
     count, other = 0, 0  # targets seen (tokens for a language model), batches without class targets
-    for i, (x, y) in enumerate(loader):
-        if cfg.train.eval_batches and i >= cfg.train.eval_batches:
-            break
-        x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
-        with autocast(cfg.train.precision, rt.device):
+    batches = len(loader)
+    if cfg.train.eval_batches:
+        batches = min(batches, cfg.train.eval_batches)
+    if job.sharded:
+        # FSDP's forward is collective (it all-gathers parameters): every rank must run the same number of
+        # forwards, though one rank may hold one sample more. The extra forwards are not counted.
+        most = -(-len(job.eval_data) // rt.world_size)  # type: ignore[arg-type]
+        forwards = -(-most // loader.batch_size)  # type: ignore[operator]
+        if cfg.train.eval_batches:
+            forwards = min(forwards, cfg.train.eval_batches)
+    else:
+        forwards = batches
+    for batch in _padded(loader, forwards):
+        if batch is None:  # this rank is out of samples; keep FSDP's collectives in step, count nothing
+            x = job.eval_data[0][0].unsqueeze(0).to(rt.device)
+            with autocast(cfg.train.precision, rt.device, sharded=job.sharded):
+                module(x)
+            continue
+        x, y = (t.to(rt.device, non_blocking=True) for t in batch)
+        with autocast(cfg.train.precision, rt.device, sharded=job.sharded):
             out = module(x)
         n = y.numel() if not y.is_floating_point() else y.shape[0]
         totals[0] += job.loss_fn(out, y).double() * n
@@ -51,3 +69,16 @@ def evaluate(job: Job) -> dict[str, float]:
         metrics["accuracy"] = correct / max(count, 1.0)
         metrics["correct"] = correct
     return metrics
+
+
+def _padded(loader: Any, forwards: int) -> Any:
+    """The loader's batches, then None until ``forwards`` items were given."""
+    given = 0
+    for batch in loader:
+        if given == forwards:
+            return
+        yield batch
+        given += 1
+    while given < forwards:
+        yield None
+        given += 1

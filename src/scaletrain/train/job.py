@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
@@ -16,7 +18,8 @@ from torch.utils.data import Dataset
 from scaletrain.config import Config, OptimConfig
 from scaletrain.data import ShardedLoader, Splits
 from scaletrain.models import build_model
-from scaletrain.parallel import parallelize
+from scaletrain.observe.memory import MemoryBreakdown
+from scaletrain.parallel import is_fsdp, parallelize, resolve_strategy
 from scaletrain.runtime import Runtime, seed_all
 from scaletrain.train.batching import BatchPlan, plan_batches
 from scaletrain.train.chaos import Chaos
@@ -50,8 +53,16 @@ class Job:
     loss_fn: LossFn
     guard: NonFiniteGuard
     chaos: Chaos
+    strategy: str = "ddp"  # the data-parallel layout in effect (auto resolved)
+    strategy_reason: str = ""
     step: int = 0  # optimizer steps completed
     tracer: Tracer | None = None  # per-step fingerprints (debug.trace)
+    state_bytes: MemoryBreakdown | None = None  # model state on this rank, counted after the first step
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP/HSDP: parameters, gradients and optimizer state are DTensor shards; forward is collective."""
+        return is_fsdp(self.model)
 
     def release(self) -> None:
         """Drop the parallel wrapper (it holds the process group) so closing the group really ends it."""
@@ -65,7 +76,9 @@ def build_optimizer(module: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     # Fused kernels: faster, and they skip a non-finite step on the device (train/guard.py) without a sync.
-    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    # torch has no sharding rule for fused SGD on DTensors (FSDP): there the guard falls back to a host check.
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) and not (
+        cfg.name == "sgd" and any(isinstance(p, DTensor) for p in params))
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, fused=fused)
     return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
@@ -87,11 +100,15 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     else:
         module = model if isinstance(model, nn.Module) else model()
     module.to(rt.device)
-    wrapped = parallelize(module, rt.device, rt.world_size, cfg.parallel, compile=cfg.train.compile,
-                          precision=cfg.train.precision, memory=cfg.memory,
-                          nnodes=rt.world_size // rt.local_world_size, optimizer=cfg.optim.name,
-                          sample=splits.train[0][0] if cfg.parallel.strategy == "auto" else None,
-                          batch_size=plan.batch_size)
+    nnodes = max(1, rt.world_size // rt.local_world_size)
+    strategy, reason = resolve_strategy(module, cfg.parallel, world_size=rt.world_size, nnodes=nnodes,
+                                        precision=cfg.train.precision, optimizer=cfg.optim.name,
+                                        sample=splits.train[0][0] if cfg.parallel.strategy == "auto" else None,
+                                        batch_size=plan.batch_size, cpu_offload=cfg.memory.cpu_offload)
+    check_precision(cfg.train.precision, rt.device, strategy)
+    wrapped = parallelize(module, rt.device, rt.world_size, dataclasses.replace(cfg.parallel, strategy=strategy),
+                          compile=cfg.train.compile, precision=cfg.train.precision, memory=cfg.memory,
+                          nnodes=nnodes, optimizer=cfg.optim.name, batch_size=plan.batch_size)
     torch.manual_seed(cfg.run.seed + rt.rank)  # dropout masks differ between ranks
     optimizer = build_optimizer(module, cfg.optim, plan.peak_lr)
     loader = ShardedLoader(splits.train, batch_size=plan.batch_size, rank=rt.rank, world=rt.world_size,
@@ -100,4 +117,5 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     scaler = grad_scaler(cfg.train.precision, rt.device)
     guard = NonFiniteGuard(rt.device, scaler_owns_skips=scaler.is_enabled(), device_skip=supports_device_skip(optimizer))
     return Job(cfg, rt, plan, module, wrapped, optimizer, build_scheduler(optimizer, cfg.schedule, plan.total_steps),
-               scaler, loader, splits.eval, loss_fn or cross_entropy, guard, Chaos(cfg.chaos, rt.rank))
+               scaler, loader, splits.eval, loss_fn or cross_entropy, guard, Chaos(cfg.chaos, rt.rank), strategy,
+               reason)

@@ -11,7 +11,6 @@ same numbers first: nothing is saved after a non-finite step under train.nonfini
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -19,11 +18,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from scaletrain.checkpoint import rng
+from scaletrain.errors import TrainingFailed
 from scaletrain.observe.console import Console
+from scaletrain.observe.memory import model_state_bytes, peak_bytes
 from scaletrain.observe.metrics import MetricsWriter
-from scaletrain.train.checkpointing import FORMAT_FULL, Checkpointer, SaveResult, describe_versions
+from scaletrain.parallel import gradient_sync
+from scaletrain.train.checkpointing import (
+    FORMAT_DCP,
+    FORMAT_FULL,
+    Checkpointer,
+    SaveResult,
+    describe_versions,
+)
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast
@@ -34,10 +43,6 @@ from scaletrain.train.trace import Tracer
 DONE, PREEMPTED, INTERRUPTED = "done", "preempted", "interrupted"
 
 
-class TrainingFailed(Exception):
-    """Training cannot go on (exit code 1): a non-finite loss, say."""
-
-
 def _grad_norm(job: Job) -> torch.Tensor | None:
     """The total gradient norm (clipping to optim.grad_clip if set); None under fp16 without clipping, where
     the scaler checks gradients itself."""
@@ -45,10 +50,13 @@ def _grad_norm(job: Job) -> torch.Tensor | None:
     params = [p for p in job.module.parameters() if p.grad is not None]
     if clip > 0:
         job.scaler.unscale_(job.optimizer)
-        return torch.nn.utils.clip_grad_norm_(params, clip)
-    if job.guard.scaler_owns_skips:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    elif job.guard.scaler_owns_skips:
         return None
-    return torch.nn.utils.get_total_norm([p.grad for p in params])
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    # Sharded gradients give a DTensor norm; its full value (one small all-reduce) is the same on every rank.
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
@@ -64,10 +72,9 @@ def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
         if tracer is not None:
             tracer.batch(job, x, y)
         x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
-        # Only the last micro-step all-reduces gradients; the others accumulate locally.
-        skip_sync = micro < accum - 1 and hasattr(job.model, "no_sync")
-        with job.model.no_sync() if skip_sync else contextlib.nullcontext():
-            with autocast(precision, rt.device):
+        # Only the last micro-step all-reduces (or reduce-scatters) gradients; the others accumulate locally.
+        with gradient_sync(job.model, micro == accum - 1):
+            with autocast(precision, rt.device, sharded=job.sharded):
                 loss = chaos.poison(step, job.loss_fn(job.model(x), y)) / accum
             chaos.delay("compute")
             job.scaler.scale(loss).backward()
@@ -79,6 +86,8 @@ def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
         job.scaler.step(job.optimizer)
     job.guard.disarm(job.optimizer)
     job.scaler.update()
+    if job.state_bytes is None:  # gradients and optimizer state all exist now, once
+        job.state_bytes = model_state_bytes(job.module, job.optimizer)
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
     job.step += 1
@@ -104,6 +113,7 @@ class Loop:
         self.skipped_seen = 0.0
         self.stopped_by = 0  # the signal that stopped the run, if any
         self.saves: list[SaveResult] = []
+        self.last_mem: dict[str, Any] = {}
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -155,11 +165,12 @@ class Loop:
     # -- sync points --------------------------------------------------------------------------------------
 
     def _gather(self) -> list[list[float]]:
-        """Every rank's [loss_sum, loss_count, signal, skipped, first skipped, first bad loss], on every rank:
-        one all_gather and one host-device sync."""
+        """Every rank's [loss_sum, loss_count, skipped, first skipped, first bad loss, signal, peak bytes], on
+        every rank: one all_gather and one host-device sync. float64: byte counts stay exact."""
         job = self.job
-        mine = torch.stack([self.loss_sum, self.loss_count,
-                            torch.tensor(float(self.preempt.signum), device=job.rt.device), *job.guard.state()])
+        host = torch.tensor([float(self.preempt.signum), float(peak_bytes(job.rt.device))], dtype=torch.float64)
+        mine = torch.cat([torch.stack([self.loss_sum, self.loss_count, *job.guard.state()]).double(),
+                          host.to(job.rt.device)])
         if job.rt.distributed:
             rows = [torch.empty_like(mine) for _ in range(job.rt.world_size)]
             dist.all_gather(rows, mine)
@@ -170,10 +181,10 @@ class Loop:
         """Act on the gathered counters: stop for a non-finite step (train.nonfinite=raise), report skipped
         ones, and return PREEMPTED if any rank was signalled."""
         job = self.job
-        skipped = max(r[3] for r in rows)
+        skipped = max(r[2] for r in rows)
         if skipped > self.skipped_seen:
-            first = int(min(r[4] for r in rows if r[4] >= 0))
-            bad = [(int(r[5]), rank) for rank, r in enumerate(rows) if r[5] >= 0]
+            first = int(min(r[3] for r in rows if r[3] >= 0))
+            bad = [(int(r[4]), rank) for rank, r in enumerate(rows) if r[4] >= 0]
             where = (f"non-finite loss on rank {min(bad)[1]} at step {min(bad)[0]}" if bad else
                      f"non-finite gradients at step {first} (the loss was finite on every rank)")
             if job.cfg.train.nonfinite == "raise":
@@ -182,7 +193,7 @@ class Loop:
                                      "or --train.nonfinite=skip to skip such steps")
             self.console.print(f"warning: {where}: step skipped ({int(skipped)} skipped so far)")
             self.skipped_seen = skipped
-        signals = [int(r[2]) for r in rows if r[2]]
+        signals = [int(r[5]) for r in rows if r[5]]
         if signals:
             self.stopped_by = signals[0]
             return PREEMPTED
@@ -202,7 +213,7 @@ class Loop:
         record = {"kind": "train", "step": job.step, "epoch": job.loader.epoch + 1, "loss": loss,
                   "lr": job.scheduler.get_last_lr()[0],
                   "samples_per_s": steps * job.plan.global_batch / elapsed, "step_time_s": elapsed / steps,
-                  "skipped_steps": int(self.skipped_seen)}
+                  "skipped_steps": int(self.skipped_seen), "mem": self.memory(rows)}
         self.writer.write(record)
         self.console.status(f"loss {loss:.4f}")
         self.console.print(
@@ -212,6 +223,20 @@ class Loop:
         self.loss_count.zero_()
         self.since = 0
         return stop
+
+    def memory(self, rows: list[list[float]]) -> dict[str, Any]:
+        """metrics.jsonl's ``mem``: per-rank peaks, and rank 0's model state counted from the live tensors."""
+        job = self.job
+        peaks = [int(r[6]) for r in rows]
+        mem: dict[str, Any] = {"peak_bytes": max(peaks), "rank_peak_bytes": peaks}
+        if job.state_bytes is not None:
+            mem.update(job.state_bytes.as_dict())
+            # On a GPU the allocator's peak is model state + activations (+ temporaries); a CPU's RSS also
+            # holds the interpreter and the data, so the rest of the peak is not activations there.
+            mem["activations_bytes"] = max(0, peaks[0] - job.state_bytes.model_state_bytes) \
+                if job.rt.device.type == "cuda" else 0
+        self.last_mem = mem
+        return mem
 
     # -- evaluation ---------------------------------------------------------------------------------------
 
@@ -273,8 +298,13 @@ class Loop:
         if ckpt is None:
             return 0.0
         with self.preempt.saving():
-            blocked = ckpt.save(job.step, model_tensors(job.module), optimizer_tree(job.module, job.optimizer),
-                                self.trainer_state(), self.rank_state(), self.checkpoint_meta(), background=not final)
+            if job.sharded:  # every rank writes its own shards through DCP
+                blocked = ckpt.save_sharded(job.step, job.module, job.optimizer, self.trainer_state(),
+                                            self.rank_state(), {**self.checkpoint_meta(), "format": FORMAT_DCP})
+            else:
+                blocked = ckpt.save(job.step, model_tensors(job.module), optimizer_tree(job.module, job.optimizer),
+                                    self.trainer_state(), self.rank_state(), self.checkpoint_meta(),
+                                    background=not final)
             if final:
                 ckpt.wait()
         return blocked

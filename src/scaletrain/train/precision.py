@@ -1,4 +1,8 @@
-"""Mixed precision: autocast contexts and the fp16 gradient scaler."""
+"""Mixed precision: bf16/fp16 compute with fp32 master weights, and the fp16 gradient scaler.
+
+Without sharding, autocast casts matmul inputs in forward. Under FSDP2 the MixedPrecisionPolicy casts the
+gathered parameters instead (parallel/fsdp.py), so the forward runs without autocast.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +13,26 @@ import torch
 
 from scaletrain.errors import ConfigError
 
-
-def check_precision(precision: str, device: torch.device) -> None:
-    if precision == "fp16" and device.type != "cuda":
-        raise ConfigError("train.precision", "fp16", "fp32 or bf16 on a CPU (fp16 with loss scaling needs CUDA)",
-                          "--train.precision=bf16")
+DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
-def autocast(precision: str, device: torch.device) -> AbstractContextManager:
-    """The forward-pass context: fp32 runs as is; bf16/fp16 autocast matmuls and keep fp32 master weights."""
-    if precision == "fp32":
+def check_precision(precision: str, device: torch.device, strategy: str = "ddp") -> None:
+    if precision == "fp16-mixed" and device.type != "cuda":
+        raise ConfigError("train.precision", precision, "fp32 or bf16-mixed on a CPU (fp16 with loss scaling "
+                          "needs CUDA)", "--train.precision=bf16-mixed")
+    if precision == "fp16-mixed" and strategy in ("fsdp", "hsdp"):
+        raise ConfigError("train.precision", precision, f"fp32 or bf16-mixed with parallel.strategy={strategy} "
+                          "(fp16 loss scaling over sharded gradients is not supported here)",
+                          "--train.precision=bf16-mixed (the same speed, no loss scaling needed)")
+
+
+def autocast(precision: str, device: torch.device, *, sharded: bool = False) -> AbstractContextManager:
+    """The forward-pass context: nothing for fp32 or under FSDP (its policy casts), else autocast."""
+    if precision == "fp32" or sharded:
         return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
 def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
     """A scaler that is a no-op unless the run is fp16 (bf16 has fp32's range and needs none)."""
-    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16-mixed")

@@ -7,9 +7,22 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from scaletrain.checkpoint import dcp
 from scaletrain.config import Config, tomllib
+from scaletrain.errors import CheckpointError
 from scaletrain.train.checkpointing import (
+    FORMAT_DCP,
+    FORMAT_FULL,
     OPTIMIZER,
+    OPTIMIZER_GROUPS,
     Resume,
     rank_file,
     read_model,
@@ -17,19 +30,32 @@ from scaletrain.train.checkpointing import (
     read_tree,
 )
 from scaletrain.train.job import Job
-from scaletrain.train.state import load_model_tensors, load_optimizer_tree, load_scheduler_tree
+from scaletrain.train.state import (
+    dedupe,
+    keep_implementation,
+    load_model_tensors,
+    load_optimizer_tree,
+    load_scheduler_tree,
+)
 
 
 def restore(job: Job, resume: Resume, skip: set[str] = frozenset()) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Load model, optimizer, schedule, scaler, loader position and step into ``job``. Returns the trainer
     state and this rank's own saved state (RNG, running loss) for the loop to restore last; the latter is
     None when the checkpoint has no state for this rank (it was made with fewer ranks)."""
-    where = str(resume.path)
-    if "weights" not in skip:
-        tensors, aliases = read_model(resume)
-        load_model_tensors(job.module, {k: v.to(job.rt.device) for k, v in tensors.items()}, aliases, where)
-    if "optimizer" not in skip:
-        load_optimizer_tree(job.module, job.optimizer, read_tree(resume, OPTIMIZER), str(resume.path / OPTIMIZER))
+    fmt = resume.meta.get("format", FORMAT_FULL)
+    if fmt == FORMAT_DCP:
+        _load_dcp(job, resume, skip)
+    elif job.sharded:
+        _load_full_into_sharded(job, resume, skip)
+    else:
+        where = str(resume.path)
+        if "weights" not in skip:
+            tensors, aliases = read_model(resume)
+            load_model_tensors(job.module, {k: v.to(job.rt.device) for k, v in tensors.items()}, aliases, where)
+        if "optimizer" not in skip:
+            load_optimizer_tree(job.module, job.optimizer, read_tree(resume, OPTIMIZER),
+                                str(resume.path / OPTIMIZER))
     trainer = read_trainer(resume)
     job.step = int(trainer["step"])
     if "scheduler" not in skip:
@@ -86,3 +112,44 @@ def truncate_metrics(path: Path, step: int) -> int:
     tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     os.replace(tmp, path)
     return dropped
+
+
+def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
+    """A DCP checkpoint (written by an FSDP run) into this job, sharded or not, at any world size: DCP
+    reshards. Every rank reads the shards it needs (the files were verified by rank 0 already)."""
+    module, optimizer = job.module, job.optimizer
+    model, aliases = dedupe(get_model_state_dict(module))
+    optim = get_optimizer_state_dict(module, optimizer)  # materializes the optimizer's state to load into
+    state: dict[str, Any] = {}
+    if "weights" not in skip:
+        state["model"] = model
+    if "optimizer" not in skip:
+        state["optim"] = optim["state"]
+    if not state:
+        return
+    try:
+        dcp.load(state, resume.path / dcp.DCP_DIR)
+    except (RuntimeError, KeyError, AssertionError) as err:
+        raise CheckpointError(resume.path, f"its shards do not fit this model ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200]})", "resume with the model configuration the "
+                              "checkpoint was made with") from None
+    if "model" in state:
+        full = {**state["model"], **{a: state["model"][n] for a, n in aliases.items()}}
+        set_model_state_dict(module, full)
+    if "optim" in state:
+        groups = keep_implementation(read_tree(resume, OPTIMIZER_GROUPS), optimizer)
+        set_optimizer_state_dict(module, optimizer, {"state": state["optim"], "param_groups": groups})
+
+
+def _load_full_into_sharded(job: Job, resume: Resume, skip: set[str]) -> None:
+    """A consolidated checkpoint (from a DDP or single-process run) into an FSDP job: every rank reads the
+    whole tensors and keeps its shard."""
+    options = StateDictOptions(full_state_dict=True)
+    if "weights" not in skip:
+        tensors, aliases = read_model(resume)
+        full = {**tensors, **{a: tensors[n] for a, n in aliases.items() if n in tensors}}
+        set_model_state_dict(job.module, full, options=options)
+    if "optimizer" not in skip:
+        saved = read_tree(resume, OPTIMIZER)
+        saved["param_groups"] = keep_implementation(saved["param_groups"], job.optimizer)
+        set_optimizer_state_dict(job.module, job.optimizer, saved, options=options)

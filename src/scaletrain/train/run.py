@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -17,6 +18,13 @@ from scaletrain import __version__, runtime
 from scaletrain.config import Config, load
 from scaletrain.data import Splits, build_splits, in_memory
 from scaletrain.observe.console import Console
+from scaletrain.observe.memory import (
+    device_capacity_bytes,
+    fmt_bytes,
+    model_state_bytes,
+    oom_advice,
+    peak_bytes,
+)
 from scaletrain.observe.metrics import MetricsWriter, peak_memory_bytes, write_json
 from scaletrain.runtime import Runtime
 from scaletrain.train.checkpointing import Checkpointer, Resume, find_resume
@@ -25,6 +33,7 @@ from scaletrain.train.loop import DONE, PREEMPTED, Loop, TrainingFailed
 from scaletrain.train.preempt import PreemptFlag
 from scaletrain.train.resume import config_changes, restore, truncate_metrics
 from scaletrain.train.rundir import agree_run_dir
+from scaletrain.train.state import dedupe, full_model_state
 from scaletrain.train.trace import Tracer
 
 
@@ -35,8 +44,15 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     where = f"{rt.backend} on {rt.device}" if rt.distributed else f"single process on {rt.device}"
     console.print(f"scaletrain {__version__} | torch {torch.__version__} | world {rt.world_size} ({where}) | "
                   f"run dir {cfg.run_dir}")
-    console.print(f"model {type(job.module).__name__}: {params / 1e6:.3f}M parameters | data {cfg.data.source}: "
+    name = type(job.module).__name__.removeprefix("FSDP")  # fully_shard renames the class
+    console.print(f"model {name}: {params / 1e6:.3f}M parameters | data {cfg.data.source}: "
                   f"{len(splits.train)} train / {n_eval} held-out samples")  # type: ignore[arg-type]
+    layout = job.strategy if rt.world_size > 1 or job.sharded else "single replica"
+    extras = [f"activation checkpointing {cfg.memory.activation_checkpointing}"] \
+        if cfg.memory.activation_checkpointing != "none" else []
+    extras += ["CPU offload"] if cfg.memory.cpu_offload and job.sharded else []
+    console.print(f"parallel: {layout}" + (f" ({job.strategy_reason})" if cfg.parallel.strategy == "auto" else "")
+                  + "".join(f" | {e}" for e in extras))
     console.print(f"{plan.describe()} | {plan.steps_per_epoch} steps/epoch, {plan.total_steps} steps")
     lr = f"peak lr {plan.peak_lr:.4g}"
     if cfg.optim.scale_lr:
@@ -59,16 +75,24 @@ def _finish(job: Job, loop: Loop, wall_s: float) -> dict[str, Any]:
         "eval": loop.last_eval, "samples_per_s": samples / loop.train_time if loop.train_time else 0.0,
         "peak_mem_bytes": int(peak.item()), "device": str(rt.device), "backend": rt.backend,
         "params": sum(p.numel() for p in job.module.parameters()), "config_digest": job.cfg.digest(),
-        "skipped_steps": int(loop.skipped_seen),
+        "skipped_steps": int(loop.skipped_seen), "mem": loop.last_mem, "strategy": job.strategy,
         "torch": torch.__version__, "scaletrain": __version__,
     }
 
 
 def save_weights(job: Job, path: Path) -> None:
-    """The bare model's weights (no DDP prefix; tied tensors stored once), written whole or not at all."""
+    """The bare model's weights (no DDP prefix; tied tensors stored once), written whole or not at all by
+    rank 0. Every rank calls this: under FSDP the full weights are gathered from the shards first."""
+    meta = {"config_digest": job.cfg.digest(), "step": str(job.step)}
+    full = full_model_state(job.module, sharded=job.sharded)  # collective under FSDP
+    if not job.rt.is_main:
+        return
     tmp = path.with_name(path.name + ".tmp")
-    safetensors.torch.save_model(job.module, str(tmp),
-                                 metadata={"config_digest": job.cfg.digest(), "step": str(job.step)})
+    if job.sharded:
+        tensors, aliases = dedupe(full)
+        safetensors.torch.save_file(tensors, str(tmp), metadata={**meta, "aliases": json.dumps(aliases)})
+    else:
+        safetensors.torch.save_model(job.module, str(tmp), metadata=meta)
     os.replace(tmp, path)
 
 
@@ -111,6 +135,20 @@ def _resumed(job: Job, loop: Loop, resume: Resume, console: Console, writer: Met
                   "global_batch_was": resume.meta["global_batch"], "global_batch": job.plan.global_batch})
     if job.tracer is not None:
         job.tracer.resumed(job)
+
+
+def _out_of_memory(job: Job) -> TrainingFailed:
+    """A CUDA out-of-memory on this rank, reported once: where the memory went and what to change."""
+    rt, cfg = job.rt, job.cfg
+    state = job.state_bytes or model_state_bytes(job.module, job.optimizer)
+    peak = peak_bytes(rt.device)
+    advice = oom_advice(state.with_activations(max(0, peak - state.model_state_bytes)),
+                        capacity_bytes=device_capacity_bytes(rt.device, rt.local_world_size), strategy=job.strategy,
+                        world_size=rt.world_size, batch_size=job.plan.batch_size, accum_steps=job.plan.accum_steps,
+                        activation_checkpointing=cfg.memory.activation_checkpointing,
+                        precision=cfg.train.precision)
+    return TrainingFailed(f"out of memory on {rt.device} during step {job.step + 1} (peak {fmt_bytes(peak)})\n"
+                          f"{advice}")
 
 
 def _collective_failure(err: RuntimeError, job: Job) -> Exception:
@@ -173,6 +211,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
             _resumed(job, loop, resume, console, writer)
         try:
             outcome = loop.run()
+        except torch.OutOfMemoryError as err:
+            raise _out_of_memory(job) from err
         except RuntimeError as err:
             raise _collective_failure(err, job) from err
         with preempt.saving():
@@ -182,8 +222,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         if outcome != DONE:
             return _stopped(job, loop, outcome, console, writer)
         summary = _finish(job, loop, time.perf_counter() - started)
+        save_weights(job, run_dir / "model.safetensors")
         if rt.is_main:
-            save_weights(job, run_dir / "model.safetensors")
             write_json(run_dir / "summary.json", summary)
         _summary_table(summary, run_dir, console)
         return summary

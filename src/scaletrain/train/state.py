@@ -12,28 +12,46 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from scaletrain.errors import CheckpointError
 
 
-def model_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(unique tensors by name, {alias: name}) of the module's state_dict; an alias shares storage, shape and
-    strides with an earlier name (weight tying), so it is stored once."""
+def dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(unique tensors by name, {alias: name}): an alias is the same tensor object as an earlier name, or
+    shares its storage, shape and strides (weight tying), so it is stored once."""
     unique: dict[str, torch.Tensor] = {}
-    seen: dict[tuple, str] = {}
+    seen: dict[Any, str] = {}
     aliases: dict[str, str] = {}
-    for name, tensor in module.state_dict().items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tensor.stride(), tensor.dtype) if tensor.numel() else None
-        if key is not None and key in seen:
-            aliases[name] = seen[key]
+    for name, tensor in state.items():
+        keys = [("id", id(tensor))]
+        if not isinstance(tensor, DTensor) and tensor.numel():
+            keys.append((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                         tensor.stride(), tensor.dtype))
+        known = next((seen[k] for k in keys if k in seen), None)
+        if known is not None:
+            aliases[name] = known
             continue
-        if key is not None:
-            seen[key] = name
+        for k in keys:
+            seen[k] = name
         unique[name] = tensor
     return unique, aliases
+
+
+def model_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """dedupe() of the module's state_dict."""
+    return dedupe(module.state_dict())
+
+
+def full_model_state(module: nn.Module, *, sharded: bool) -> dict[str, torch.Tensor]:
+    """The whole model's weights by name. Under FSDP every rank must call this (the shards are gathered);
+    rank 0 gets host tensors, the others an empty dict."""
+    if not sharded:
+        return module.state_dict()
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_model_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
@@ -77,13 +95,28 @@ def load_optimizer_tree(module: nn.Module, optimizer: Optimizer, tree: dict[str,
     if shape_saved != shape_live:
         raise CheckpointError(where, "optimizer state does not fit this model's parameter groups",
                               "resume with the model and optimizer configuration the checkpoint was made with")
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in saved_groups]
-    for group in groups:  # JSON has no tuples; the optimizers' own defaults use them
-        for key, value in group.items():
-            if key != "params" and isinstance(value, list):
-                group[key] = tuple(value)
+    groups = keep_implementation(saved_groups, optimizer)
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in groups]
     state = {index[n]: s for n, s in tree["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# How a step is computed, not what it computes: these follow the optimizer this run built (a checkpoint from an
+# FSDP run, where fused SGD is unavailable, must not turn a DDP run's fused kernel off, and vice versa).
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+
+
+def keep_implementation(saved_groups: list[dict[str, Any]], optimizer: Optimizer) -> list[dict[str, Any]]:
+    """The saved param groups with the live optimizer's implementation flags."""
+    live = optimizer.param_groups
+    out = []
+    for i, group in enumerate(saved_groups):
+        group = dict(group)
+        for key in IMPLEMENTATION:
+            if i < len(live) and key in live[i]:
+                group[key] = live[i][key]
+        out.append(group)
+    return out
 
 
 def scheduler_tree(scheduler: LambdaLR) -> dict[str, Any]:

@@ -16,10 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 
 from scaletrain.checkpoint import rng
 from scaletrain.train.job import Job
-from scaletrain.train.state import optimizer_tree, scheduler_tree
+from scaletrain.train.state import IMPLEMENTATION, optimizer_tree, scheduler_tree
 
 PARTS = ("weights", "optimizer", "rng", "scheduler", "data")
 
@@ -28,7 +33,7 @@ def _digest_tree(node: Any, h: Any) -> None:
     if isinstance(node, torch.Tensor):
         t = node.detach().cpu().contiguous()
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     elif isinstance(node, dict):
         for k in sorted(node, key=str):
             h.update(str(k).encode())
@@ -47,12 +52,19 @@ def digest(node: Any) -> str:
 
 
 def fingerprint(job: Job) -> dict[str, str]:
-    """Digests of the state between steps. The optimizer's param groups count without their lr, which the
-    scheduler part covers."""
-    opt = optimizer_tree(job.module, job.optimizer)
-    groups = [{k: v for k, v in g.items() if k not in ("lr", "initial_lr")} for g in opt["param_groups"]]
+    """Digests of the state between steps, of whole tensors (gathered from the shards under FSDP, so they
+    compare across world sizes and layouts). The optimizer's param groups count without their lr, which the
+    scheduler part covers, and without implementation flags (fused, foreach), which change how, not what."""
+    if job.sharded:  # collective: every rank gathers
+        full = StateDictOptions(full_state_dict=True)
+        weights = get_model_state_dict(job.module, options=full)
+        opt = get_optimizer_state_dict(job.module, job.optimizer, options=full)
+    else:
+        weights, opt = job.module.state_dict(), optimizer_tree(job.module, job.optimizer)
+    skip = ("lr", "initial_lr", *IMPLEMENTATION)
+    groups = [{k: v for k, v in g.items() if k not in skip} for g in opt["param_groups"]]
     return {
-        "weights": digest(job.module.state_dict()),
+        "weights": digest(weights),
         "optimizer": digest({"state": opt["state"], "param_groups": groups}),
         "rng": digest(rng.capture(job.rt.device)),
         "scheduler": digest({k: v for k, v in scheduler_tree(job.scheduler).items()}),
