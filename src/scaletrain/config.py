@@ -226,8 +226,6 @@ class TrainConfig:
     """Compute precision: fp32, or bf16/fp16 compute with fp32 master weights (autocast; FSDP's MixedPrecisionPolicy under fsdp/hsdp); fp16 adds a gradient scaler (CUDA only)."""
     compile: bool = False
     """Compile the model with torch.compile before wrapping it for data parallelism."""
-    log_every: int = 10
-    """Reduce the loss across ranks and log every this many optimizer steps (the only per-step sync)."""
     eval_every: int = 0
     """Evaluate every this many optimizer steps (0 = at the end of every epoch, and at the end)."""
     eval_batches: int = 0
@@ -245,10 +243,22 @@ class TrainConfig:
                "--train.accum_steps=1")
         _check(self.global_batch >= 0, "train.global_batch", self.global_batch, "an integer >= 0 (0 = derived)",
                "--train.global_batch=256")
-        _check(self.log_every >= 1, "train.log_every", self.log_every, "an integer >= 1", "--train.log_every=10")
         _check(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0", "--train.eval_every=0")
         _check(self.eval_batches >= 0, "train.eval_batches", self.eval_batches, "an integer >= 0",
                "--train.eval_batches=0")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    every: int = 10
+    """Gather loss, phase times and memory from every rank and log them every this many optimizer steps (the loop's only sync point)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard events to RUN_DIR/tensorboard (needs the tensorboard package)."""
+    phase_times: bool = True
+    """Time each step's phases per rank (data, h2d, compute, exposed comm, optim): stragglers and the bottleneck verdict need them."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 1, "log.every", self.every, "an integer >= 1", "--log.every=10")
 
 
 @dataclass(frozen=True)
@@ -340,6 +350,8 @@ class ParallelConfig:
     """fsdp/hsdp: free gathered parameters after each block's forward and gather again in backward (less memory, more communication)."""
     bucket_mb: float = 25.0
     """ddp: gradient bucket size in MB; smaller buckets start communication earlier in backward."""
+    overlap: bool = True
+    """ddp: all-reduce each gradient bucket as soon as it is ready, during backward (false: all at the end, to see what overlap buys)."""
     find_unused: bool = False
     """ddp: tolerate parameters that get no gradient in a step (costs a graph traversal every step)."""
 
@@ -371,6 +383,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -407,7 +420,8 @@ CLI = "command line"  # the origin whose values are strings to parse
 
 # Top-level command-line aliases for the flags users type most.
 ALIASES = {"nproc": "dist.nproc", "device": "dist.device", "nnodes": "dist.nnodes",
-           "rdzv-endpoint": "dist.rdzv_endpoint", "max-restarts": "dist.max_restarts"}
+           "rdzv-endpoint": "dist.rdzv_endpoint", "max-restarts": "dist.max_restarts",
+           "train.log_every": "log.every"}  # the last: the name log.every had before the [log] section
 
 
 def sections() -> dict[str, type]:

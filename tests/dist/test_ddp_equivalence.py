@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from spawn_ranks import run_ranks
 
 from scaletrain import runtime
@@ -30,17 +29,12 @@ def _train(rank: int, world: int, overrides: dict) -> dict:
     cfg = load(None, {**BASE, **overrides})
     rt = runtime.init(cfg.dist)
     job = build_job(cfg, rt, digits(0.2))
-    allreduces = [0]
-    if hasattr(job.model, "register_comm_hook"):
-        def counting_hook(state, bucket):
-            allreduces[0] += 1
-            return allreduce_hook(state, bucket)
-        job.model.register_comm_hook(None, counting_hook)
     batches = iter(job.loader)
     for _ in range(STEPS):
         train_step(job, batches)
     params = {k: v.detach().clone() for k, v in job.module.state_dict().items()}
-    return {"params": params, "allreduces": allreduces[0], "accum": job.plan.accum_steps,
+    # the phase timer's DDP comm hook counts the buckets it hands to the all-reduce
+    return {"params": params, "allreduces": job.timer.buckets, "accum": job.plan.accum_steps,
             "global_batch": job.plan.global_batch}
 
 
@@ -71,7 +65,7 @@ def test_two_ranks_equal_one_process_with_twice_the_batch():
 
 
 def _count_collectives(rank: int, world: int) -> dict:
-    cfg = load(None, {**BASE, "data.batch_size": 16, "train.max_steps": 12, "train.log_every": 4})
+    cfg = load(None, {**BASE, "data.batch_size": 16, "train.max_steps": 12, "log.every": 4})
     rt = runtime.init(cfg.dist)
     splits = digits(0.2)
     splits.eval = None
@@ -92,4 +86,10 @@ def test_the_loss_is_reduced_at_log_steps_only():
     """Besides DDP's gradient all-reduce (inside backward), the loop's only collective is one all_gather
     per log interval: loss, non-finite counters and the preemption flag travel together."""
     ranks = run_ranks(_count_collectives, 2)
-    assert ranks[0]["calls"] == ranks[1]["calls"] == [("all_gather", 4), ("all_gather", 8), ("all_gather", 12)]
+    calls = ranks[0]["calls"]
+    assert calls == ranks[1]["calls"]
+    assert [c for c in calls if c[0] not in ("all_reduce", "all_gather_object")] == \
+        [("all_gather", 4), ("all_gather", 8), ("all_gather", 12)]
+    # DDP's gradient all-reduce (through the phase timer's hook): one bucket per step, at steps 0..11
+    assert [c for c in calls if c[0] == "all_reduce"] == [("all_reduce", s) for s in range(12)]
+    assert calls[0] == ("all_gather_object", 0)  # the host names, once, before the first step

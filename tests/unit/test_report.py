@@ -37,6 +37,16 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def unphased_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run with phase timing off (log.phase_times=false): no phase_s in its records."""
+    run_dir = tmp_path_factory.mktemp("report") / "digits-w1"
+    scaletrain.run(scaletrain.load("digits", overrides={
+        "train.max_steps": 12, "log.every": 2, "train.eval_every": 6, "train.progress": False,
+        "dist.device": "cpu", "log.phase_times": False, "run.dir": str(run_dir)}))
+    return run_dir
+
+
 def _records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -97,13 +107,12 @@ def _decodes(path: Path) -> tuple[int, int]:
     return image.shape[0], image.shape[1]
 
 
-def test_real_run_without_phase_keys_draws_what_it_has_and_notes_the_rest(real_run: Path, tmp_path: Path) -> None:
+def test_a_real_one_rank_run_draws_every_chart_it_has_data_for(real_run: Path, tmp_path: Path) -> None:
     report = write_report([real_run], tmp_path / "out")
     drawn = {c.name for c in report.charts if c.figure is not None}
-    assert drawn == {"loss", "lr", "throughput"}
-    for name in ("phases", "stragglers", "memory"):
-        assert report.chart(name).note.startswith("omitted"), name
-        assert not (tmp_path / "out" / f"{name}.png").exists()
+    assert drawn == {"loss", "lr", "throughput", "phases", "memory"}
+    assert report.chart("stragglers").note == "omitted: one rank only: nothing to compare"
+    assert not (tmp_path / "out" / "stragglers.png").exists()
     for name in drawn:
         _decodes(tmp_path / "out" / f"{name}.png")
 
@@ -117,12 +126,14 @@ def test_real_run_without_phase_keys_draws_what_it_has_and_notes_the_rest(real_r
     assert report.chart("lr").data["digits-w1"]["y"] == [r["lr"] for r in train]
     assert report.chart("throughput").data["digits-w1"]["y"] == [r["samples_per_s"] for r in train]
     assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
+    assert all(set(r["phase_s"]) == set(PHASES) and len(r["phase_s"]["step"]) == 1 for r in train)
 
     rows = dict(report.rows)
     summary = json.loads((real_run / "summary.json").read_text())
     assert rows["steps"] == ["12 (0.27 epochs)"]
     assert rows["eval accuracy"] == [f"{100 * summary['eval']['accuracy']:.2f}%"]
-    assert "stragglers" not in rows and "bottleneck" not in rows  # this run predates them: no row at all
+    assert rows["stragglers"] == ["none flagged"]
+    assert rows["bottleneck"][0].startswith(summary["bottleneck"]["verdict"] + ":")
 
 
 def test_phase_keys_give_phase_straggler_and_memory_charts(phased_run: Path, tmp_path: Path) -> None:
@@ -179,8 +190,10 @@ def test_html_is_self_contained(phased_run: Path, tmp_path: Path) -> None:
     assert manifest["charts"]["stragglers"]["data"]["digits-w4"]["slowest_rank"] == SLOW_RANK
 
 
-def test_overlay_names_each_run_and_keeps_partial_charts(real_run: Path, phased_run: Path, tmp_path: Path) -> None:
-    report = write_report([real_run, phased_run], tmp_path / "cmp")
+def test_overlay_names_each_run_and_keeps_partial_charts(unphased_run: Path, phased_run: Path,
+                                                         tmp_path: Path) -> None:
+    assert not any("phase_s" in r for r in _records(unphased_run))
+    report = write_report([unphased_run, phased_run], tmp_path / "cmp")
     loss = report.chart("loss").data
     assert {"digits-w1 train", "digits-w4 train", "digits-w1 eval", "digits-w4 eval"} <= set(loss)
     assert [r.name for r in report.runs] == ["digits-w1", "digits-w4"]
@@ -215,13 +228,13 @@ def test_never_overwrites_a_file_it_did_not_write(real_run: Path, phased_run: Pa
     assert not (out / "report.html").exists()
 
 
-def test_rewriting_a_report_replaces_its_own_files_and_drops_stale_ones(real_run: Path, phased_run: Path,
+def test_rewriting_a_report_replaces_its_own_files_and_drops_stale_ones(unphased_run: Path, phased_run: Path,
                                                                        tmp_path: Path) -> None:
     out = tmp_path / "out"
     write_report([phased_run], out)
     (out / "notes.txt").write_text("mine")
     assert (out / "phases.png").exists()
-    write_report([real_run], out)  # no phase times: its phases.png would be a stale picture of another run
+    write_report([unphased_run], out)  # no phase times: its phases.png would be a stale picture of another run
     assert not (out / "phases.png").exists() and (out / "loss.png").exists()
     assert (out / "notes.txt").read_text() == "mine"
 

@@ -27,11 +27,16 @@ def add_parser(sub: Any, name: str) -> None:
 def preflight(cfg: Config, world: int) -> None:
     """Everything that can be checked before workers start, so a mistake is one line, not N crashed ranks."""
     from scaletrain.data import build_splits
+    from scaletrain.observe.sinks import check_tensorboard
+    from scaletrain.parallel import check_layout
     from scaletrain.runtime import pick_device
     from scaletrain.train.batching import plan_batches
     from scaletrain.train.precision import check_precision
 
-    check_precision(cfg.train.precision, pick_device(cfg.dist, 0))
+    check_precision(cfg.train.precision, pick_device(cfg.dist, 0), cfg.parallel.strategy)
+    check_layout(cfg.parallel, cfg.memory, world, max(1, cfg.dist.nnodes))
+    if cfg.log.tensorboard:
+        check_tensorboard()
     splits = build_splits(cfg.data, cfg.model)
     plan_batches(cfg, world, len(splits.train))  # type: ignore[arg-type]
 

@@ -12,19 +12,25 @@ from scaletrain.observe.memory import peak_bytes as peak_memory_bytes  # noqa: F
 class MetricsWriter:
     """Appends one JSON object per line. Written at log and eval steps only, never every step."""
 
-    def __init__(self, path: Path | None, *, append: bool = False) -> None:
+    def __init__(self, path: Path | None, *, append: bool = False, sinks: list[Any] | None = None) -> None:
         mode = "a" if append else "w"
         self._file = open(path, mode, encoding="utf-8") if path is not None else None  # noqa: SIM115
+        self.sinks = sinks or []  # more writers of the same records (observe/sinks.py)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

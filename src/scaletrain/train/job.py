@@ -19,6 +19,8 @@ from scaletrain.config import Config, OptimConfig
 from scaletrain.data import ShardedLoader, Splits
 from scaletrain.models import build_model
 from scaletrain.observe.memory import MemoryBreakdown
+from scaletrain.observe.throughput import flops_per_sample
+from scaletrain.observe.timing import NullTimer, StepTimer, attach_comm_hook
 from scaletrain.parallel import is_fsdp, parallelize, resolve_strategy
 from scaletrain.runtime import Runtime, seed_all
 from scaletrain.train.batching import BatchPlan, plan_batches
@@ -58,6 +60,9 @@ class Job:
     step: int = 0  # optimizer steps completed
     tracer: Tracer | None = None  # per-step fingerprints (debug.trace)
     state_bytes: MemoryBreakdown | None = None  # model state on this rank, counted after the first step
+    timer: StepTimer | None = None  # per-rank phase times
+    flops: float = 0.0  # model FLOPs per training sample (forward + backward)
+    tokens_per_sample: int = 0  # sequence models: tokens per sample
 
     @property
     def sharded(self) -> bool:
@@ -100,6 +105,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     else:
         module = model if isinstance(model, nn.Module) else model()
     module.to(rt.device)
+    flops = flops_per_sample(module, splits.train[0][0].to(rt.device))  # counted once, before any wrapping
     nnodes = max(1, rt.world_size // rt.local_world_size)
     strategy, reason = resolve_strategy(module, cfg.parallel, world_size=rt.world_size, nnodes=nnodes,
                                         precision=cfg.train.precision, optimizer=cfg.optim.name,
@@ -116,6 +122,9 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
                            num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda")
     scaler = grad_scaler(cfg.train.precision, rt.device)
     guard = NonFiniteGuard(rt.device, scaler_owns_skips=scaler.is_enabled(), device_skip=supports_device_skip(optimizer))
+    timer = StepTimer(rt.device) if cfg.log.phase_times else NullTimer(rt.device)
+    attach_comm_hook(wrapped, timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap)
+    tokens = splits.train[0][0].numel() if splits.task == "lm" else 0
     return Job(cfg, rt, plan, module, wrapped, optimizer, build_scheduler(optimizer, cfg.schedule, plan.total_steps),
                scaler, loader, splits.eval, loss_fn or cross_entropy, guard, Chaos(cfg.chaos, rt.rank), strategy,
-               reason)
+               reason, timer=timer, flops=flops, tokens_per_sample=tokens)

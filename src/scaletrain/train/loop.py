@@ -2,7 +2,7 @@
 intervals, log, evaluate and checkpoint.
 
 The hot loop never waits on the device. The loss is summed into a device tensor; the non-finite decision is
-made on the device (train/guard.py). Once per log interval (train.log_every) one all_gather brings every
+made on the device (train/guard.py). Once per log interval (log.every) one all_gather brings every
 rank's numbers to every rank: the loss, the non-finite counters and whether the rank was asked to stop
 (SIGTERM/SIGUSR1). That is the only per-interval collective and host sync besides DDP's own all-reduce, so
 every rank takes the same decisions at the same step. Checkpoint steps that are not log steps gather the
@@ -12,6 +12,8 @@ same numbers first: nothing is saved after a non-finite step under train.nonfini
 from __future__ import annotations
 
 import math
+import socket
+import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +27,9 @@ from scaletrain.errors import TrainingFailed
 from scaletrain.observe.console import Console
 from scaletrain.observe.memory import model_state_bytes, peak_bytes
 from scaletrain.observe.metrics import MetricsWriter
+from scaletrain.observe.stragglers import StragglerDetector
+from scaletrain.observe.throughput import device_peak, throughput
+from scaletrain.observe.timing import PHASES, NullTimer
 from scaletrain.parallel import gradient_sync
 from scaletrain.train.checkpointing import (
     FORMAT_DCP,
@@ -41,6 +46,17 @@ from scaletrain.train.state import model_tensors, optimizer_tree, scheduler_tree
 from scaletrain.train.trace import Tracer
 
 DONE, PREEMPTED, INTERRUPTED = "done", "preempted", "interrupted"
+NULL_TIMER = NullTimer(torch.device("cpu"))
+
+
+def _hosts(job: Job) -> list[str]:
+    """Every rank's host name, gathered once (stragglers are named with their host)."""
+    mine = socket.gethostname()
+    if not job.rt.distributed:
+        return [mine]
+    hosts: list[Any] = [None] * job.rt.world_size
+    dist.all_gather_object(hosts, mine)
+    return [str(h) for h in hosts]
 
 
 def _grad_norm(job: Job) -> torch.Tensor | None:
@@ -62,22 +78,28 @@ def _grad_norm(job: Job) -> torch.Tensor | None:
 def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
     """One optimizer step over accum_steps micro-batches; returns the step's mean loss on the device."""
     rt, precision, chaos, tracer = job.rt, job.cfg.train.precision, job.chaos, job.tracer
+    timer = job.timer or NULL_TIMER
     accum, step = job.plan.accum_steps, job.step + 1
+    timer.start()
     step_loss = torch.zeros((), device=rt.device)
     if tracer is not None:
         tracer.step_started(job)
     for micro in range(accum):
+        waited = time.perf_counter()
         chaos.delay("data")
         x, y = next(batches)
+        timer.host("data", time.perf_counter() - waited)
         if tracer is not None:
             tracer.batch(job, x, y)
         x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+        timer.mark("h2d")
         # Only the last micro-step all-reduces (or reduce-scatters) gradients; the others accumulate locally.
         with gradient_sync(job.model, micro == accum - 1):
             with autocast(precision, rt.device, sharded=job.sharded):
                 loss = chaos.poison(step, job.loss_fn(job.model(x), y)) / accum
             chaos.delay("compute")
             job.scaler.scale(loss).backward()
+        timer.backward_done()
         step_loss += loss.detach()
     job.guard.watch_loss(step, step_loss)
     norm = _grad_norm(job)
@@ -90,6 +112,8 @@ def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
         job.state_bytes = model_state_bytes(job.module, job.optimizer)
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
+    timer.mark("optim")
+    timer.end()
     job.step += 1
     if tracer is not None:
         tracer.step_done(job, step_loss)
@@ -114,6 +138,10 @@ class Loop:
         self.stopped_by = 0  # the signal that stopped the run, if any
         self.saves: list[SaveResult] = []
         self.last_mem: dict[str, Any] = {}
+        self.hosts = _hosts(job)
+        self.stragglers = StragglerDetector(job.rt.world_size, self.hosts)
+        self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(job.rt.world_size)]  # seconds, whole run
+        _, self.peak_flops = device_peak(job.rt.device, job.cfg.train.precision)
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -138,9 +166,9 @@ class Loop:
                 self.preempt.tick()
                 self.console.advance()
                 stop = ""
-                if job.step % job.cfg.train.log_every == 0 or job.step == plan.total_steps:
+                if job.step % job.cfg.log.every == 0 or job.step == plan.total_steps:
                     elapsed = time.perf_counter() - t0
-                    stop = self._log(self._gather(), elapsed)
+                    stop = self._log(self._gather(phases=True), elapsed)
                     t0 = time.perf_counter()
                 if self._eval_due():
                     started = time.perf_counter()
@@ -150,9 +178,12 @@ class Loop:
                     stop = stop or INTERRUPTED
                 ckpt = self.checkpointer
                 if stop or (ckpt is not None and ckpt.due(job.step, plan.total_steps)):
-                    if not (job.step % job.cfg.train.log_every == 0 or job.step == plan.total_steps):
-                        stop = self._check(self._gather()) or stop
-                    t0 += self._save(final=bool(stop))
+                    if not (job.step % job.cfg.log.every == 0 or job.step == plan.total_steps):
+                        stop = self._check(self._gather(phases=False)) or stop
+                    blocked = self._save(final=bool(stop))
+                    if job.timer is not None:
+                        job.timer.add("ckpt", blocked)
+                    t0 += blocked
                 self._log_saves()
                 if stop:
                     return stop
@@ -164,11 +195,14 @@ class Loop:
 
     # -- sync points --------------------------------------------------------------------------------------
 
-    def _gather(self) -> list[list[float]]:
-        """Every rank's [loss_sum, loss_count, skipped, first skipped, first bad loss, signal, peak bytes], on
-        every rank: one all_gather and one host-device sync. float64: byte counts stay exact."""
+    def _gather(self, *, phases: bool) -> list[list[float]]:
+        """Every rank's [loss_sum, loss_count, skipped, first skipped, first bad loss, signal, peak bytes,
+        then seconds per step of each phase (PHASES order; zeros unless ``phases``)], on every rank: one
+        all_gather and one host-device sync. float64: byte counts stay exact."""
         job = self.job
-        host = torch.tensor([float(self.preempt.signum), float(peak_bytes(job.rt.device))], dtype=torch.float64)
+        times = job.timer.collect() if phases and job.timer is not None else [0.0] * len(PHASES)
+        host = torch.tensor([float(self.preempt.signum), float(peak_bytes(job.rt.device)), *times],
+                            dtype=torch.float64)
         mine = torch.cat([torch.stack([self.loss_sum, self.loss_count, *job.guard.state()]).double(),
                           host.to(job.rt.device)])
         if job.rt.distributed:
@@ -210,10 +244,23 @@ class Loop:
                                  "--optim.grad_clip=1.0, or use more warmup (--schedule.warmup_steps)")
         self.train_time += elapsed
         self.last_loss = loss
+        samples_per_s = steps * job.plan.global_batch / elapsed
         record = {"kind": "train", "step": job.step, "epoch": job.loader.epoch + 1, "loss": loss,
-                  "lr": job.scheduler.get_last_lr()[0],
-                  "samples_per_s": steps * job.plan.global_batch / elapsed, "step_time_s": elapsed / steps,
-                  "skipped_steps": int(self.skipped_seen), "mem": self.memory(rows)}
+                  "lr": job.scheduler.get_last_lr()[0], "samples_per_s": samples_per_s,
+                  **throughput(samples_per_s, flops=job.flops, tokens_per_sample=job.tokens_per_sample,
+                               world_size=job.rt.world_size, peak=self.peak_flops),
+                  "step_time_s": elapsed / steps, "skipped_steps": int(self.skipped_seen),
+                  **(self.phases(rows, steps) if job.cfg.log.phase_times else {}), "mem": self.memory(rows)}
+        straggler = self.stragglers.update([dict(zip(PHASES, r[7:])) for r in rows]) \
+            if job.cfg.log.phase_times else None
+        if straggler is not None:
+            if straggler.pop("new"):
+                self.console.print(
+                    f"straggler: rank {straggler['rank']} (host {straggler['host']}) is "
+                    f"{1000 * straggler['slower_by_s']:.1f} ms per step ({100 * straggler['slower_by_frac']:.0f}%) "
+                    f"slower than the other ranks before the all-reduce, in phase {straggler['phase']}; the "
+                    "others wait for it")
+            record["straggler"] = straggler
         self.writer.write(record)
         self.console.status(f"loss {loss:.4f}")
         self.console.print(
@@ -223,6 +270,16 @@ class Loop:
         self.loss_count.zero_()
         self.since = 0
         return stop
+
+    def phases(self, rows: list[list[float]], steps: int) -> dict[str, Any]:
+        """``phase_s`` (per rank) and ``phase_stats`` (over ranks) of the interval; adds to the run's totals."""
+        per_rank = {phase: [r[7 + i] for r in rows] for i, phase in enumerate(PHASES)}
+        for rank, r in enumerate(rows):
+            for i, phase in enumerate(PHASES):
+                self.phase_totals[rank][phase] += r[7 + i] * steps
+        stats = {phase: {"min": min(v), "median": statistics.median(v), "max": max(v),
+                         "slowest_rank": max(range(len(v)), key=v.__getitem__)} for phase, v in per_rank.items()}
+        return {"phase_s": per_rank, "phase_stats": stats}
 
     def memory(self, rows: list[list[float]]) -> dict[str, Any]:
         """metrics.jsonl's ``mem``: per-rank peaks, and rank 0's model state counted from the live tensors."""

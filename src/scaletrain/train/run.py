@@ -26,6 +26,9 @@ from scaletrain.observe.memory import (
     peak_bytes,
 )
 from scaletrain.observe.metrics import MetricsWriter, peak_memory_bytes, write_json
+from scaletrain.observe.sinks import TensorBoardSink, check_tensorboard
+from scaletrain.observe.stragglers import bottleneck, phase_fractions
+from scaletrain.observe.throughput import throughput
 from scaletrain.runtime import Runtime
 from scaletrain.train.checkpointing import Checkpointer, Resume, find_resume
 from scaletrain.train.job import Job, LossFn, ModelArg, build_job
@@ -68,11 +71,19 @@ def _finish(job: Job, loop: Loop, wall_s: float) -> dict[str, Any]:
     if rt.distributed:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     samples = job.step * plan.global_batch
+    samples_per_s = samples / loop.train_time if loop.train_time else 0.0
+    fractions = phase_fractions(loop.phase_totals)
     return {
         "steps": job.step, "samples": samples, "epochs": job.step / plan.steps_per_epoch,
         "world_size": rt.world_size, "global_batch": plan.global_batch, "accum_steps": plan.accum_steps,
         "peak_lr": plan.peak_lr, "wall_s": wall_s, "train_s": loop.train_time, "train_loss": loop.last_loss,
-        "eval": loop.last_eval, "samples_per_s": samples / loop.train_time if loop.train_time else 0.0,
+        "eval": loop.last_eval, "samples_per_s": samples_per_s,
+        **throughput(samples_per_s, flops=job.flops, tokens_per_sample=job.tokens_per_sample,
+                     world_size=rt.world_size, peak=loop.peak_flops),
+        "phase_frac": fractions,
+        "bottleneck": bottleneck(loop.phase_totals, device=rt.device.type, num_workers=job.cfg.data.num_workers,
+                                 bucket_mb=job.cfg.parallel.bucket_mb),
+        "stragglers": loop.stragglers.summary(),
         "peak_mem_bytes": int(peak.item()), "device": str(rt.device), "backend": rt.backend,
         "params": sum(p.numel() for p in job.module.parameters()), "config_digest": job.cfg.digest(),
         "skipped_steps": int(loop.skipped_seen), "mem": loop.last_mem, "strategy": job.strategy,
@@ -104,11 +115,24 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
             ("train loss", f"{summary['train_loss']:.4f}")]
     rows += [(f"eval {k}", f"{100 * v:.2f}%" if k == "accuracy" else f"{v:.4f}")
              for k, v in summary["eval"].items() if k in ("loss", "accuracy")]
-    rows += [("throughput", f"{summary['samples_per_s']:,.0f} samples/s"),
-             ("wall time", f"{summary['wall_s']:.1f} s"),
+    rate = f"{summary['samples_per_s']:,.0f} samples/s"
+    if "tokens_per_s" in summary:
+        rate += f" ({summary['tokens_per_s']:,.0f} tokens/s)"
+    rows += [("throughput", rate)]
+    if "mfu" in summary:
+        rows += [("MFU", f"{100 * summary['mfu']:.1f}%")]
+    elif "flops_per_s" in summary:
+        rows += [("model FLOP/s", f"{summary['flops_per_s'] / 1e9:,.1f} GFLOP/s (no peak known for this device)")]
+    verdict = summary["bottleneck"]
+    rows += [("bottleneck", f"{verdict['verdict']}: {verdict['evidence']}")]
+    rows += [(f"straggler rank {s['rank']}",
+              f"{s['host']}, {s['phase']}, +{1000 * s['slower_by_s']:.1f} ms/step in {s['intervals']} interval(s)")
+             for s in summary["stragglers"]]
+    rows += [("wall time", f"{summary['wall_s']:.1f} s"),
              ("peak memory / rank", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB"),
              ("run dir", str(run_dir))]
     console.table("summary", rows)
+    console.print(f"bottleneck: {verdict['verdict']}; fix: {verdict['fix']}")
 
 
 def _resumed(job: Job, loop: Loop, resume: Resume, console: Console, writer: MetricsWriter) -> None:
@@ -188,6 +212,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
     checkpointer: Checkpointer | None = None
     preempt = PreemptFlag(f"[rank {rt.rank}] " if rt.world_size > 1 else "").install()
     try:
+        if cfg.log.tensorboard:
+            check_tensorboard()
         cfg = agree_run_dir(cfg, rt)
         console = Console(rt.is_main, cfg.train.progress)
         splits = splits or build_splits(cfg.data, cfg.model)
@@ -199,7 +225,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
             (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
             if resume is not None:
                 truncate_metrics(run_dir / "metrics.jsonl", resume.step)
-            writer = MetricsWriter(run_dir / "metrics.jsonl", append=resume is not None)
+            sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard else []
+            writer = MetricsWriter(run_dir / "metrics.jsonl", append=resume is not None, sinks=sinks)
         checkpointer = Checkpointer(cfg.checkpoint, run_dir, rt)
         if cfg.debug.trace:
             job.tracer = Tracer(run_dir, rt.rank)

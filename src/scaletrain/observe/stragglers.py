@@ -1,0 +1,130 @@
+"""Naming the slow rank and the bottleneck, from the per-rank phase times of each log interval.
+
+Under DDP every rank's step takes as long as the slowest one's (the all-reduce makes them wait), so step
+time cannot find a straggler. The time from the step's start until the rank handed its last gradient bucket
+to the all-reduce (``pre_comm``) can: a slow rank's is longer, the others wait in ``comm`` instead.
+
+A rank is flagged when, over a window of log intervals, it is persistently slower than the others: its
+excess over the median of the other ranks is positive in every interval of the window, its median excess
+is large against the run's own jitter (a robust z-score: median excess / (1.4826 x the median absolute
+deviation of each rank's pre_comm over the window), above ``Z_MIN``), and it matters (at least
+``MIN_FRACTION`` of the median step time and ``MIN_SECONDS``). The phase blamed is the one in which the rank
+exceeds the other ranks' median the most.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from scaletrain.observe.timing import PHASES
+
+Z_MIN = 3.5
+MIN_FRACTION = 0.05
+MIN_SECONDS = 0.001
+WINDOW = 5  # log intervals
+BLAMED = ("data", "h2d", "compute", "optim")  # phases a rank spends on its own (comm is waiting for others)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+@dataclass
+class StragglerDetector:
+    world_size: int
+    hosts: list[str]
+    window: int = WINDOW
+    history: deque = field(default_factory=deque)  # per interval: per rank: {phase: seconds per step}
+    flagged: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its latest finding
+
+    def update(self, per_rank: list[dict[str, float]]) -> dict[str, Any] | None:
+        """Add one interval; return the straggler finding for it (the slowest flagged rank) or None."""
+        if self.world_size < 2:
+            return None
+        self.history.append(per_rank)
+        while len(self.history) > self.window:
+            self.history.popleft()
+        if len(self.history) < self.window:
+            return None
+        step = _median([r["step"] for interval in self.history for r in interval])
+        jitter = _median([abs(interval[r]["pre_comm"] - _median([i[r]["pre_comm"] for i in self.history]))
+                          for interval in self.history for r in range(self.world_size)])
+        noise = max(1.4826 * jitter, 1e-6)
+        findings = []
+        for rank in range(self.world_size):
+            excess = [interval[rank]["pre_comm"] - _median([interval[o]["pre_comm"] for o in range(self.world_size)
+                                                             if o != rank]) for interval in self.history]
+            slower = _median(excess)
+            z = slower / noise
+            if min(excess) > 0 and z > Z_MIN and slower >= max(MIN_FRACTION * step, MIN_SECONDS):
+                phase = max(BLAMED, key=lambda p: _median([
+                    interval[rank][p] - _median([interval[o][p] for o in range(self.world_size) if o != rank])
+                    for interval in self.history]))
+                others = _median([interval[o]["pre_comm"] for interval in self.history
+                                  for o in range(self.world_size) if o != rank])
+                findings.append({"rank": rank, "host": self.hosts[rank] if rank < len(self.hosts) else "?",
+                                 "phase": phase, "slower_by_s": slower,
+                                 "slower_by_frac": slower / others if others > 0 else 0.0, "z": z})
+        if not findings:
+            return None
+        worst = max(findings, key=lambda f: f["slower_by_s"])
+        new = worst["rank"] not in self.flagged
+        self.flagged[worst["rank"]] = {**worst, "intervals": self.flagged.get(worst["rank"], {}).get("intervals", 0)
+                                       + 1}
+        return {**worst, "new": new}
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [self.flagged[r] for r in sorted(self.flagged)]
+
+
+def phase_fractions(totals: list[dict[str, float]]) -> dict[str, float]:
+    """{phase: median over ranks of the phase's share of that rank's step time} over the whole run."""
+    out = {}
+    for phase in PHASES:
+        if phase in ("step", "pre_comm"):
+            continue
+        shares = [t[phase] / t["step"] for t in totals if t["step"] > 0]
+        out[phase] = _median(shares)
+    return out
+
+
+def critical_rank(totals: list[dict[str, float]]) -> int:
+    """The rank the others wait for: the longest compute before the collective over the run."""
+    return max(range(len(totals)), key=lambda r: totals[r]["pre_comm"]) if totals else 0
+
+
+def shares(total: dict[str, float]) -> dict[str, float]:
+    return {p: (total[p] / total["step"] if total["step"] > 0 else 0.0) for p in PHASES if p not in ("step", "pre_comm")}
+
+
+def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int, bucket_mb: float) -> dict[str, str]:
+    """The verdict, its evidence (fractions of step time) and the fix. Judged on the critical rank's phases
+    (with a straggler, the others' time is mostly waiting for it, which is not what limits the job)."""
+    world_size = len(totals)
+    rank = critical_rank(totals)
+    fractions = shares(totals[rank]) if totals else {}
+    evidence = " | ".join(f"{p} {100 * fractions.get(p, 0.0):.0f}%" for p in ("data", "h2d", "compute", "comm", "optim",
+                                                                            "ckpt"))
+    evidence += " of step time" + (f" on rank {rank}, the one the others wait for" if world_size > 1 else "")
+    data, comm = fractions.get("data", 0.0), fractions.get("comm", 0.0)
+    host = fractions.get("h2d", 0.0) + fractions.get("optim", 0.0)
+    if data >= 0.25 and data >= comm:
+        fix = (f"more loader workers (--data.num_workers={max(2, 2 * num_workers)})"
+               + (", pin_memory is on" if device == "cuda" else "")
+               + ", data on faster local storage, or preprocessing done once ahead of training")
+        return {"verdict": "input-bound", "evidence": evidence, "fix": fix}
+    if comm >= 0.25:
+        fix = ("a larger per-rank batch (--data.batch_size) or gradient accumulation (--train.accum_steps), so "
+               f"each all-reduce carries more samples; a bucket size that overlaps better than {bucket_mb:g} MB "
+               "(--parallel.bucket_mb); on GPUs NCCL over NVLink/InfiniBand rather than TCP")
+        return {"verdict": "communication-bound", "evidence": evidence, "fix": fix}
+    if host >= 0.25:
+        fix = ("a larger batch per step (fewer optimizer steps and copies per sample), torch.compile "
+               "(--train.compile=true) to cut launch overhead, and a fused optimizer (used where possible)")
+        return {"verdict": "host-bound", "evidence": evidence, "fix": fix}
+    fix = ("the device is busy computing: bf16 mixed precision (--train.precision=bf16-mixed), "
+           "torch.compile, or more devices (the rest of the step scales with them)")
+    return {"verdict": "compute-bound", "evidence": evidence, "fix": fix}

@@ -1,0 +1,165 @@
+"""Per-rank phase times of every step, without a host-device sync per step.
+
+Phases (docs/metrics.md): ``data`` (waiting for the loader), ``h2d`` (copying the batch to the device),
+``compute`` (forward and backward, less the exposed communication), ``comm`` (exposed communication: from
+the moment the rank's last gradient bucket was ready to be all-reduced until backward returned, which is
+the all-reduce that overlap did not hide), ``optim`` (clipping, the non-finite guard, the optimizer and the
+schedule), ``ckpt`` (the loop blocked by a checkpoint), ``step`` (all of it) and ``pre_comm`` (from the step's
+start until the rank's last bucket was ready: the "compute before collective" that tells a slow rank from the
+ranks that wait for it).
+
+On a CPU every mark is a ``perf_counter`` read. On a GPU the marks are CUDA events recorded on the compute
+stream and read back only when the interval is collected (at log steps), so timing adds no sync; the data
+wait is a host time on both. Exposed communication is measured for DDP (through a comm hook that notes when
+each bucket is handed to the all-reduce); under FSDP its reduce-scatters are counted in ``compute``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+PHASES = ("data", "h2d", "compute", "comm", "optim", "ckpt", "step", "pre_comm")
+
+
+class StepTimer:
+    """Marks inside train_step; sums per phase over the current log interval."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.totals = dict.fromkeys(PHASES, 0.0)  # seconds, summed over the interval's steps
+        self.steps = 0
+        self._pending: list[list[tuple[str, Any]]] = []  # GPU: per step, (phase, event) marks to resolve
+        self._marks: list[tuple[str, Any]] = []
+        self._bucket: Any = None  # the last bucket handed to the all-reduce in this backward
+        self._start: Any = None
+        self.buckets = 0  # buckets handed to the all-reduce, over the whole run
+
+    def _now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    # -- marks ------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._marks = []
+        self._start = self._now()
+        self._last = self._start
+        self._bucket = None
+
+    def host(self, phase: str, seconds: float) -> None:
+        """A phase timed on the host (the data wait); the device time marks continue after it."""
+        self.totals[phase] += seconds
+        self._last = self._now()
+
+    def mark(self, phase: str) -> None:
+        """The phase that started at the previous mark ends now."""
+        now = self._now()
+        self._marks.append((phase, (self._last, now)))
+        self._last = now
+
+    def bucket_ready(self) -> None:
+        """From the DDP comm hook: a gradient bucket goes to the all-reduce now (the last call of a
+        backward is when this rank's compute was done)."""
+        self._bucket = self._now()
+        self.buckets += 1
+
+    def backward_done(self) -> None:
+        """Backward returned: split it into compute and exposed communication."""
+        now = self._now()
+        if self._bucket is None:
+            self._marks.append(("compute", (self._last, now)))
+        else:
+            self._marks.append(("compute", (self._last, self._bucket)))
+            self._marks.append(("comm", (self._bucket, now)))
+            self._marks.append(("pre_comm", (self._start, self._bucket)))
+            self._bucket = None
+        self._last = now
+
+    def end(self) -> None:
+        now = self._now()
+        self._marks.append(("step", (self._start, now)))
+        if not any(p == "pre_comm" for p, _ in self._marks):  # no all-reduce (one rank): all of it is compute
+            self._marks.append(("pre_comm", (self._start, now)))
+        if self.cuda:
+            self._pending.append(self._marks)
+        else:
+            self._add(self._marks)
+        self.steps += 1
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Time measured outside the step (the checkpoint's stall), charged to the current interval."""
+        self.totals[phase] += seconds
+        self.totals["step"] += seconds
+
+    # -- collection ---------------------------------------------------------------------------------------
+
+    def _add(self, marks: list[tuple[str, Any]]) -> None:
+        for phase, (a, b) in marks:
+            if self.cuda:
+                self.totals[phase] += a.elapsed_time(b) / 1000.0  # ms -> s
+            else:
+                self.totals[phase] += b - a
+
+    def collect(self) -> list[float]:
+        """Mean seconds per step of every phase (PHASES order) over the interval, then start a new one."""
+        if self._pending:
+            self._pending[-1][-1][1][1].synchronize()  # the interval's last event: all earlier ones are done
+            for marks in self._pending:
+                self._add(marks)
+            self._pending = []
+        steps = max(self.steps, 1)
+        out = [self.totals[p] / steps for p in PHASES]
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+        return out
+
+
+class NullTimer(StepTimer):
+    """Phase timing off (log.phase_times=false): every mark is a no-op."""
+
+    def start(self) -> None: ...
+    def host(self, phase: str, seconds: float) -> None: ...
+    def mark(self, phase: str) -> None: ...
+    def bucket_ready(self) -> None: ...
+    def backward_done(self) -> None: ...
+    def end(self) -> None: ...
+    def add(self, phase: str, seconds: float) -> None: ...
+
+    def collect(self) -> list[float]:
+        return [0.0] * len(PHASES)
+
+
+def attach_comm_hook(model: torch.nn.Module, timer: StepTimer | None, *, overlap: bool = True) -> bool:
+    """DDP's all-reduce through a hook that tells the timer when each bucket is ready (the same arithmetic
+    as DDP's built-in: divide by the world size, sum). With ``overlap=False`` every bucket's all-reduce is
+    held back until the last bucket is ready, as if DDP did not overlap communication with backward: that
+    shows what the overlap buys. Returns False (and does nothing) when the model is not DDP-wrapped, or when
+    there is nothing to time or change."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel) or (timer is None and overlap):
+        return False
+    held: list[tuple[Any, torch.futures.Future]] = []
+
+    def hook(group, bucket):
+        if timer is not None:
+            timer.bucket_ready()
+        if overlap:
+            return allreduce_hook(group, bucket)
+        mine: torch.futures.Future = torch.futures.Future()
+        held.append((bucket, mine))
+        if bucket.is_last():
+            for b, fut in held:
+                allreduce_hook(group, b).then(lambda done, fut=fut: fut.set_result(done.value()))
+            held.clear()
+        return mine
+
+    model.register_comm_hook(None, hook)
+    return True

@@ -1,0 +1,70 @@
+"""The straggler rule and the bottleneck verdict on stated numbers."""
+
+from __future__ import annotations
+
+import random
+
+from scaletrain.observe.stragglers import StragglerDetector, bottleneck, phase_fractions
+
+
+def _interval(rng: random.Random, world: int, slow: int | None, phase: str = "data", delay: float = 0.03) -> list:
+    ranks = []
+    for r in range(world):
+        own = {"data": 0.002, "h2d": 0.0005, "compute": 0.02 + rng.uniform(0, 0.002), "optim": 0.003}
+        if r == slow:
+            own[phase] += delay
+        ranks.append(own)
+    pre = [o["data"] + o["h2d"] + o["compute"] for o in ranks]
+    out = []
+    for o, p in zip(ranks, pre):
+        comm = max(pre) - p + 0.001
+        out.append({**o, "comm": comm, "ckpt": 0.0, "pre_comm": p, "step": p + comm + o["optim"]})
+    return out
+
+
+def test_a_persistently_slow_rank_is_flagged_once_the_window_is_full():
+    for world in (2, 4, 8):
+        rng = random.Random(world)
+        detector = StragglerDetector(world, [f"node{r}" for r in range(world)])
+        findings = [detector.update(_interval(rng, world, slow=world - 1, phase="compute")) for _ in range(8)]
+        assert findings[:4] == [None] * 4
+        first = findings[4]
+        assert first["new"] and (first["rank"], first["phase"], first["host"]) == (world - 1, "compute", f"node{world - 1}")
+        assert abs(first["slower_by_s"] - 0.03) < 0.005 and first["z"] > 3.5
+        assert not findings[5]["new"]
+        assert detector.summary()[0]["intervals"] == 4
+
+
+def test_jitter_alone_flags_nobody():
+    rng = random.Random(0)
+    detector = StragglerDetector(4, ["h"] * 4)
+    assert all(detector.update(_interval(rng, 4, slow=None)) is None for _ in range(100))
+    assert detector.summary() == []
+
+
+def test_a_one_off_spike_is_not_persistent():
+    rng = random.Random(1)
+    detector = StragglerDetector(2, ["a", "b"])
+    found = [detector.update(_interval(rng, 2, slow=1 if i == 6 else None, delay=0.5)) for i in range(20)]
+    assert found == [None] * 20
+
+
+def _totals(data: float, compute: float, comm: float, optim: float = 0.01, h2d: float = 0.0) -> dict:
+    step = data + compute + comm + optim + h2d
+    return {"data": data, "h2d": h2d, "compute": compute, "comm": comm, "optim": optim, "ckpt": 0.0,
+            "step": step, "pre_comm": data + compute + h2d}
+
+
+def test_the_verdict_is_judged_on_the_rank_the_others_wait_for():
+    waiting, slow = _totals(0.01, 0.5, 0.45), _totals(0.45, 0.5, 0.01)  # rank 1 reads slowly, rank 0 waits
+    verdict = bottleneck([waiting, slow], device="cpu", num_workers=0, bucket_mb=25)
+    assert verdict["verdict"] == "input-bound" and "on rank 1, the one the others wait for" in verdict["evidence"]
+    assert "--data.num_workers=2" in verdict["fix"]
+    assert bottleneck([_totals(0.01, 0.5, 0.4)] * 2, device="cuda", num_workers=2,
+                      bucket_mb=25)["verdict"] == "communication-bound"
+    assert bottleneck([_totals(0.01, 0.9, 0.02)], device="cpu", num_workers=0, bucket_mb=25)["verdict"] == \
+        "compute-bound"
+    assert bottleneck([_totals(0.01, 0.3, 0.02, optim=0.2, h2d=0.1)], device="cuda", num_workers=0,
+                      bucket_mb=25)["verdict"] == "host-bound"
+    fractions = phase_fractions([waiting, slow])
+    assert abs(fractions["comm"] - (0.45 / 0.97 + 0.01 / 0.97) / 2) < 1e-9  # median over 2 ranks = mean
