@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The GPU checks of one lent-GPU session, in priority order, each with its own time limit, results under $OUT.
+# Run on the device machine from the repository root: PYTHONPATH=src (tomli_w carried in .h4carry).
+set -u
+export PYTHONPATH=src:.h4carry PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+echo "== 1. the GPU path of the trainer (tests/unit/test_cuda.py: digits fp32, bf16-mixed, fp16-mixed)"
+timeout 80 python -m pytest -q -p no:cacheprovider tests/unit/test_cuda.py 2>&1 | tail -4 | tee "$OUT/test_cuda.txt"
+echo "== 2. throughput cpu vs cuda (the lecture's table)"
+timeout 70 python -m scaletrain bench throughput --recipe digits --devices cpu,cuda --batch-sizes 2,4,64 \
+  --steps 20 --repeats 3 --json "$OUT/throughput_digits.json" 2>&1 | tail -12
+echo "== 3. gpt-stdlib on one GPU, bf16-mixed: MFU and phase times from CUDA events"
+timeout 60 python -m scaletrain train gpt-stdlib --train.max_steps=150 --train.precision=bf16-mixed \
+  --data.batch_size=64 --log.every=25 --train.eval_batches=2 --train.progress=false --run.dir="$OUT/gpt" 2>&1 | tail -22
+echo "== 4. verify-resume on the GPU"
+timeout 75 python -m scaletrain verify-resume digits --steps 30 --at 13 --device=cuda --model.dropout=0.1 2>&1 | tail -3
