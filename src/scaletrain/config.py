@@ -232,6 +232,8 @@ class TrainConfig:
     """Eval batches per rank per evaluation (0 = the whole held-out split)."""
     progress: bool = True
     """Show a progress bar on rank 0 when the console is a terminal."""
+    deterministic: bool = False
+    """Deterministic kernels (torch.use_deterministic_algorithms, cuDNN deterministic): bitwise-repeatable GPU runs, somewhat slower."""
     nonfinite: Literal["raise", "skip"] = "raise"
     """A non-finite loss or gradient on any rank: raise (stop, naming rank and step) or skip the step and count it."""
 

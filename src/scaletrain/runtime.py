@@ -82,14 +82,31 @@ def init(cfg: DistConfig) -> Runtime:
         torch.cuda.set_device(device)
     owns = False
     if under_launcher() and not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        timeout = timedelta(seconds=cfg.timeout_s)
+        store = _attempt_store(world, timeout)
+        extra = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
+        dist.init_process_group(backend=backend, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None, **extra)
         owns = True
     elif not under_launcher():
         backend = "none"
     rt = Runtime(rank, local_rank, world, local_world, device, backend, owns)
     _announce(rt)
     return rt
+
+
+def _attempt_store(world: int, timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's agent store, the process group's keys in a namespace of their own per restart.
+
+    The agent keeps one store for the whole job; the keys through which Gloo ranks exchange their addresses
+    would otherwise be the same in every attempt, and a rank of a restarted group could read the address of a
+    worker that was killed (seen here: "Gloo connectFullMesh failed ... Connection refused" after a restart).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                         timeout=timeout)
+    return dist.PrefixStore(f"scaletrain/attempt-{_attempt()}", base)
 
 
 def _store() -> dist.Store | None:
@@ -148,6 +165,17 @@ def close(rt: Runtime) -> None:
         gc.collect()
         dist.destroy_process_group()
         gc.collect()
+
+
+def set_deterministic(on: bool) -> None:
+    """Deterministic kernels for bitwise-repeatable runs (cuBLAS needs its workspace fixed before its first
+    use; an op without a deterministic kernel warns instead of failing)."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def seed_all(seed: int) -> None:

@@ -100,7 +100,8 @@ def shares(total: dict[str, float]) -> dict[str, float]:
     return {p: (total[p] / total["step"] if total["step"] > 0 else 0.0) for p in PHASES if p not in ("step", "pre_comm")}
 
 
-def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int, bucket_mb: float) -> dict[str, str]:
+def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int, bucket_mb: float,
+               precision: str = "fp32", compiled: bool = False) -> dict[str, str]:
     """The verdict, its evidence (fractions of step time) and the fix. Judged on the critical rank's phases
     (with a straggler, the others' time is mostly waiting for it, which is not what limits the job)."""
     world_size = len(totals)
@@ -125,6 +126,7 @@ def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int,
         fix = ("a larger batch per step (fewer optimizer steps and copies per sample), torch.compile "
                "(--train.compile=true) to cut launch overhead, and a fused optimizer (used where possible)")
         return {"verdict": "host-bound", "evidence": evidence, "fix": fix}
-    fix = ("the device is busy computing: bf16 mixed precision (--train.precision=bf16-mixed), "
-           "torch.compile, or more devices (the rest of the step scales with them)")
+    levers = [] if precision != "fp32" else ["bf16 mixed precision (--train.precision=bf16-mixed)"]
+    levers += [] if compiled else ["torch.compile (--train.compile=true)"]
+    fix = "the device is busy computing: " + ", ".join([*levers, "or more devices (data parallelism scales it)"])
     return {"verdict": "compute-bound", "evidence": evidence, "fix": fix}

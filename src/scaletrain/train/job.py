@@ -22,7 +22,7 @@ from scaletrain.observe.memory import MemoryBreakdown
 from scaletrain.observe.throughput import flops_per_sample
 from scaletrain.observe.timing import NullTimer, StepTimer, attach_comm_hook
 from scaletrain.parallel import is_fsdp, parallelize, resolve_strategy
-from scaletrain.runtime import Runtime, seed_all
+from scaletrain.runtime import Runtime, seed_all, set_deterministic
 from scaletrain.train.batching import BatchPlan, plan_batches
 from scaletrain.train.chaos import Chaos
 from scaletrain.train.guard import NonFiniteGuard, supports_device_skip
@@ -99,6 +99,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     metadata of the checkpoint the job will continue from (its global batch and position shape the plan)."""
     check_precision(cfg.train.precision, rt.device)
     plan = plan_batches(cfg, rt.world_size, len(splits.train), resume)  # type: ignore[arg-type]
+    set_deterministic(cfg.train.deterministic)
     seed_all(cfg.run.seed)  # the same initial weights on every rank
     if model is None:
         module = build_model(cfg.model, splits.task, splits.info)

@@ -82,7 +82,8 @@ def _finish(job: Job, loop: Loop, wall_s: float) -> dict[str, Any]:
                      world_size=rt.world_size, peak=loop.peak_flops),
         "phase_frac": fractions,
         "bottleneck": bottleneck(loop.phase_totals, device=rt.device.type, num_workers=job.cfg.data.num_workers,
-                                 bucket_mb=job.cfg.parallel.bucket_mb),
+                                 bucket_mb=job.cfg.parallel.bucket_mb, precision=job.cfg.train.precision,
+                                 compiled=job.cfg.train.compile),
         "stragglers": loop.stragglers.summary(),
         "peak_mem_bytes": int(peak.item()), "device": str(rt.device), "backend": rt.backend,
         "params": sum(p.numel() for p in job.module.parameters()), "config_digest": job.cfg.digest(),
@@ -105,6 +106,17 @@ def save_weights(job: Job, path: Path) -> None:
     else:
         safetensors.torch.save_model(job.module, str(tmp), metadata=meta)
     os.replace(tmp, path)
+
+
+def _memory_row(mem: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where rank 0's memory goes, counted from its live tensors (activations: the rest of a GPU's peak)."""
+    if "params_bytes" not in mem:
+        return []
+    parts = [f"params {fmt_bytes(mem['params_bytes'])}", f"grads {fmt_bytes(mem['grads_bytes'])}",
+             f"optimizer {fmt_bytes(mem['optim_bytes'])}"]
+    if mem.get("activations_bytes"):
+        parts.append(f"activations {fmt_bytes(mem['activations_bytes'])}")
+    return [("memory (rank 0)", " + ".join(parts))]
 
 
 def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> None:
@@ -130,6 +142,7 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
              for s in summary["stragglers"]]
     rows += [("wall time", f"{summary['wall_s']:.1f} s"),
              ("peak memory / rank", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB"),
+             *_memory_row(summary.get("mem", {})),
              ("run dir", str(run_dir))]
     console.table("summary", rows)
     console.print(f"bottleneck: {verdict['verdict']}; fix: {verdict['fix']}")

@@ -53,7 +53,8 @@ class Verdict:
                     "weights, optimizer, RNG, data order and LR schedule")
         where = {"at resume": f"right after loading the checkpoint of step {self.step}",
                  "before the interruption": f"at step {self.step}, before any interruption (the job is not "
-                                            "reproducible run to run, so resuming cannot be judged)",
+                                            "reproducible run to run, so resuming cannot be judged; on a GPU, "
+                                            "--train.deterministic=true makes the kernels repeatable)",
                  "after resume": f"at step {self.step}"}[self.phase]
         return f"diverged {where} on rank {self.rank}: {', '.join(self.parts)} differ{'s' if len(self.parts) == 1 else ''}"
 

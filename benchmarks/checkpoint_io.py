@@ -1,0 +1,146 @@
+"""Checkpoint save and load speed for a ~1 GB training state, against plain torch.save / torch.load, and how
+long the training loop is blocked per checkpoint with scaletrain's background writer.
+
+    python benchmarks/checkpoint_io.py [--gb 1.0] [--repeats 3] [--dir /tmp/ckpt-bench] [--json out.json]
+
+The state is a stack of 4096 x 4096 linear layers (fp32) with AdamW's state after one step: parameters +
+two moments, about --gb GB in all. Every method writes to the same disk, fsyncs (a checkpoint that is not on
+disk is not a checkpoint), and is timed end to end; the methods are interleaved in each repeat and the
+median is reported. Loads read files just written, so they come from the page cache: they measure
+deserialisation and copying, not the disk.
+
+- scaletrain sync: the Checkpointer with async_save=False (copy to host buffers, write safetensors, fsync,
+  SHA-256 every file, manifest, rename);
+- scaletrain async: the same, the loop blocked only for the copy; "save" is until the commit;
+- torch.save: torch.save({"model", "optimizer"}) to one file + fsync; torch.load(weights_only=True);
+- loads: scaletrain's verified read (every byte hashed as it is read) into the live model and optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from scaletrain.bench.report import environment
+from scaletrain.checkpoint import commit
+from scaletrain.config import CheckpointConfig
+from scaletrain.runtime import Runtime
+from scaletrain.train.checkpointing import OPTIMIZER, Checkpointer, Resume, read_model, read_tree
+from scaletrain.train.state import load_model_tensors, load_optimizer_tree, model_tensors, optimizer_tree
+
+
+def build(gb: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    layers = max(1, round(gb * 1e9 / (3 * 4 * 4096 * 4096)))  # params + 2 AdamW moments, fp32
+    model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    n += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    return n
+
+
+def scaletrain_save(model: nn.Module, opt: torch.optim.Optimizer, run_dir: Path, step: int,
+                    background: bool, ck: Checkpointer) -> tuple[float, float]:
+    """(seconds the loop was blocked, seconds until committed)."""
+    started = time.perf_counter()
+    blocked = ck.save(step, model_tensors(model), optimizer_tree(model, opt), {"step": step}, {"x": step},
+                      {"format": "full"}, background=background)
+    ck.wait()
+    return blocked, time.perf_counter() - started
+
+
+def scaletrain_load(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> float:
+    started = time.perf_counter()
+    resume = Resume(path, commit.read_manifest(path))
+    tensors, aliases = read_model(resume)
+    load_model_tensors(model, tensors, aliases, str(path))
+    load_optimizer_tree(model, opt, read_tree(resume, OPTIMIZER), str(path))
+    return time.perf_counter() - started
+
+
+def torch_save(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> float:
+    started = time.perf_counter()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return time.perf_counter() - started
+
+
+def torch_load(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> float:
+    started = time.perf_counter()
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gb", type=float, default=1.0, help="size of the training state in GB [1.0]")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians reported [3]")
+    p.add_argument("--dir", default="/tmp/scaletrain-ckpt-bench", help="scratch directory (removed after)")
+    p.add_argument("--json", default="", help="write the results here")
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    model, opt = build(args.gb)
+    size = state_bytes(model, opt)
+    work = Path(args.dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "none")
+    results: dict[str, list[float]] = {k: [] for k in ("sync_save", "async_blocked", "async_save", "torch_save",
+                                                        "scaletrain_load", "torch_load")}
+    try:
+        sync_ck = Checkpointer(CheckpointConfig(every=1, keep=1, async_save=False), work / "sync", rt)
+        async_ck = Checkpointer(CheckpointConfig(every=1, keep=1, async_save=True), work / "async", rt)
+        step = 0
+        for _ in range(args.repeats + 1):  # the first round warms the page cache and the host buffers
+            step += 1
+            blocked, total = scaletrain_save(model, opt, work / "sync", step, False, sync_ck)
+            results["sync_save"].append(total)
+            blocked, total = scaletrain_save(model, opt, work / "async", step, True, async_ck)
+            results["async_blocked"].append(blocked)
+            results["async_save"].append(total)
+            results["torch_save"].append(torch_save(model, opt, work / "plain.pt"))
+            latest = commit.committed(work / "sync" / "checkpoints")[-1][1]
+            results["scaletrain_load"].append(scaletrain_load(model, opt, latest))
+            results["torch_load"].append(torch_load(model, opt, work / "plain.pt"))
+        sync_ck.close()
+        async_ck.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    medians = {k: statistics.median(v[1:]) for k, v in results.items()}
+    gb = size / 1e9
+    print(f"training state: {gb:.2f} GB ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters + "
+          f"AdamW moments); median of {args.repeats} interleaved repeats after one warm-up round")
+    print(f"{'':28s}{'seconds':>10s}{'GB/s':>8s}")
+    for key, label in (("sync_save", "scaletrain save, sync"), ("async_save", "scaletrain save, async"),
+                       ("async_blocked", "  loop blocked, async"), ("torch_save", "torch.save + fsync"),
+                       ("scaletrain_load", "scaletrain load (verified)"), ("torch_load", "torch.load")):
+        print(f"{label:28s}{medians[key]:10.3f}{gb / medians[key]:8.2f}")
+    ratio = medians["async_blocked"] / medians["sync_save"]
+    print(f"blocked per checkpoint with async saving: {100 * ratio:.1f}% of a synchronous save (target <= 10%)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"environment": environment(), "state_bytes": size,
+                                               "repeats": args.repeats, "seconds": results,
+                                               "medians": medians, "async_blocked_over_sync": ratio}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
