@@ -22,8 +22,16 @@ import torch
 from scaletrain.checkpoint import commit
 from scaletrain.config import CheckpointConfig
 from scaletrain.runtime import Runtime
-from scaletrain.train.checkpointing import MODEL, OPTIMIZER, TRAINER, Checkpointer, Resume, read_model, read_tree, \
-    read_trainer
+from scaletrain.train.checkpointing import (
+    MODEL,
+    OPTIMIZER,
+    TRAINER,
+    Checkpointer,
+    Resume,
+    read_model,
+    read_trainer,
+    read_tree,
+)
 
 ROUNDS = 20
 
