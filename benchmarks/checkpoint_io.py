@@ -109,9 +109,7 @@ def main() -> None:
     try:
         sync_ck = Checkpointer(CheckpointConfig(every=1, keep=1, async_save=False), work / "sync", rt)
         async_ck = Checkpointer(CheckpointConfig(every=1, keep=1, async_save=True), work / "async", rt)
-        step = 0
-        for _ in range(args.repeats + 1):  # the first round warms the page cache and the host buffers
-            step += 1
+        for step in range(1, args.repeats + 2):  # the first round warms the page cache and the host buffers
             blocked, total = scaletrain_save(model, opt, work / "sync", step, False, sync_ck)
             results["sync_save"].append(total)
             blocked, total = scaletrain_save(model, opt, work / "async", step, True, async_ck)

@@ -1,6 +1,6 @@
 """The one job that the four implementations in this folder run, and the one way they all time it.
 
-Job: scaletrain's gpt-stdlib model (models.GPT: 4 layers x 128, 4 heads, 128 tokens of context, byte vocab),
+Job (gpt-stdlib, the default; ``--job digits`` is the digits recipe's CNN and data, same optimizer): scaletrain's gpt-stdlib model (models.GPT: 4 layers x 128, 4 heads, 128 tokens of context, byte vocab),
 on the same data (data.stdlib_text: this Python's standard library sources), AdamW (lr 2e-3, betas 0.9/0.99,
 weight decay 0.1 on matrices and embeddings only), gradient clipping at 1.0, a constant learning rate, 16
 sequences per rank per step, one intra-op thread per rank (OMP_NUM_THREADS, set by run.py).
@@ -25,20 +25,26 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from scaletrain.data import stdlib_text
-from scaletrain.models import GPT
+from scaletrain.data import digits, stdlib_text
+from scaletrain.models import CNN, GPT
 from scaletrain.observe.metrics import peak_memory_bytes
 
-SEQ_LEN, BATCH, SEED = 128, 16, 0
+# Which job (run.py --job sets it for every process it starts): gpt-stdlib, or digits (the CNN on sklearn's
+# 8x8 digits, 32 images per rank per step, where one all-reduce costs about as much as the compute).
+JOB = os.environ.get("SCALETRAIN_PEERS_JOB", "gpt-stdlib")
+SEQ_LEN, SEED = 128, 0
+BATCH = 16 if JOB == "gpt-stdlib" else 32
 N_LAYER, N_HEAD, N_EMBD = 4, 4, 128
 LR, BETAS, WEIGHT_DECAY, GRAD_CLIP = 2e-3, (0.9, 0.99), 0.1, 1.0
 
-# The same job for scaletrain's CLI: the gpt-stdlib recipe with its schedule turned into a constant lr.
-SCALETRAIN_OVERRIDES = {"data.seq_len": SEQ_LEN, "data.batch_size": BATCH, "model.n_layer": N_LAYER,
-                        "model.n_head": N_HEAD, "model.n_embd": N_EMBD, "optim.name": "adamw", "optim.lr": LR,
-                        "optim.beta1": BETAS[0], "optim.beta2": BETAS[1], "optim.weight_decay": WEIGHT_DECAY,
-                        "optim.grad_clip": GRAD_CLIP, "schedule.warmup_steps": 0, "schedule.decay": "constant",
-                        "run.seed": SEED}
+# The same job for scaletrain's CLI: the recipe with its schedule turned into a constant lr.
+SCALETRAIN_OVERRIDES = {"data.batch_size": BATCH, "optim.name": "adamw", "optim.lr": LR, "optim.beta1": BETAS[0],
+                        "optim.beta2": BETAS[1], "optim.weight_decay": WEIGHT_DECAY, "optim.grad_clip": GRAD_CLIP,
+                        "schedule.warmup_steps": 0, "schedule.decay": "constant", "optim.scale_lr": "false",
+                        "run.seed": SEED, "model.dropout": 0.0}
+if JOB == "gpt-stdlib":
+    SCALETRAIN_OVERRIDES.update({"data.seq_len": SEQ_LEN, "model.n_layer": N_LAYER, "model.n_head": N_HEAD,
+                                 "model.n_embd": N_EMBD})
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,12 +63,14 @@ def local_device(kind: str) -> torch.device:
 
 
 def train_data() -> torch.utils.data.Dataset:
-    return stdlib_text(SEQ_LEN).train
+    return stdlib_text(SEQ_LEN).train if JOB == "gpt-stdlib" else digits(0.2).train
 
 
-def build_model() -> GPT:
+def build_model() -> torch.nn.Module:
     torch.manual_seed(SEED)  # the same initial weights on every rank and in every implementation
-    return GPT(256, SEQ_LEN, N_LAYER, N_HEAD, N_EMBD, dropout=0.0)
+    if JOB == "gpt-stdlib":
+        return GPT(256, SEQ_LEN, N_LAYER, N_HEAD, N_EMBD, dropout=0.0)
+    return CNN((1, 8, 8), 10, channels=32, hidden=128, dropout=0.0)  # the digits recipe's model
 
 
 def build_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -38,7 +38,10 @@ LABELS = {"ddp": "hand-written DDP", "fabric": "Lightning Fabric", "accelerate":
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=2, help="ranks (world size) [default: 2]")
+    p.add_argument("--nproc", default="2", help="ranks (world size); several (1,2) also give each one's weak "
+                   "scaling efficiency [default: 2]")
+    p.add_argument("--job", choices=("gpt-stdlib", "digits"), default="gpt-stdlib",
+                   help="the job all four run [default: gpt-stdlib]")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run [default: 60]")
     p.add_argument("--log-every", type=int, default=10,
                    help="steps per timed interval; the first interval is warm-up [default: 10]")
@@ -50,6 +53,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args()
     args.impls = [s.strip() for s in args.impls.split(",")]
+    try:
+        args.nprocs = [int(n) for n in args.nproc.split(",")]
+    except ValueError:
+        p.error(f"--nproc {args.nproc!r}: expected world sizes like 2 or 1,2")
+    os.environ["SCALETRAIN_PEERS_JOB"] = args.job  # every process started from here runs this job
+    importlib.reload(common)
     for impl in args.impls:
         if impl not in IMPLS:
             p.error(f"--impls: {impl!r} is not one of {', '.join(IMPLS)}")
@@ -66,16 +75,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_once(impl: str, args: argparse.Namespace, work: Path, round_: int) -> dict[str, Any]:
+def run_once(impl: str, args: argparse.Namespace, work: Path, round_: int, nproc: int) -> dict[str, Any]:
     env_threads = {"OMP_NUM_THREADS": str(args.threads)}
     if impl == "scaletrain":
         overrides = {**common.SCALETRAIN_OVERRIDES, "train.max_steps": args.steps, "train.log_every": args.log_every,
                      "train.eval_batches": 1, "train.progress": "false", "dist.device": args.device}
-        run = run_training("gpt-stdlib", args.nproc, work / f"scaletrain-{round_}", overrides, threads=args.threads)
+        run = run_training(args.job, nproc, work / f"scaletrain-{nproc}-{round_}", overrides, threads=args.threads)
         return {"records": run.records, "peak_mem_bytes": run.summary["peak_mem_bytes"]}
-    out = work / f"{impl}-{round_}.json"
-    log = work / f"{impl}-{round_}.log"
-    command = [sys.executable, "-m", "scaletrain", "launch", "--nproc", str(args.nproc), str(HERE / SCRIPTS[impl]),
+    out = work / f"{impl}-{nproc}-{round_}.json"
+    log = work / f"{impl}-{nproc}-{round_}.log"
+    command = [sys.executable, "-m", "scaletrain", "launch", "--nproc", str(nproc), str(HERE / SCRIPTS[impl]),
                "--steps", str(args.steps), "--log-every", str(args.log_every), "--device", args.device,
                "--out", str(out)]
     with log.open("w") as f:
@@ -96,32 +105,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
     return out
 
 
-def main() -> int:
-    args = parse_args()
-    env = environment([sys.executable, *sys.argv])
-    print(header_line(env))
-    print(f"peers: gpt-stdlib job, {args.nproc} ranks on {args.device}, {args.threads} thread(s) per rank, global "
-          f"batch {common.BATCH * args.nproc}, {args.steps} steps in intervals of {args.log_every} (first one "
-          f"warm-up), {args.rounds} interleaved rounds of {', '.join(args.impls)}")
-    if args.nproc == 1:
-        print("note: at 1 rank scaletrain does not wrap the model in DDP (nothing to synchronise) while the others "
-              "do: compare at 2 ranks or more")
-    if args.device == "cpu" and args.nproc * args.threads > usable_cores():
-        print(f"note: {args.nproc} ranks x {args.threads} thread(s) exceed the {usable_cores()} cores here")
-    runs: dict[str, list[dict[str, Any]]] = {impl: [] for impl in args.impls}
-    with tempfile.TemporaryDirectory(prefix="scaletrain-peers-") as tmp:
-        for round_ in range(args.rounds):
-            for impl in args.impls:
-                try:
-                    result = run_once(impl, args, Path(tmp), round_)
-                except RunFailed as err:
-                    print(f"peers: {impl} failed: {err}", file=sys.stderr)
-                    return 1
-                runs[impl].append(result)
-                step = steady_state(result["records"])["step_time_s"]
-                print(f"  round {round_ + 1}/{args.rounds} {impl:<10} {step * 1e3:8.2f} ms/step  peak "
-                      f"{result['peak_mem_bytes'] / 2**20:,.0f} MiB")
-    summary = summarize(runs)
+def _table(args: argparse.Namespace, nproc: int, summary: dict[str, dict[str, Any]]) -> None:
     ref = summary.get("ddp")
     rows = []
     for impl, s in summary.items():
@@ -131,14 +115,57 @@ def main() -> int:
                      f"{s['peak_mem_bytes'] / 2**20:,.0f}",
                      f"{s['peak_mem_bytes'] / ref['peak_mem_bytes']:.3f}" if ref else "-", f"{s['final_loss']:.4f}"])
     mem = "CUDA allocator peak" if args.device == "cuda" else "peak RSS"
-    print_table(f"peers, {args.nproc} ranks on {args.device}", ["implementation", "ms/step (median)", "rounds' range",
-                "vs hand-written", f"{mem} MiB", "vs hand-written", "final loss"], rows,
+    print_table(f"peers, {args.job}, {nproc} rank(s) on {args.device}", ["implementation", "ms/step (median)",
+                "rounds' range", "vs hand-written", f"{mem} MiB", "vs hand-written", "final loss"], rows,
                 caption=f"median over {args.rounds} rounds of each run's median log interval; memory: max over "
                 "ranks, median over rounds; target: scaletrain <= 1.02 x the hand-written loop's step time")
+
+
+def main() -> int:
+    args = parse_args()
+    env = environment([sys.executable, *sys.argv])
+    print(header_line(env))
+    print(f"peers: {args.job} job, {args.nproc} rank(s) on {args.device}, {args.threads} thread(s) per rank, "
+          f"{common.BATCH} samples per rank per step, {args.steps} steps in intervals of {args.log_every} (first "
+          f"one warm-up), {args.rounds} interleaved rounds of {', '.join(args.impls)}")
+    if 1 in args.nprocs:
+        print("note: at 1 rank scaletrain does not wrap the model in DDP (nothing to synchronise) while the others "
+              "do: compare their step times at 2 ranks or more")
+    if args.device == "cpu" and max(args.nprocs) * args.threads > usable_cores():
+        print(f"note: {max(args.nprocs)} ranks x {args.threads} thread(s) exceed the {usable_cores()} cores here")
+    runs: dict[int, dict[str, list[dict[str, Any]]]] = {n: {impl: [] for impl in args.impls} for n in args.nprocs}
+    with tempfile.TemporaryDirectory(prefix="scaletrain-peers-") as tmp:
+        for round_ in range(args.rounds):
+            for nproc in args.nprocs:
+                for impl in args.impls:
+                    try:
+                        result = run_once(impl, args, Path(tmp), round_, nproc)
+                    except RunFailed as err:
+                        print(f"peers: {impl} failed: {err}", file=sys.stderr)
+                        return 1
+                    runs[nproc][impl].append(result)
+                    step = steady_state(result["records"])["step_time_s"]
+                    print(f"  round {round_ + 1}/{args.rounds} {nproc} rank(s) {impl:<10} {step * 1e3:8.2f} ms/step  "
+                          f"peak {result['peak_mem_bytes'] / 2**20:,.0f} MiB")
+    summaries = {n: summarize(r) for n, r in runs.items()}
+    for nproc, summary in summaries.items():
+        _table(args, nproc, summary)
+    efficiency: dict[str, dict[int, float]] = {}
+    if len(args.nprocs) > 1:
+        base = min(args.nprocs)
+        for impl in args.impls:
+            # weak scaling: the per-rank batch is fixed, so efficiency = step time at base / step time at N
+            efficiency[impl] = {n: summaries[base][impl]["step_time_s"] / summaries[n][impl]["step_time_s"]
+                                for n in args.nprocs}
+        rows = [[LABELS[impl], *(f"{efficiency[impl][n]:.3f}" for n in args.nprocs)] for impl in args.impls]
+        print_table(f"weak scaling efficiency, {args.job}", ["implementation", *(f"{n} rank(s)" for n in args.nprocs)],
+                    rows, caption=f"per-rank throughput at N over that at {base} (the per-rank batch is fixed)")
     if args.json:
-        data = {"bench": "peers", "environment": env, "nproc": args.nproc, "device": args.device,
+        data = {"bench": "peers", "environment": env, "job": args.job, "nproc": args.nprocs, "device": args.device,
                 "threads_per_rank": args.threads, "steps": args.steps, "log_every": args.log_every,
-                "rounds": args.rounds, "global_batch": common.BATCH * args.nproc, "summary": summary, "runs": runs}
+                "rounds": args.rounds, "batch_per_rank": common.BATCH,
+                "summary": {str(n): s for n, s in summaries.items()}, "efficiency": efficiency,
+                "runs": {str(n): r for n, r in runs.items()}}
         print(f"wrote {write_json(args.json, data)}")
     return 0
 

@@ -310,7 +310,7 @@ def _scaling(args: argparse.Namespace, leftovers: list[str], argv: list[str]) ->
     what = "per-rank throughput over 1 rank's" if mode == "weak" else "speedup / ranks, global batch fixed"
     print_table(f"{mode} scaling, {recipe}", columns, rows,
                 caption=f"efficiency = {what}" + (f"; baseline {base} ranks" if base != 1 else "")
-                + "; exposed comm from summary.json phase_frac['comm'] (n/a until the trainer records it)")
+                + "; exposed comm = summary.json phase_frac['comm'], the median rank's share of step time")
     data = {"bench": "scaling", "environment": env, "recipe": recipe, "mode": mode, "overrides": overrides,
             "threads_per_rank": threads, "cores": cores, "steps": steps, "warmup": warmup, "results": results}
     _write_outputs(args, data, lambda path: scaling.plot(results, path, f"{mode} scaling, {recipe}", seq_len))
