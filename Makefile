@@ -17,13 +17,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 demo: $(STAMP)
 	$(VENV)/bin/scaletrain train digits --nproc 2
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff check src tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

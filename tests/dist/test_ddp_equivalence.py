@@ -2,8 +2,8 @@
 
 2 ranks x batch b against 1 process x batch 2b (and 2 ranks x accumulation 2 x b/2), same seed, plain SGD
 with momentum, no dropout, real data (digits): after 5 steps the parameters agree to 1e-6 relative
-(measured: worst tensor 1.7e-7, in head.4.bias). The only difference allowed is float summation order
-(gradient averaging across ranks vs within a batch).
+(measured with fused SGD: worst tensor 1.35e-7, and 1.13e-7 with accumulation). The only difference allowed
+is float summation order (gradient averaging across ranks vs within a batch).
 """
 
 from __future__ import annotations
