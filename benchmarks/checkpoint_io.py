@@ -1,7 +1,7 @@
 """Checkpoint save and load speed for a ~1 GB training state, against plain torch.save / torch.load, and how
 long the training loop is blocked per checkpoint with scaletrain's background writer.
 
-    python benchmarks/checkpoint_io.py [--gb 1.0] [--repeats 3] [--dir /tmp/ckpt-bench] [--json out.json]
+    python benchmarks/checkpoint_io.py [--gb 1.0] [--repeats 3] [--sharded N] [--dir /tmp/ckpt-bench] [--json out.json]
 
 The state is a stack of 4096 x 4096 linear layers (fp32) with AdamW's state after one step: parameters +
 two moments, about --gb GB in all. Every method writes to the same disk, fsyncs (a checkpoint that is not on
@@ -14,6 +14,11 @@ deserialisation and copying, not the disk.
 - scaletrain async: the same, the loop blocked only for the copy; "save" is until the commit;
 - torch.save: torch.save({"model", "optimizer"}) to one file + fsync; torch.load(weights_only=True);
 - loads: scaletrain's verified read (every byte hashed as it is read) into the live model and optimizer.
+
+With ``--sharded N`` the same state is sharded with FSDP2 over N Gloo processes on this machine and saved
+through DCP, interleaved: scaletrain sync (every rank writes its shards, rank 0 hashes every file, writes
+the manifest and renames), scaletrain async (DCP's async save; the loop is blocked while the shards are
+copied to host memory; "save" is until rank 0 committed), and plain dcp.save (no manifest, no hashes).
 """
 
 from __future__ import annotations
@@ -89,13 +94,109 @@ def torch_load(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> floa
     return time.perf_counter() - started
 
 
+def _sharded_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Path) -> None:
+    """One FSDP rank of the --sharded benchmark; rank 0 writes the results to ``out``."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.fsdp import fully_shard
+
+    from scaletrain.train.state import dedupe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False)
+                                for _ in range(max(1, round(args.gb * 1e9 / (3 * 4 * 4096 * 4096))))])
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        work = Path(args.dir)
+        rt = Runtime(rank, rank, world, world, torch.device("cpu"), "gloo")
+        cks = {mode: Checkpointer(CheckpointConfig(every=1, keep=1, async_save=mode == "async"), work / mode, rt)
+               for mode in ("sync", "async")}
+        results: dict[str, list[float]] = {k: [] for k in ("sync_save", "async_blocked", "async_save", "dcp_save")}
+        for step in range(1, args.repeats + 2):  # the first round warms the page cache and DCP's planner
+            for mode, ck in cks.items():
+                dist.barrier()
+                started = time.perf_counter()
+                blocked = ck.save_sharded(step, model, opt, {"step": step}, {"x": step}, {"format": "dcp"})
+                ck.wait()
+                dist.barrier()  # rank 0 committed: the save is done for everyone
+                total = time.perf_counter() - started
+                if mode == "async":
+                    results["async_blocked"].append(blocked)
+                results[f"{mode}_save"].append(total)
+            dist.barrier()
+            started = time.perf_counter()
+            state, _ = dedupe(model.state_dict())
+            tdcp.save({"model": state, "optim": opt.state_dict()["state"]},
+                      storage_writer=tdcp.FileSystemWriter(str(work / "plain" / f"step-{step}"),
+                                                           single_file_per_rank=True))
+            dist.barrier()
+            results["dcp_save"].append(time.perf_counter() - started)
+            shutil.rmtree(work / "plain", ignore_errors=True)
+        for ck in cks.values():
+            ck.close()
+        if rank == 0:
+            size = sum(p.to_local().numel() * 4 * 3 for p in model.parameters()) * world
+            out.write_text(json.dumps({"state_bytes": size, "seconds": results}))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded(args: argparse.Namespace) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    work = Path(args.dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = work / "results.json"
+    try:
+        mp.start_processes(_sharded_rank, args=(args.sharded, port, args, out), nprocs=args.sharded,
+                           start_method="spawn")
+        found = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results = found["seconds"]
+    medians = {k: statistics.median(v[1:]) for k, v in results.items()}
+    gb = found["state_bytes"] / 1e9
+    print(f"training state: {gb:.2f} GB sharded over {args.sharded} FSDP ranks (Gloo, one thread each); median of "
+          f"{args.repeats} interleaved repeats after one warm-up round")
+    print(f"{'':28s}{'seconds':>10s}{'GB/s':>8s}")
+    for key, label in (("sync_save", "scaletrain DCP save, sync"), ("async_save", "scaletrain DCP save, async"),
+                       ("async_blocked", "  loop blocked, async"), ("dcp_save", "dcp.save (no manifest)")):
+        print(f"{label:28s}{medians[key]:10.3f}{gb / medians[key]:8.2f}")
+    ratio = medians["async_blocked"] / medians["sync_save"]
+    print(f"blocked per checkpoint with async saving: {100 * ratio:.1f}% of a synchronous save (target <= 10%)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"environment": environment(), "state_bytes": found["state_bytes"],
+                                               "ranks": args.sharded, "repeats": args.repeats, "seconds": results,
+                                               "medians": medians, "async_blocked_over_sync": ratio}, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gb", type=float, default=1.0, help="size of the training state in GB [1.0]")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians reported [3]")
     p.add_argument("--dir", default="/tmp/scaletrain-ckpt-bench", help="scratch directory (removed after)")
     p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--sharded", type=int, default=0, metavar="N",
+                   help="shard the state with FSDP over N Gloo processes and save through DCP (0 = one process) [0]")
     args = p.parse_args()
+    if args.sharded:
+        sharded(args)
+        return
 
     torch.manual_seed(0)
     model, opt = build(args.gb)

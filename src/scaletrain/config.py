@@ -272,7 +272,7 @@ class CheckpointConfig:
     resume: str = "auto"
     """auto (the latest complete checkpoint in the run directory, if any), never, or the path of a checkpoint."""
     async_save: bool = True
-    """Write checkpoints on a background thread; the loop is blocked only while the state is copied."""
+    """Write checkpoints on a background thread (DCP's async save for FSDP runs); the loop is blocked only while the state is copied to host memory."""
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, "checkpoint.every", self.every, "an integer >= 0 (0 = off)",

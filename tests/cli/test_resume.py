@@ -222,20 +222,32 @@ def test_world_size_2_to_1_to_2_keeps_the_state_and_sees_every_sample_once(tmp_p
 
 def test_an_fsdp_checkpoint_resumes_on_2_and_on_1_rank_with_exact_state(tmp_path):
     """DCP shards written by 2 FSDP ranks load back on 2 ranks and on 1 (DCP reshards): the state as loaded
-    (weights and optimizer gathered whole, schedule, loader) equals the state as saved."""
+    (weights and optimizer gathered whole, schedule, loader) equals the state as saved. The saves at steps 3
+    and 6 are DCP async saves committed while training went on; the one at the interruption is synchronous."""
     import shutil
 
     job = ["digits", "--train.epochs=1", "--train.log_every=4", "--train.progress=false", "--debug.trace=true",
            "--parallel.strategy=fsdp", "--optim.name=adamw", "--optim.lr=1e-3", "--run.dir=run"]
-    code, _, err = train(*job, "--nproc", "2", "--chaos.interrupt_step=7", cwd=tmp_path)
+    code, _, err = train(*job, "--nproc", "2", "--chaos.interrupt_step=7", "--checkpoint.every=3",
+                         "--checkpoint.keep=0", cwd=tmp_path)
     assert code == 0, err[-3000:]
+    saves = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "checkpoint"]
+    assert [(r["step"], r["async"]) for r in saves] == [(3, True), (6, True), (7, False)]
+    assert [s for s, _ in commit.committed(tmp_path / "run" / "checkpoints")] == [3, 6, 7]
+    for step in (3, 6):  # each async save is complete: every file the manifest names, with its hash
+        manifest = commit.verify(tmp_path / "run" / "checkpoints" / f"step-0000000{step}")
+        assert manifest["meta"]["format"] == "dcp" and manifest["step"] == step
     manifest = commit.read_manifest(tmp_path / "run" / "checkpoints" / "step-00000007")
     assert manifest["meta"]["format"] == "dcp"
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(manifest["files"])
-    saved = next(r for r in _trace(tmp_path / "run")[0] if r["step"] == 7 and "event" not in r)
+    trace = _trace(tmp_path / "run")[0]
     shutil.copytree(tmp_path / "run", tmp_path / "one")
-    for world, run_dir in (("2", "run"), ("1", "one")):
+    # 2 ranks resume from the latest (step 7, synchronous); 1 rank from step 6 (written asynchronously)
+    for world, run_dir, step in (("2", "run", 7), ("1", "one", 6)):
+        saved = next(r for r in trace if r["step"] == step and "event" not in r)
         code, out, err = train(*job[:-1], f"--run.dir={run_dir}", "--nproc", world, "--chaos.interrupt_step=8",
+                               f"--checkpoint.resume={tmp_path / run_dir / 'checkpoints' / f'step-0000000{step}'}",
                                cwd=tmp_path)
         assert code == 0, err[-3000:]
         assert "resumed from" in out

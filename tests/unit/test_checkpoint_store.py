@@ -177,3 +177,54 @@ def test_restore_reproduces_the_saved_state(real_run):
     for name, value in job.module.state_dict().items():
         assert torch.equal(value, final[name]), name
     assert job.optimizer.state_dict()["state"][0]["momentum_buffer"].abs().sum() > 0  # momentum came back
+
+
+def test_the_finiteness_check_finds_every_nan_and_inf_and_no_false_alarm():
+    """_finite screens by sums (one reduction per tensor); a sum that overflows is only a hint, so large finite
+    values must not be reported, and a NaN or infinity anywhere, in any float dtype, must be."""
+    from scaletrain.train.checkpointing import _finite
+
+    big = torch.full((1000,), 3e38)  # every value finite, the sum is inf
+    assert _finite({"big": big, "half": torch.full((100,), 60000.0, dtype=torch.float16)}) is None
+    assert _finite({"ints": torch.arange(5), "empty": torch.empty(0)}) is None
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for bad in (math.nan, math.inf, -math.inf):
+            t = torch.zeros(4097, dtype=dtype)
+            t[4000] = bad
+            assert _finite({"ok": torch.ones(3), "big": big, "bad": t}) == "bad", (dtype, bad)
+    mixed = torch.tensor([math.inf, -math.inf])  # the sum is NaN, still non-finite
+    assert _finite({"mixed": mixed}) == "mixed"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_sharded_save_commits_in_the_background_and_refuses_a_nan(tmp_path, async_save):
+    """The DCP path of the Checkpointer in one process: an async save returns before the commit, wait()
+    commits a checkpoint that verifies and loads back; a NaN anywhere refuses the save and leaves no stage."""
+    from scaletrain.checkpoint import dcp
+    from scaletrain.config import CheckpointConfig
+    from scaletrain.train.checkpointing import Checkpointer, NonFiniteState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 8)).square().sum().backward()
+    opt.step()
+    rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "none")
+    ck = Checkpointer(CheckpointConfig(every=1, keep=2, async_save=async_save), tmp_path, rt)
+    ck.save_sharded(1, model, opt, {"step": 1}, {"x": 1}, {"format": "dcp"})
+    ck.wait()
+    [result] = ck.poll()
+    assert (result.step, result.background) == (1, async_save)
+    manifest = commit.verify(result.path)
+    assert "dcp/.metadata" in manifest["files"] and "optimizer-groups.safetensors" in manifest["files"]
+    back = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(back, result.path / dcp.DCP_DIR)
+    assert all(torch.equal(back["model"][k], v) for k, v in model.state_dict().items())
+
+    with torch.no_grad():
+        model[1].weight[2, 3] = math.nan
+    with pytest.raises(NonFiniteState, match="model.1.weight"):
+        ck.save_sharded(2, model, opt, {"step": 2}, {"x": 2}, {"format": "dcp"})
+    ck.close()
+    assert [p.name for p in tmp_path.joinpath("checkpoints").iterdir()] == ["step-00000001"]

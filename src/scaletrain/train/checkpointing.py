@@ -80,6 +80,19 @@ class SaveResult:
 
 
 @dataclass
+class _ShardedRest:
+    """What rank 0 writes beside the DCP shards of one save, and commits."""
+
+    step: int
+    stage: Path
+    groups: Any
+    trainer: dict[str, Any]
+    ranks: list[Any]
+    meta: dict[str, Any]
+    started: float
+
+
+@dataclass
 class Snapshot:
     """Host copies of everything rank 0 writes, taken at a step boundary."""
 
@@ -99,9 +112,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _finite(tensors: dict[str, torch.Tensor]) -> str | None:
-    """The first floating-point tensor holding a NaN or infinity, or None."""
-    for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    """The first floating-point tensor holding a NaN or infinity, or None. A tensor's sum is non-finite if any
+    element is, and a sum is one cheap reduction where ``isfinite(t).all()`` writes a mask as large as t: the
+    sums are taken together (one host sync), and only a tensor whose sum overflowed is checked element-wise."""
+    floats = [(name, t) for name, t in tensors.items() if t.is_floating_point() and t.numel()]
+    if not floats:
+        return None
+    sums = torch.stack([t.sum().float() for _, t in floats])
+    for (name, t), ok in zip(floats, torch.isfinite(sums).tolist()):
+        if not ok and not bool(torch.isfinite(t).all()):
             return name
     return None
 
@@ -110,9 +129,11 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, rt: Runtime) -> None:
         self.cfg, self.rt = cfg, rt
         self.root = run_dir / "checkpoints"
-        writes = rt.is_main and cfg.async_save
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scaletrain-ckpt") if writes else None
-        self._pending: Future[SaveResult] | None = None
+        # rank 0 writes a consolidated checkpoint; every rank writes its shards of a sharded one
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scaletrain-ckpt") \
+            if cfg.async_save else None
+        self._pending: Future[SaveResult | None] | None = None
+        self._dcp_group: Any = None
         self._buffers: dict[str, torch.Tensor] = {}
         self.finished: list[SaveResult] = []  # committed saves the loop has not logged yet
         self.warnings: list[str] = []
@@ -152,9 +173,14 @@ class Checkpointer:
         return blocked
 
     def save_sharded(self, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     trainer: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any]) -> float:
+                     trainer: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any], *,
+                     background: bool = True) -> float:
         """Save a sharded (FSDP) job through DCP: every rank writes its shards into the staging directory,
-        which must be on storage all ranks share; rank 0 then writes the rest and commits. Synchronous."""
+        which must be on storage all ranks share; rank 0 then writes the rest and commits. With
+        ``checkpoint.async_save`` (and ``background``) the loop is blocked only while every rank copies its
+        shards into host buffers kept between saves; DCP then writes them on each rank's checkpoint thread,
+        its collectives on a Gloo group of their own, and rank 0's thread commits. Returns the seconds the
+        loop was blocked."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         from scaletrain.checkpoint import dcp
@@ -168,51 +194,97 @@ class Checkpointer:
         stage = Path(where[0])
         model, aliases = dedupe(get_model_state_dict(module))
         optim = get_optimizer_state_dict(module, optimizer)
-        dcp.save({"model": model, "optim": optim["state"]}, stage / dcp.DCP_DIR)
         local = {**{f"model.{k}": _local(v) for k, v in model.items()},
                  **{f"optim.{k}": _local(v) for k, v in tree.split(optim["state"])[0].items()}}
-        rank_state = {**rank_state, "nonfinite": _finite(local) or ""}
-        ranks: list[Any] = [None] * self.rt.world_size
-        if self.rt.distributed:
-            dist.gather_object(rank_state, ranks if self.rt.is_main else None, dst=0)
-        else:
-            ranks = [rank_state]
+        mine = {**rank_state, "nonfinite": _finite(local) or ""}
+        ranks: list[Any] = [mine]
+        if self.rt.distributed:  # every rank learns of a non-finite shard anywhere, and then none writes
+            ranks = [None] * self.rt.world_size
+            dist.all_gather_object(ranks, mine)
         self.last_step = step
-        if not self.rt.is_main:
-            return time.perf_counter() - started
         bad = next((f"rank {r}: {state['nonfinite']}" for r, state in enumerate(ranks) if state["nonfinite"]), "")
+        if bad:
+            if self.rt.is_main:
+                shutil.rmtree(stage, ignore_errors=True)
+            raise NonFiniteState(f"refusing to checkpoint step {step}: {bad} is not finite; fix: "
+                                 "--train.nonfinite=skip, a lower --optim.lr, or --optim.grad_clip=1.0")
+        rest = _ShardedRest(step, stage, optim["param_groups"], trainer, ranks, {**meta, "aliases": aliases},
+                            started)
+        state = {"model": model, "optim": optim["state"]}
+        if self._pool is not None and background:
+            staged = self._stage("dcp/", state)
+            if self.rt.device.type == "cuda":
+                torch.cuda.current_stream(self.rt.device).synchronize()  # the copies were non-blocking
+            group = self._cpu_group()
+            blocked = time.perf_counter() - started
+            self._pending = self._pool.submit(self._write_sharded, staged, rest, group, blocked)
+            return blocked
+        dcp.save(state, stage / dcp.DCP_DIR)
+        if self.rt.is_main:
+            self.finished.append(self._commit_sharded(rest, None))
+        return time.perf_counter() - started
+
+    def _cpu_group(self) -> Any:
+        """A Gloo group for the collectives of DCP saves on the checkpoint thread, apart from the loop's
+        (made once, by every rank, on the main thread)."""
+        if self.rt.distributed and self._dcp_group is None:
+            self._dcp_group = dist.new_group(backend="gloo")
+        return self._dcp_group
+
+    def _write_sharded(self, staged: dict[str, Any], rest: _ShardedRest, group: Any,
+                       blocked: float) -> SaveResult | None:
+        from scaletrain.checkpoint import dcp
+
         try:
-            if bad:
-                raise NonFiniteState(f"refusing to checkpoint step {step}: {bad} is not finite; fix: "
-                                     "--train.nonfinite=skip, a lower --optim.lr, or --optim.grad_clip=1.0")
-            records = {OPTIMIZER_GROUPS: commit.write_bytes(stage / OPTIMIZER_GROUPS,
-                                                            tree.encode(optim["param_groups"])),
-                       TRAINER: commit.write_bytes(stage / TRAINER, json.dumps(trainer, indent=1).encode())}
-            for rank, state in enumerate(ranks):
+            dcp.save(staged, rest.stage / dcp.DCP_DIR, process_group=group)  # returns once every rank wrote
+        except BaseException:
+            if self.rt.is_main:
+                shutil.rmtree(rest.stage, ignore_errors=True)
+            raise
+        return self._commit_sharded(rest, blocked) if self.rt.is_main else None
+
+    def _commit_sharded(self, rest: _ShardedRest, blocked: float | None) -> SaveResult:
+        """Rank 0, once every rank's shards are written: the param groups, trainer and per-rank files, then
+        the manifest. ``blocked`` is None for a synchronous save (the loop waited for all of it)."""
+        stage = rest.stage
+        try:
+            records = {OPTIMIZER_GROUPS: commit.write_bytes(stage / OPTIMIZER_GROUPS, tree.encode(rest.groups)),
+                       TRAINER: commit.write_bytes(stage / TRAINER, json.dumps(rest.trainer, indent=1).encode())}
+            for rank, state in enumerate(rest.ranks):
                 records[rank_file(rank)] = commit.write_bytes(stage / rank_file(rank), tree.encode(state))
-            final = commit.commit(stage, step, records, {**meta, "aliases": aliases})
+            final = commit.commit(stage, rest.step, records, rest.meta)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
         commit.prune(self.root, self.cfg.keep, protect=final)
         size = sum(r["bytes"] for r in commit.read_manifest(final)["files"].values())
-        took = time.perf_counter() - started
-        self.finished.append(SaveResult(step, final, size, took, took, False))
-        return took
+        took = time.perf_counter() - rest.started
+        return SaveResult(rest.step, final, size, took if blocked is None else blocked, took, blocked is not None)
+
+    def _stage(self, prefix: str, obj: Any) -> Any:
+        """``obj`` (nested dicts of tensors and DTensors) with every tensor copied into a host buffer kept
+        between saves; a DTensor stays a DTensor (same mesh and placements) around its copied local shard."""
+        if isinstance(obj, dict):
+            return {k: self._stage(f"{prefix}{k}/", v) for k, v in obj.items()}
+        if isinstance(obj, DTensor):
+            return DTensor.from_local(self._copy_one(prefix, obj.to_local()), obj.device_mesh, obj.placements,
+                                      run_check=False, shape=obj.shape, stride=obj.stride())
+        if isinstance(obj, torch.Tensor):
+            return self._copy_one(prefix, obj)
+        return obj
 
     def _copy(self, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy into host buffers kept between saves (pinned for a GPU), so a save allocates nothing."""
-        out = {}
+        return {name: self._copy_one(prefix + name, t) for name, t in tensors.items()}
+
+    def _copy_one(self, key: str, t: torch.Tensor) -> torch.Tensor:
         pin = self.rt.device.type == "cuda"
-        for name, t in tensors.items():
-            key = prefix + name
-            buf = self._buffers.get(key)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                self._buffers[key] = buf
-            buf.copy_(t.detach(), non_blocking=pin)
-            out[name] = buf
-        return out
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buf
+        buf.copy_(t.detach(), non_blocking=pin)
+        return buf
 
     def _write(self, snap: Snapshot, blocked: float, background: bool) -> SaveResult:
         bad = _finite(snap.model) or _finite(snap.optim)  # checked on the copies, off the loop's path
@@ -252,7 +324,9 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         assert pending is not None
         try:
-            self.finished.append(pending.result())
+            result = pending.result()
+            if result is not None:
+                self.finished.append(result)
         except Exception as err:
             if raise_errors or isinstance(err, NonFiniteState):
                 raise

@@ -357,7 +357,8 @@ class Loop:
         with self.preempt.saving():
             if job.sharded:  # every rank writes its own shards through DCP
                 blocked = ckpt.save_sharded(job.step, job.module, job.optimizer, self.trainer_state(),
-                                            self.rank_state(), {**self.checkpoint_meta(), "format": FORMAT_DCP})
+                                            self.rank_state(), {**self.checkpoint_meta(), "format": FORMAT_DCP},
+                                            background=not final)
             else:
                 blocked = ckpt.save(job.step, model_tensors(job.module), optimizer_tree(job.module, job.optimizer),
                                     self.trainer_state(), self.rank_state(), self.checkpoint_meta(),
