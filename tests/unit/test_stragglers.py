@@ -68,3 +68,31 @@ def test_the_verdict_is_judged_on_the_rank_the_others_wait_for():
                       bucket_mb=25)["verdict"] == "host-bound"
     fractions = phase_fractions([waiting, slow])
     assert abs(fractions["comm"] - (0.45 / 0.97 + 0.01 / 0.97) / 2) < 1e-9  # median over 2 ranks = mean
+
+
+def test_a_gpu_that_waits_for_python_is_host_bound_not_compute_bound():
+    """On a GPU the events count idle gaps as compute; the work still queued when the host caught up tells a
+    GPU that waits for Python (next to nothing queued) from a busy one (a step or more queued)."""
+    busy = [_totals(0.001, 0.9, 0.0)]
+    kw = {"num_workers": 2, "bucket_mb": 25.0, "precision": "bf16-mixed", "compiled": True}
+    assert bottleneck(busy, device="cuda", gpu_lead=1.7, **kw)["verdict"] == "compute-bound"
+    assert bottleneck(busy, device="cuda", gpu_lead=None, **kw)["verdict"] == "compute-bound"  # not measured
+    starved = bottleneck(busy, device="cuda", gpu_lead=0.004, **kw)
+    assert starved["verdict"] == "host-bound"
+    assert "only 0.4% of a step still queued" in starved["evidence"] and "--data.batch_size" in starved["fix"]
+    assert bottleneck(busy, device="cpu", gpu_lead=0.0, **kw)["verdict"] == "compute-bound"  # a CPU has no queue
+    # the phases still come first: a GPU starved by its loader is input-bound
+    assert bottleneck([_totals(0.5, 0.4, 0.0)], device="cuda", gpu_lead=0.0, **kw)["verdict"] == "input-bound"
+
+
+def test_the_timer_has_no_lead_on_a_cpu():
+    import torch
+
+    from scaletrain.observe.timing import PHASES, StepTimer
+
+    timer = StepTimer(torch.device("cpu"))
+    timer.start()
+    timer.mark("compute")
+    timer.end()
+    out = timer.collect()
+    assert len(out) == len(PHASES) and timer.lead_s == 0.0

@@ -100,10 +100,15 @@ def shares(total: dict[str, float]) -> dict[str, float]:
     return {p: (total[p] / total["step"] if total["step"] > 0 else 0.0) for p in PHASES if p not in ("step", "pre_comm")}
 
 
+HOST_LEAD = 0.1  # a GPU with less than this fraction of a step still queued when the host catches up waits for it
+
+
 def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int, bucket_mb: float,
-               precision: str = "fp32", compiled: bool = False) -> dict[str, str]:
+               precision: str = "fp32", compiled: bool = False, gpu_lead: float | None = None) -> dict[str, str]:
     """The verdict, its evidence (fractions of step time) and the fix. Judged on the critical rank's phases
-    (with a straggler, the others' time is mostly waiting for it, which is not what limits the job)."""
+    (with a straggler, the others' time is mostly waiting for it, which is not what limits the job).
+    ``gpu_lead``: on a GPU, the median over log intervals of the work still queued on the GPU when the host
+    reached the log step, as a fraction of a step (StepTimer.lead_s); None where not measured."""
     world_size = len(totals)
     rank = critical_rank(totals)
     fractions = shares(totals[rank]) if totals else {}
@@ -122,6 +127,13 @@ def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int,
                f"each all-reduce carries more samples; a bucket size that overlaps better than {bucket_mb:g} MB "
                "(--parallel.bucket_mb); on GPUs NCCL over NVLink/InfiniBand rather than TCP")
         return {"verdict": "communication-bound", "evidence": evidence, "fix": fix}
+    if device == "cuda" and gpu_lead is not None and gpu_lead < HOST_LEAD:
+        evidence += (f"; at log steps the GPU had only {100 * gpu_lead:.1f}% of a step still queued when the host "
+                     "caught up: it waits for Python, and its idle gaps are counted in compute")
+        fix = ("more work per kernel: a larger per-rank batch (--data.batch_size) or a larger model per GPU; "
+               "torch.compile (--train.compile=true) to fuse kernels and cut launches; no host syncs (.item(), "
+               "printing tensors) inside the step")
+        return {"verdict": "host-bound", "evidence": evidence, "fix": fix}
     if host >= 0.25:
         fix = ("a larger batch per step (fewer optimizer steps and copies per sample), torch.compile "
                "(--train.compile=true) to cut launch overhead, and a fused optimizer (used where possible)")

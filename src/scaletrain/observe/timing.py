@@ -10,7 +10,11 @@ ranks that wait for it).
 
 On a CPU every mark is a ``perf_counter`` read. On a GPU the marks are CUDA events recorded on the compute
 stream and read back only when the interval is collected (at log steps), so timing adds no sync; the data
-wait is a host time on both. Exposed communication is measured for DDP (through a comm hook that notes when
+wait is a host time on both. Where the host waits for those events at a log step is a measurement too:
+``lead_s``, how long the GPU still had queued work after the host had enqueued the interval's last step. A
+GPU that keeps the host waiting has work queued (a step or more); one that waits for Python has next to
+none, and that is the host-bound verdict on a GPU (CUDA events cannot see it: they time the GPU's idle
+gaps between kernels as compute). Exposed communication is measured for DDP (through a comm hook that notes when
 each bucket is handed to the all-reduce); under FSDP its reduce-scatters are counted in ``compute``.
 """
 
@@ -36,6 +40,7 @@ class StepTimer:
         self._bucket: Any = None  # the last bucket handed to the all-reduce in this backward
         self._start: Any = None
         self.buckets = 0  # buckets handed to the all-reduce, over the whole run
+        self.lead_s = 0.0  # GPU: at the last collect, the seconds the host waited for the queued work
 
     def _now(self) -> Any:
         if self.cuda:
@@ -109,7 +114,9 @@ class StepTimer:
     def collect(self) -> list[float]:
         """Mean seconds per step of every phase (PHASES order) over the interval, then start a new one."""
         if self._pending:
+            waited = time.perf_counter()
             self._pending[-1][-1][1][1].synchronize()  # the interval's last event: all earlier ones are done
+            self.lead_s = time.perf_counter() - waited
             for marks in self._pending:
                 self._add(marks)
             self._pending = []

@@ -141,6 +141,7 @@ class Loop:
         self.hosts = _hosts(job)
         self.stragglers = StragglerDetector(job.rt.world_size, self.hosts)
         self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(job.rt.world_size)]  # seconds, whole run
+        self.lead_fracs: list[float] = []  # GPU: per log interval, the median rank's lead_s over its step time
         _, self.peak_flops = device_peak(job.rt.device, job.cfg.train.precision)
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -197,11 +198,13 @@ class Loop:
 
     def _gather(self, *, phases: bool) -> list[list[float]]:
         """Every rank's [loss_sum, loss_count, skipped, first skipped, first bad loss, signal, peak bytes,
-        then seconds per step of each phase (PHASES order; zeros unless ``phases``)], on every rank: one
+        then seconds per step of each phase (PHASES order; zeros unless ``phases``), then the GPU's lead
+        (StepTimer.lead_s)], on every rank: one
         all_gather and one host-device sync. float64: byte counts stay exact."""
         job = self.job
         times = job.timer.collect() if phases and job.timer is not None else [0.0] * len(PHASES)
-        host = torch.tensor([float(self.preempt.signum), float(peak_bytes(job.rt.device)), *times],
+        lead = job.timer.lead_s if phases and job.timer is not None else 0.0
+        host = torch.tensor([float(self.preempt.signum), float(peak_bytes(job.rt.device)), *times, lead],
                             dtype=torch.float64)
         mine = torch.cat([torch.stack([self.loss_sum, self.loss_count, *job.guard.state()]).double(),
                           host.to(job.rt.device)])
@@ -279,7 +282,13 @@ class Loop:
                 self.phase_totals[rank][phase] += r[7 + i] * steps
         stats = {phase: {"min": min(v), "median": statistics.median(v), "max": max(v),
                          "slowest_rank": max(range(len(v)), key=v.__getitem__)} for phase, v in per_rank.items()}
-        return {"phase_s": per_rank, "phase_stats": stats}
+        if self.job.rt.device.type != "cuda":
+            return {"phase_s": per_rank, "phase_stats": stats}
+        leads = [r[7 + len(PHASES)] for r in rows]
+        step_s = statistics.median(per_rank["step"])
+        if step_s > 0:
+            self.lead_fracs.append(statistics.median(leads) / step_s)
+        return {"phase_s": per_rank, "phase_stats": stats, "gpu_lead_s": leads}
 
     def memory(self, rows: list[list[float]]) -> dict[str, Any]:
         """metrics.jsonl's ``mem``: per-rank peaks, and rank 0's model state counted from the live tensors."""

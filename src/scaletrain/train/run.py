@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -83,7 +84,8 @@ def _finish(job: Job, loop: Loop, wall_s: float) -> dict[str, Any]:
         "phase_frac": fractions,
         "bottleneck": bottleneck(loop.phase_totals, device=rt.device.type, num_workers=job.cfg.data.num_workers,
                                  bucket_mb=job.cfg.parallel.bucket_mb, precision=job.cfg.train.precision,
-                                 compiled=job.cfg.train.compile),
+                                 compiled=job.cfg.train.compile,
+                                 gpu_lead=statistics.median(loop.lead_fracs) if loop.lead_fracs else None),
         "stragglers": loop.stragglers.summary(),
         "peak_mem_bytes": int(peak.item()), "device": str(rt.device), "backend": rt.backend,
         "params": sum(p.numel() for p in job.module.parameters()), "config_digest": job.cfg.digest(),
