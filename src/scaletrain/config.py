@@ -271,6 +271,8 @@ class CheckpointConfig:
     """Complete checkpoints kept; older ones are deleted once a newer one is committed (0 = keep all)."""
     resume: str = "auto"
     """auto (the latest complete checkpoint in the run directory, if any), never, or the path of a checkpoint."""
+    preempt_check: Literal["log", "step"] = "log"
+    """When the ranks agree on a preemption signal: at the next log step (inside its one gather, no extra collective), or at every step boundary (one non-blocking all-reduce of the flag per step on a Gloo group of its own: the save starts within two steps of the signal)."""
     async_save: bool = True
     """Write checkpoints on a background thread (DCP's async save for FSDP runs); the loop is blocked only while the state is copied to host memory."""
 
@@ -284,8 +286,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class ChaosConfig:
-    """Fault injection, off by default: rehearse failures on purpose. Kills and hangs fire on a job's first
-    attempt only (torchrun's TORCHELASTIC_RESTART_COUNT = 0), so a restarted job gets past them."""
+    """Fault injection, off by default: rehearse failures on purpose. Kills, hangs and signals fire on a job's
+    first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT = 0), so a restarted job gets past them."""
 
     kill_rank: int = -1
     """SIGKILL this rank at the start of step kill_step (-1 = off)."""
@@ -309,12 +311,16 @@ class ChaosConfig:
     """Milliseconds of delay per step on delay_rank."""
     interrupt_step: int = 0
     """Act as if preempted at the end of this step: save a checkpoint and exit 0 (0 = off)."""
+    signal_rank: int = -1
+    """Send SIGUSR1 to this rank's own process at the start of signal_step, as Slurm's --signal does: rehearses preemption end to end (-1 = off)."""
+    signal_step: int = 0
+    """The step at whose start signal_rank is signalled."""
 
     def __post_init__(self) -> None:
-        for key in ("kill", "nan", "hang", "delay"):
+        for key in ("kill", "nan", "hang", "delay", "signal"):
             rank = getattr(self, f"{key}_rank")
             _check(rank >= -1, f"chaos.{key}_rank", rank, "a rank >= 0, or -1 for off", f"--chaos.{key}_rank=1")
-        for key in ("kill_step", "nan_step", "hang_step", "interrupt_step"):
+        for key in ("kill_step", "nan_step", "hang_step", "interrupt_step", "signal_step"):
             value = getattr(self, key)
             _check(value >= 0, f"chaos.{key}", value, "a step >= 0", f"--chaos.{key}=10")
         _check(self.hang_s >= 0, "chaos.hang_s", self.hang_s, "seconds >= 0", "--chaos.hang_s=60")

@@ -140,6 +140,22 @@ def test_a_preempted_job_saves_exits_0_and_resumes_with_no_lost_step(reference, 
     assert weights_digest(tmp_path / "run") == weights_digest(reference)
 
 
+def test_preemption_can_be_agreed_at_the_next_step_boundary(tmp_path):
+    """checkpoint.preempt_check=step: SIGUSR1 to rank 1 at the start of step 5 (chaos.signal_*) rides the flag's
+    all-reduce started at the end of step 5 and is read at the end of step 6 by both ranks, far from the next
+    log step (50). One process needs no agreement: it stops at the end of step 5 (and by default too)."""
+    job = ["digits", "--train.epochs=1", "--log.every=50", "--train.progress=false", "--chaos.signal_rank=1",
+           "--chaos.signal_step=5"]
+    for world, extra, want in (("2", ["--checkpoint.preempt_check=step"], 6), ("1", ["--chaos.signal_rank=0"], 5)):
+        code, out, err = train(*job, *extra, "--nproc", world, f"--run.dir=run{world}", cwd=tmp_path)
+        assert code == 0, err[-3000:]
+        assert "chaos: SIGUSR1 at the start of step 5" in err
+        stopped = json.loads((tmp_path / f"run{world}" / "metrics.jsonl").read_text().splitlines()[-1])
+        assert (stopped["kind"], stopped["reason"], stopped["step"]) == ("stopped", "SIGUSR1", want), stopped
+        assert commit.verify(Path(stopped["checkpoint"]) if Path(stopped["checkpoint"]).is_absolute()
+                             else tmp_path / stopped["checkpoint"])["step"] == want
+
+
 def test_the_restart_budget_exhausted_fails_fast_and_leaves_no_process(tmp_path):
     proc = start(*JOB, "--run.dir=run", "--checkpoint.every=8", cwd=tmp_path)
     first = tmp_path / "run" / "checkpoints" / "step-00000008"

@@ -1,8 +1,9 @@
-"""Fault injection from the [chaos] config section: rehearse a killed, hung, slow or NaN-producing rank.
+"""Fault injection from the [chaos] config section: rehearse a killed, hung, slow, NaN-producing or preempted
+rank.
 
-Off by default; every hook is a cheap integer comparison when off. A kill or a hang fires on the job's first
-attempt only (torchrun's TORCHELASTIC_RESTART_COUNT = 0), so that a restarted group gets past it as a real
-job gets past a one-off failure.
+Off by default; every hook is a cheap integer comparison when off. A kill, hang or signal fires on the job's
+first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT = 0), so that a restarted group gets past it as a
+real job gets past a one-off failure.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class Chaos:
         if cfg.kill_rank == self.rank and cfg.kill_step == step:
             print(f"[rank {self.rank}] chaos: SIGKILL at the start of step {step}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.signal_rank == self.rank and cfg.signal_step == step:
+            print(f"[rank {self.rank}] chaos: SIGUSR1 at the start of step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGUSR1)
         if cfg.hang_rank == self.rank and cfg.hang_step == step:
             print(f"[rank {self.rank}] chaos: hanging for {cfg.hang_s:g} s at the start of step {step}",
                   file=sys.stderr, flush=True)

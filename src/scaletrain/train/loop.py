@@ -16,6 +16,7 @@ import socket
 import statistics
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -143,6 +144,12 @@ class Loop:
         self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(job.rt.world_size)]  # seconds, whole run
         self.lead_fracs: list[float] = []  # GPU: per log interval, the median rank's lead_s over its step time
         _, self.peak_flops = device_peak(job.rt.device, job.cfg.train.precision)
+        # checkpoint.preempt_check=step: a Gloo group for one non-blocking all-reduce of the flag per step
+        self._flag_group: Any = None
+        self._flag_work: Any = None
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        if job.cfg.checkpoint.preempt_check == "step" and job.rt.distributed:
+            self._flag_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=job.cfg.dist.timeout_s))
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -175,6 +182,7 @@ class Loop:
                     started = time.perf_counter()
                     self._evaluate()
                     t0 += time.perf_counter() - started  # eval time is not training time
+                stop = stop or self._preempted_now()
                 if job.chaos.interrupt_after(job.step):
                     stop = stop or INTERRUPTED
                 ckpt = self.checkpointer
@@ -190,9 +198,35 @@ class Loop:
                     return stop
         finally:
             self.console.stop_progress()
+            if self._flag_work is not None:  # every rank started it: it completes
+                self._flag_work.wait()
+                self._flag_work = None
         if job.eval_data is not None and self.eval_step != job.step:
             self._evaluate()
         return DONE
+
+    def _preempted_now(self) -> str:
+        """PREEMPTED when the ranks agree at this step boundary that one was signalled, without waiting for
+        the log step. One process needs no agreement. With checkpoint.preempt_check=step every rank waits for
+        the all-reduce it started at the previous boundary (done by now: it is a few bytes on its own
+        group) and starts the next; all of them read the same result at the same step, so they stop
+        together. With log (the default) the log step's gather alone carries the flag."""
+        if not self.job.rt.distributed:
+            if self.preempt.signum:
+                self.stopped_by = self.preempt.signum
+                return PREEMPTED
+            return ""
+        if self._flag_group is None:
+            return ""
+        if self._flag_work is not None:
+            self._flag_work.wait()
+            self._flag_work = None
+            if self._flag.item():  # a CPU tensor: no device sync
+                self.stopped_by = int(self._flag.item())
+                return PREEMPTED
+        self._flag.fill_(self.preempt.signum)
+        self._flag_work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._flag_group, async_op=True)
+        return ""
 
     # -- sync points --------------------------------------------------------------------------------------
 
