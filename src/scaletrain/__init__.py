@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
 from scaletrain.config import Config, load
-from scaletrain.train.run import fit, run
+
+if TYPE_CHECKING:
+    from scaletrain.train.run import fit, run
 
 __all__ = ["Config", "__version__", "fit", "load", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    """``fit`` and ``run`` are imported on first use: the trainer pulls in torch and its distributed stack
+    (seconds), which the CLI's launcher, --help and the tools that never train should not pay for."""
+    if name in ("fit", "run"):
+        from scaletrain.train import run as trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'scaletrain' has no attribute {name!r}")

@@ -147,7 +147,7 @@ def test_preemption_can_be_agreed_at_the_next_step_boundary(tmp_path):
     job = ["digits", "--train.epochs=1", "--log.every=50", "--train.progress=false", "--chaos.signal_rank=1",
            "--chaos.signal_step=5"]
     for world, extra, want in (("2", ["--checkpoint.preempt_check=step"], 6), ("1", ["--chaos.signal_rank=0"], 5)):
-        code, out, err = train(*job, *extra, "--nproc", world, f"--run.dir=run{world}", cwd=tmp_path)
+        code, _, err = train(*job, *extra, "--nproc", world, f"--run.dir=run{world}", cwd=tmp_path)
         assert code == 0, err[-3000:]
         assert "chaos: SIGUSR1 at the start of step 5" in err
         stopped = json.loads((tmp_path / f"run{world}" / "metrics.jsonl").read_text().splitlines()[-1])

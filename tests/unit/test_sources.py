@@ -59,6 +59,23 @@ def test_digits_split_is_stratified_complete_and_fixed(digit_splits) -> None:
     assert torch.equal(stack(again.train)[1], stack(digit_splits.train)[1])
 
 
+def test_digits_are_read_as_scikit_learn_reads_them_without_importing_it() -> None:
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from scaletrain.data.sources import load_digits_arrays
+
+    x, y = load_digits_arrays()
+    x_ref, y_ref = load_digits(return_X_y=True)
+    assert np.array_equal(x, x_ref) and np.array_equal(y, y_ref) and y.dtype == y_ref.dtype
+    code = ("import sys; from scaletrain.data.sources import digits; digits(0.2); "
+            "print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"  # its import costs 2-3 s in every process of a run
+
+
 # --- stdlib text -----------------------------------------------------------------------------------------
 
 SEQ = 64

@@ -7,7 +7,7 @@ import sys
 
 from scaletrain.cli import bench, checkpoint, doctor, launch, report, train, verify_resume
 from scaletrain.cli.options import Parser
-from scaletrain.errors import EXIT_FAILURE, EXIT_USAGE, UserError
+from scaletrain.errors import EXIT_FAILURE, EXIT_USAGE, TrainingFailed, UserError
 
 COMMANDS = {"train": train, "launch": launch, "verify-resume": verify_resume, "checkpoint": checkpoint,
             "report": report, "bench": bench, "doctor": doctor}
@@ -26,8 +26,6 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from scaletrain.train.loop import TrainingFailed
-
     argv = sys.argv[1:] if argv is None else argv
     where = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" \
         else ""

@@ -6,6 +6,7 @@ standard library, and .bin token files and arrays are the user's.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sysconfig
@@ -82,17 +83,45 @@ class TokenWindows(Dataset):
         return {**self.__dict__, "_memmap": None}
 
 
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """(pixels (1797, 64) as 0..16 floats, labels (1797,)): the file scikit-learn bundles, read the way its
+    load_digits reads it, without importing scikit-learn (whose import takes 2-3 s, scipy.stats included,
+    in every process of a run). Falls back to load_digits where the file is not at its usual place."""
+    spec = importlib.util.find_spec("sklearn")  # locates the package without running its __init__
+    where = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if where is None or not where.is_file():
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        return x, y
+    data = np.loadtxt(where, delimiter=",")
+    return data[:, :-1], data[:, -1].astype(int)
+
+
+def stratified_split(y: np.ndarray, fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, held-out indices): ceil(fraction x n) held out, each class in proportion (the
+    rounding shared out by largest remainder, so a class is off by less than one), drawn with a fixed seed."""
+    n = len(y)
+    n_out = math.ceil(fraction * n - 1e-9)
+    classes, counts = np.unique(y, return_counts=True)
+    exact = counts * n_out / n
+    take = np.floor(exact).astype(int)
+    take[np.argsort(-(exact - take), kind="stable")[: n_out - int(take.sum())]] += 1
+    rng = np.random.default_rng(seed)
+    out = np.concatenate([rng.permutation(np.flatnonzero(y == c))[:k] for c, k in zip(classes, take)])
+    held = np.zeros(n, dtype=bool)
+    held[out] = True
+    return np.flatnonzero(~held), np.sort(out)
+
+
 def digits(val_fraction: float) -> Splits:
     """scikit-learn's 1,797 8x8 handwritten digits, pixels scaled to [0, 1], a fixed stratified split."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
+    x, y = load_digits_arrays()
     x = (x / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
-    # The split is fixed (random_state=0), not tied to run.seed: changing the seed keeps the test set.
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=val_fraction, random_state=0, stratify=y)
+    # The split is fixed (seed 0), not tied to run.seed: changing the seed keeps the test set.
+    train, held = stratified_split(y, val_fraction)
     to = torch.from_numpy
-    return Splits(TensorPairs(to(x_tr), to(y_tr)), TensorPairs(to(x_te), to(y_te)), "classify",
+    return Splits(TensorPairs(to(x[train]), to(y[train])), TensorPairs(to(x[held]), to(y[held])), "classify",
                   {"num_classes": 10, "input_shape": (1, 8, 8)})
 
 
