@@ -1,0 +1,72 @@
+"""How long scaletrain takes to start: `scaletrain --help`, and a 1-step digits run on one process and on 2
+local ranks (torchrun), start to exit. Most of a short run, and of the test suite, is this.
+
+    python benchmarks/startup.py [--repeats 5] [--checkout LABEL=DIR ...] [--json out.json]
+
+Each --checkout is a source tree (DIR/src goes first on PYTHONPATH, for the launcher and its workers), so two
+commits can be measured side by side in one run, interleaved; the default is this checkout. Medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scaletrain.bench.report import environment
+
+RUN = ["train", "digits", "--train.max_steps=1", "--train.progress=false"]
+COMMANDS = {"--help": ["--help"], "1 process, 1 step": RUN, "2 ranks, 1 step": [*RUN, "--nproc", "2"]}
+
+
+def timed(src: Path, args: list[str], run_dir: Path) -> float:
+    env = {**os.environ, "PYTHONPATH": str(src / "src"), "OMP_NUM_THREADS": "1"}
+    extra = [f"--run.dir={run_dir}"] if args and args[0] == "train" else []
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "scaletrain", *args, *extra], check=False, env=env,
+                          capture_output=True, text=True)
+    took = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"{src}: scaletrain {' '.join(args)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return took
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; medians reported [5]")
+    p.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
+                   help="a source tree to measure (repeatable) [this one]")
+    p.add_argument("--json", default="", help="write the results here")
+    args = p.parse_args()
+    trees = dict(c.split("=", 1) for c in args.checkout) or {"this": str(Path(__file__).resolve().parents[1])}
+    seconds: dict[str, dict[str, list[float]]] = {t: {c: [] for c in COMMANDS} for t in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.repeats):
+            for label, tree in trees.items():
+                for i, (name, command) in enumerate(COMMANDS.items()):
+                    run_dir = Path(tmp) / f"{label}-{round_}-{i}"
+                    seconds[label][name].append(timed(Path(tree), command, run_dir))
+    medians = {t: {c: statistics.median(v) for c, v in per.items()} for t, per in seconds.items()}
+    first = next(iter(trees))
+    print(f"median of {args.repeats} interleaved rounds, seconds from start to exit")
+    print(f"{'':20s}" + "".join(f"{t:>14s}" for t in trees) + (f"{'ratio':>10s}" if len(trees) == 2 else ""))
+    for name in COMMANDS:
+        row = f"{name:20s}" + "".join(f"{medians[t][name]:14.2f}" for t in trees)
+        if len(trees) == 2:
+            last = list(trees)[-1]
+            row += f"{medians[last][name] / medians[first][name]:10.2f}"
+        print(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"environment": environment([sys.executable, *sys.argv]),
+                                               "checkouts": trees, "repeats": args.repeats,
+                                               "seconds": seconds, "medians": medians}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
