@@ -233,8 +233,8 @@ class Loop:
     def _gather(self, *, phases: bool) -> list[list[float]]:
         """Every rank's [loss_sum, loss_count, skipped, first skipped, first bad loss, signal, peak bytes,
         then seconds per step of each phase (PHASES order; zeros unless ``phases``), then the GPU's lead
-        (StepTimer.lead_s)], on every rank: one
-        all_gather and one host-device sync. float64: byte counts stay exact."""
+        (StepTimer.lead_s)], on every rank: one all_gather and one host-device sync. float64: byte counts
+        stay exact."""
         job = self.job
         times = job.timer.collect() if phases and job.timer is not None else [0.0] * len(PHASES)
         lead = job.timer.lead_s if phases and job.timer is not None else 0.0
