@@ -50,6 +50,21 @@ def test_a_delayed_rank_is_named_with_its_phase_within_the_first_window(tmp_path
     assert last["comm"][0] - last["comm"][1] > 0.020
 
 
+def test_a_slow_loader_is_named_under_fsdp_too(tmp_path):
+    """FSDP has no gradient all-reduce to mark: its first collective is the root's all-gather as forward
+    starts, and the time before it (data, copy) is each rank's own."""
+    train_records, summary, _ = train(tmp_path, *DIGITS, "--train.max_steps=50", "--parallel.strategy=fsdp",
+                                      "--chaos.delay_rank=1", "--chaos.delay_ms=30", "--chaos.delay_phase=data")
+    assert summary["strategy"] == "fsdp"
+    flagged = [r for r in train_records if "straggler" in r]
+    assert flagged and flagged[0]["step"] == 50
+    assert (flagged[0]["straggler"]["rank"], flagged[0]["straggler"]["phase"]) == (1, "data")
+    assert 0.020 < flagged[0]["straggler"]["slower_by_s"] < 0.060
+    last = train_records[-1]["phase_s"]
+    assert last["pre_comm"][1] - last["pre_comm"][0] > 0.020  # rank 0 waits after its mark, not before it
+    assert last["pre_comm"][0] < 0.5 * last["step"][0]
+
+
 def test_a_healthy_run_has_no_straggler_and_its_phases_add_up_to_the_step(tmp_path):
     train_records, summary, _ = train(tmp_path, *DIGITS, "--train.max_steps=200")
     assert not any("straggler" in r for r in train_records) and summary["stragglers"] == []

@@ -2,7 +2,9 @@
 
 Under DDP every rank's step takes as long as the slowest one's (the all-reduce makes them wait), so step
 time cannot find a straggler. The time from the step's start until the rank handed its last gradient bucket
-to the all-reduce (``pre_comm``) can: a slow rank's is longer, the others wait in ``comm`` instead.
+to the all-reduce (``pre_comm``) can: a slow rank's is longer, the others wait in ``comm`` instead. Under
+FSDP every all-gather and reduce-scatter of forward and backward can wait, so ``pre_comm`` ends where the
+root's forward starts the first all-gather: a data or copy straggler is named, a compute one is not.
 
 A rank is flagged when, over a window of log intervals, it is persistently slower than the others: its
 excess over the median of the other ranks is positive in every interval of the window, its median excess

@@ -15,7 +15,8 @@ wait is a host time on both. Where the host waits for those events at a log step
 GPU that keeps the host waiting has work queued (a step or more); one that waits for Python has next to
 none, and that is the host-bound verdict on a GPU (CUDA events cannot see it: they time the GPU's idle
 gaps between kernels as compute). Exposed communication is measured for DDP (through a comm hook that notes when
-each bucket is handed to the all-reduce); under FSDP its reduce-scatters are counted in ``compute``.
+each bucket is handed to the all-reduce); under FSDP its reduce-scatters are counted in ``compute``, and
+``pre_comm`` ends where the root's forward starts its first all-gather (attach_fsdp_mark).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class StepTimer:
         self._marks: list[tuple[str, Any]] = []
         self._bucket: Any = None  # the last bucket handed to the all-reduce in this backward
         self._start: Any = None
+        self._entered: Any = None  # FSDP: when the step's first collective began
         self.buckets = 0  # buckets handed to the all-reduce, over the whole run
         self.lead_s = 0.0  # GPU: at the last collect, the seconds the host waited for the queued work
 
@@ -55,6 +57,7 @@ class StepTimer:
         self._marks = []
         self._start = self._now()
         self._last = self._start
+        self._entered = None
         self._bucket = None
 
     def host(self, phase: str, seconds: float) -> None:
@@ -74,6 +77,14 @@ class StepTimer:
         self._bucket = self._now()
         self.buckets += 1
 
+    def collective_entered(self) -> None:
+        """Under FSDP: the step's first collective (the root's all-gather, as its forward starts) begins now.
+        Every later all-gather and reduce-scatter may wait for a slower rank, so this is the last point
+        before which a rank's time is its own: ``pre_comm`` ends here, and a data or copy straggler shows
+        (a compute straggler under FSDP does not: the others wait for it inside forward and backward)."""
+        if self._entered is None:
+            self._entered = self._now()
+
     def backward_done(self) -> None:
         """Backward returned: split it into compute and exposed communication."""
         now = self._now()
@@ -89,8 +100,9 @@ class StepTimer:
     def end(self) -> None:
         now = self._now()
         self._marks.append(("step", (self._start, now)))
-        if not any(p == "pre_comm" for p, _ in self._marks):  # no all-reduce (one rank): all of it is compute
-            self._marks.append(("pre_comm", (self._start, now)))
+        if not any(p == "pre_comm" for p, _ in self._marks):  # no DDP all-reduce: FSDP's first collective, or
+            entered = self._entered if self._entered is not None else now  # one rank: all of it
+            self._marks.append(("pre_comm", (self._start, entered)))
         if self.cuda:
             self._pending.append(self._marks)
         else:
@@ -134,6 +146,7 @@ class NullTimer(StepTimer):
     def host(self, phase: str, seconds: float) -> None: ...
     def mark(self, phase: str) -> None: ...
     def bucket_ready(self) -> None: ...
+    def collective_entered(self) -> None: ...
     def backward_done(self) -> None: ...
     def end(self) -> None: ...
     def add(self, phase: str, seconds: float) -> None: ...
@@ -169,4 +182,16 @@ def attach_comm_hook(model: torch.nn.Module, timer: StepTimer | None, *, overlap
         return mine
 
     model.register_comm_hook(None, hook)
+    return True
+
+
+def attach_fsdp_mark(model: torch.nn.Module, timer: StepTimer | None) -> bool:
+    """Under FSDP, tell the timer when the root's forward is about to start the step's first all-gather: a
+    forward pre-hook placed ahead of fully_shard's own. Returns False (and does nothing) for a model that
+    fully_shard did not shard, or when there is nothing to time."""
+    from scaletrain.parallel import is_fsdp
+
+    if timer is None or not is_fsdp(model):
+        return False
+    model.register_forward_pre_hook(lambda module, args: timer.collective_entered(), prepend=True)
     return True

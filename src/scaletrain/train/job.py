@@ -20,7 +20,7 @@ from scaletrain.data import ShardedLoader, Splits
 from scaletrain.models import build_model
 from scaletrain.observe.memory import MemoryBreakdown
 from scaletrain.observe.throughput import flops_per_sample
-from scaletrain.observe.timing import NullTimer, StepTimer, attach_comm_hook
+from scaletrain.observe.timing import NullTimer, StepTimer, attach_comm_hook, attach_fsdp_mark
 from scaletrain.parallel import is_fsdp, parallelize, resolve_strategy
 from scaletrain.runtime import Runtime, seed_all, set_deterministic
 from scaletrain.train.batching import BatchPlan, plan_batches
@@ -125,6 +125,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     guard = NonFiniteGuard(rt.device, scaler_owns_skips=scaler.is_enabled(), device_skip=supports_device_skip(optimizer))
     timer = StepTimer(rt.device) if cfg.log.phase_times else NullTimer(rt.device)
     attach_comm_hook(wrapped, timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap)
+    attach_fsdp_mark(wrapped, timer if cfg.log.phase_times else None)
     tokens = splits.train[0][0].numel() if splits.task == "lm" else 0
     return Job(cfg, rt, plan, module, wrapped, optimizer, build_scheduler(optimizer, cfg.schedule, plan.total_steps),
                scaler, loader, splits.eval, loss_fn or cross_entropy, guard, Chaos(cfg.chaos, rt.rank), strategy,
