@@ -28,8 +28,10 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,10 +44,18 @@ from scaletrain.train.checkpointing import OPTIMIZER, Checkpointer, Resume, read
 from scaletrain.train.state import load_model_tensors, load_optimizer_tree, model_tensors, optimizer_tree
 
 
-def build(gb: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(gb: float, *, fsdp: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The stack of linears and AdamW after one step; with ``fsdp``, every layer and the root sharded by
+    fully_shard over the current process group first."""
     layers = max(1, round(gb * 1e9 / (3 * 4 * 4096 * 4096)))  # params + 2 AdamW moments, fp32
     model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(layers)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=not fsdp)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
@@ -94,30 +104,31 @@ def torch_load(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> floa
     return time.perf_counter() - started
 
 
-def _sharded_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Path) -> None:
-    """One FSDP rank of the --sharded benchmark; rank 0 writes the results to ``out``."""
+def sharded(args: argparse.Namespace) -> None:
+    """The --sharded benchmark. Started by hand, it launches N local workers through torchrun (as the
+    trainer does) that run this script again; each worker is one FSDP rank, and rank 0 reports."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as tdcp
-    from torch.distributed.fsdp import fully_shard
 
+    from scaletrain import runtime
+    from scaletrain.cluster.torchrun import launch
+    from scaletrain.config import DistConfig
     from scaletrain.train.state import dedupe
 
+    work = Path(args.dir)
+    if not runtime.under_launcher():
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        try:
+            code = launch(DistConfig(nproc=args.sharded), [__file__, *sys.argv[1:]], run_id="checkpoint-io-bench")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        raise SystemExit(code)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rt = runtime.init(DistConfig(device="cpu"))
     try:
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False)
-                                for _ in range(max(1, round(args.gb * 1e9 / (3 * 4 * 4096 * 4096))))])
-        for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        work = Path(args.dir)
-        rt = Runtime(rank, rank, world, world, torch.device("cpu"), "gloo")
+        model, opt = build(args.gb, fsdp=True)
         cks = {mode: Checkpointer(CheckpointConfig(every=1, keep=1, async_save=mode == "async"), work / mode, rt)
                for mode in ("sync", "async")}
         results: dict[str, list[float]] = {k: [] for k in ("sync_save", "async_blocked", "async_save", "dcp_save")}
@@ -140,48 +151,35 @@ def _sharded_rank(rank: int, world: int, port: int, args: argparse.Namespace, ou
                                                            single_file_per_rank=True))
             dist.barrier()
             results["dcp_save"].append(time.perf_counter() - started)
-            shutil.rmtree(work / "plain", ignore_errors=True)
+            if rt.is_main:
+                shutil.rmtree(work / "plain", ignore_errors=True)
         for ck in cks.values():
             ck.close()
-        if rank == 0:
-            size = sum(p.to_local().numel() * 4 * 3 for p in model.parameters()) * world
-            out.write_text(json.dumps({"state_bytes": size, "seconds": results}))
+        if rt.is_main:
+            size = sum(p.to_local().numel() * 4 * 3 for p in model.parameters()) * rt.world_size
+            report(args, f"training state: {size / 1e9:.2f} GB sharded over {rt.world_size} FSDP ranks (Gloo, one "
+                   "thread each)", results, size,
+                   {"sync_save": "scaletrain DCP save, sync", "async_save": "scaletrain DCP save, async",
+                    "async_blocked": "  loop blocked, async", "dcp_save": "dcp.save (no manifest)"},
+                   ranks=rt.world_size)
     finally:
-        dist.destroy_process_group()
+        runtime.close(rt)
 
 
-def sharded(args: argparse.Namespace) -> None:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    work = Path(args.dir)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = work / "results.json"
-    try:
-        mp.start_processes(_sharded_rank, args=(args.sharded, port, args, out), nprocs=args.sharded,
-                           start_method="spawn")
-        found = json.loads(out.read_text())
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    results = found["seconds"]
+def report(args: argparse.Namespace, title: str, results: dict[str, list[float]], size: int,
+           labels: dict[str, str], **extra: Any) -> None:
+    """Print the medians (the warm-up round left out) as seconds and GB/s, the blocked share, and the JSON."""
     medians = {k: statistics.median(v[1:]) for k, v in results.items()}
-    gb = found["state_bytes"] / 1e9
-    print(f"training state: {gb:.2f} GB sharded over {args.sharded} FSDP ranks (Gloo, one thread each); median of "
-          f"{args.repeats} interleaved repeats after one warm-up round")
+    gb = size / 1e9
+    print(f"{title}; median of {args.repeats} interleaved repeats after one warm-up round")
     print(f"{'':28s}{'seconds':>10s}{'GB/s':>8s}")
-    for key, label in (("sync_save", "scaletrain DCP save, sync"), ("async_save", "scaletrain DCP save, async"),
-                       ("async_blocked", "  loop blocked, async"), ("dcp_save", "dcp.save (no manifest)")):
+    for key, label in labels.items():
         print(f"{label:28s}{medians[key]:10.3f}{gb / medians[key]:8.2f}")
     ratio = medians["async_blocked"] / medians["sync_save"]
     print(f"blocked per checkpoint with async saving: {100 * ratio:.1f}% of a synchronous save (target <= 10%)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"environment": environment(), "state_bytes": found["state_bytes"],
-                                               "ranks": args.sharded, "repeats": args.repeats, "seconds": results,
+        Path(args.json).write_text(json.dumps({"environment": environment(), "state_bytes": size, **extra,
+                                               "repeats": args.repeats, "seconds": results,
                                                "medians": medians, "async_blocked_over_sync": ratio}, indent=1))
 
 
@@ -224,21 +222,11 @@ def main() -> None:
         async_ck.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    medians = {k: statistics.median(v[1:]) for k, v in results.items()}
-    gb = size / 1e9
-    print(f"training state: {gb:.2f} GB ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters + "
-          f"AdamW moments); median of {args.repeats} interleaved repeats after one warm-up round")
-    print(f"{'':28s}{'seconds':>10s}{'GB/s':>8s}")
-    for key, label in (("sync_save", "scaletrain save, sync"), ("async_save", "scaletrain save, async"),
-                       ("async_blocked", "  loop blocked, async"), ("torch_save", "torch.save + fsync"),
-                       ("scaletrain_load", "scaletrain load (verified)"), ("torch_load", "torch.load")):
-        print(f"{label:28s}{medians[key]:10.3f}{gb / medians[key]:8.2f}")
-    ratio = medians["async_blocked"] / medians["sync_save"]
-    print(f"blocked per checkpoint with async saving: {100 * ratio:.1f}% of a synchronous save (target <= 10%)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"environment": environment(), "state_bytes": size,
-                                               "repeats": args.repeats, "seconds": results,
-                                               "medians": medians, "async_blocked_over_sync": ratio}, indent=1))
+    report(args, f"training state: {size / 1e9:.2f} GB ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+           "parameters + AdamW moments)", results, size,
+           {"sync_save": "scaletrain save, sync", "async_save": "scaletrain save, async",
+            "async_blocked": "  loop blocked, async", "torch_save": "torch.save + fsync",
+            "scaletrain_load": "scaletrain load (verified)", "torch_load": "torch.load"})
 
 
 if __name__ == "__main__":

@@ -67,3 +67,20 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
                     p.kill()
                     p.join()
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def trained_digits_job(settings: dict[str, Any], steps: int) -> Any:
+    """Inside a rank: the Job that ``settings`` build on digits (this rank's process group, if any, from the
+    launcher's variables), after ``steps`` training steps."""
+    from scaletrain import runtime
+    from scaletrain.config import load
+    from scaletrain.data import digits
+    from scaletrain.train.job import build_job
+    from scaletrain.train.loop import train_step
+
+    cfg = load(None, settings)
+    job = build_job(cfg, runtime.init(cfg.dist), digits(0.2))
+    batches = iter(job.loader)
+    for _ in range(steps):
+        train_step(job, batches)
+    return job

@@ -274,7 +274,7 @@ class CheckpointConfig:
     preempt_check: Literal["log", "step"] = "log"
     """When the ranks agree on a preemption signal: at the next log step (inside its one gather, no extra collective), or at every step boundary (one non-blocking all-reduce of the flag per step on a Gloo group of its own: the save starts within two steps of the signal)."""
     async_save: bool = True
-    """Write checkpoints on a background thread (DCP's async save for FSDP runs); the loop is blocked only while the state is copied to host memory."""
+    """Write checkpoints on a background thread (every rank's, for the DCP shards of FSDP runs); the loop is blocked only while the state is copied to host memory."""
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, "checkpoint.every", self.every, "an integer >= 0 (0 = off)",

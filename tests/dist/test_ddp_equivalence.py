@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from spawn_ranks import run_ranks
+from spawn_ranks import run_ranks, trained_digits_job
 
 from scaletrain import runtime
 from scaletrain.config import DistConfig, load
@@ -26,12 +26,7 @@ BASE = {"model.name": "cnn", "model.dropout": 0.0, "optim.name": "sgd", "optim.l
 
 
 def _train(rank: int, world: int, overrides: dict) -> dict:
-    cfg = load(None, {**BASE, **overrides})
-    rt = runtime.init(cfg.dist)
-    job = build_job(cfg, rt, digits(0.2))
-    batches = iter(job.loader)
-    for _ in range(STEPS):
-        train_step(job, batches)
+    job = trained_digits_job({**BASE, **overrides}, STEPS)
     params = {k: v.detach().clone() for k, v in job.module.state_dict().items()}
     # the phase timer's DDP comm hook counts the buckets it hands to the all-reduce
     return {"params": params, "allreduces": job.timer.buckets, "accum": job.plan.accum_steps,

@@ -4,7 +4,7 @@ guard, accumulation and evaluation working on shards."""
 from __future__ import annotations
 
 import torch
-from spawn_ranks import run_ranks
+from spawn_ranks import run_ranks, trained_digits_job
 
 from scaletrain import runtime
 from scaletrain.config import load
@@ -20,12 +20,7 @@ BASE = {"model.name": "cnn", "model.dropout": 0.0, "optim.name": "adamw", "optim
 
 
 def _train(rank: int, world: int, overrides: dict) -> dict:
-    cfg = load(None, {**BASE, **overrides})
-    rt = runtime.init(cfg.dist)
-    job = build_job(cfg, rt, digits(0.2))
-    batches = iter(job.loader)
-    for _ in range(STEPS):
-        train_step(job, batches)
+    job = trained_digits_job({**BASE, **overrides}, STEPS)
     metrics = evaluate(job)
     params = {k: v.detach().clone() for k, v in full_model_state(job.module, sharded=job.sharded).items()}
     return {"params": params, "state": job.state_bytes.as_dict(), "sharded": job.sharded, "eval": metrics,

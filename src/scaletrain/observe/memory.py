@@ -77,13 +77,14 @@ class MemoryBreakdown:
 # ---------------------------------------------------------------------------------------------- model state
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP); any other tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _storage_key(t: torch.Tensor) -> int:
     """One key per allocation: views, tied weights and DDP's gradient buckets share their storage."""
-    return _local(t).untyped_storage()._cdata
+    return local_shard(t).untyped_storage()._cdata
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
@@ -97,7 +98,7 @@ def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
         key = _storage_key(t)
         if key not in seen:
             seen.add(key)
-            total += _local(t).untyped_storage().nbytes()
+            total += local_shard(t).untyped_storage().nbytes()
     return total
 
 

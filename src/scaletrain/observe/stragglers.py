@@ -28,10 +28,16 @@ MIN_FRACTION = 0.05
 MIN_SECONDS = 0.001
 WINDOW = 5  # log intervals
 BLAMED = ("data", "h2d", "compute", "optim")  # phases a rank spends on its own (comm is waiting for others)
+SHARES = tuple(p for p in PHASES if p not in ("step", "pre_comm"))  # the parts a step's time divides into
 
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
+
+
+def _excess(interval: list[dict[str, float]], rank: int, key: str) -> float:
+    """How much longer ``rank`` took in ``key`` than the median of the other ranks, in one interval."""
+    return interval[rank][key] - _median([r[key] for other, r in enumerate(interval) if other != rank])
 
 
 @dataclass
@@ -57,19 +63,17 @@ class StragglerDetector:
         noise = max(1.4826 * jitter, 1e-6)
         findings = []
         for rank in range(self.world_size):
-            excess = [interval[rank]["pre_comm"] - _median([interval[o]["pre_comm"] for o in range(self.world_size)
-                                                             if o != rank]) for interval in self.history]
+            excess = [_excess(interval, rank, "pre_comm") for interval in self.history]
             slower = _median(excess)
             z = slower / noise
-            if min(excess) > 0 and z > Z_MIN and slower >= max(MIN_FRACTION * step, MIN_SECONDS):
-                phase = max(BLAMED, key=lambda p: _median([
-                    interval[rank][p] - _median([interval[o][p] for o in range(self.world_size) if o != rank])
-                    for interval in self.history]))
-                others = _median([interval[o]["pre_comm"] for interval in self.history
-                                  for o in range(self.world_size) if o != rank])
-                findings.append({"rank": rank, "host": self.hosts[rank] if rank < len(self.hosts) else "?",
-                                 "phase": phase, "slower_by_s": slower,
-                                 "slower_by_frac": slower / others if others > 0 else 0.0, "z": z})
+            if not (min(excess) > 0 and z > Z_MIN and slower >= max(MIN_FRACTION * step, MIN_SECONDS)):
+                continue
+            phase = max(BLAMED, key=lambda p: _median([_excess(interval, rank, p) for interval in self.history]))
+            others = _median([r["pre_comm"] for interval in self.history for o, r in enumerate(interval)
+                              if o != rank])
+            findings.append({"rank": rank, "host": self.hosts[rank] if rank < len(self.hosts) else "?",
+                             "phase": phase, "slower_by_s": slower,
+                             "slower_by_frac": slower / others if others > 0 else 0.0, "z": z})
         if not findings:
             return None
         worst = max(findings, key=lambda f: f["slower_by_s"])
@@ -84,13 +88,8 @@ class StragglerDetector:
 
 def phase_fractions(totals: list[dict[str, float]]) -> dict[str, float]:
     """{phase: median over ranks of the phase's share of that rank's step time} over the whole run."""
-    out = {}
-    for phase in PHASES:
-        if phase in ("step", "pre_comm"):
-            continue
-        shares = [t[phase] / t["step"] for t in totals if t["step"] > 0]
-        out[phase] = _median(shares)
-    return out
+    per_rank = [shares(t) for t in totals if t["step"] > 0]
+    return {phase: _median([s[phase] for s in per_rank]) for phase in SHARES}
 
 
 def critical_rank(totals: list[dict[str, float]]) -> int:
@@ -99,7 +98,8 @@ def critical_rank(totals: list[dict[str, float]]) -> int:
 
 
 def shares(total: dict[str, float]) -> dict[str, float]:
-    return {p: (total[p] / total["step"] if total["step"] > 0 else 0.0) for p in PHASES if p not in ("step", "pre_comm")}
+    """{phase: its share of the step time} for one rank's totals."""
+    return {p: (total[p] / total["step"] if total["step"] > 0 else 0.0) for p in SHARES}
 
 
 HOST_LEAD = 0.1  # a GPU with less than this fraction of a step still queued when the host catches up waits for it

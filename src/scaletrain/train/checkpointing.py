@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from scaletrain import __version__
 from scaletrain.checkpoint import commit, tree
 from scaletrain.config import CheckpointConfig
 from scaletrain.errors import CheckpointError, ConfigError, TrainingFailed
+from scaletrain.observe.memory import local_shard
 from scaletrain.runtime import Runtime
 
 FORMAT_FULL, FORMAT_DCP = "full", "dcp"
@@ -107,10 +109,6 @@ class Snapshot:
     started: float = field(default_factory=time.perf_counter)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _finite(tensors: dict[str, torch.Tensor]) -> str | None:
     """The first floating-point tensor holding a NaN or infinity, or None. A tensor's sum is non-finite if any
     element is, and a sum is one cheap reduction where ``isfinite(t).all()`` writes a mask as large as t: the
@@ -161,8 +159,8 @@ class Checkpointer:
         self.wait()  # the buffers are reused: the previous write must be done with them
         tensors, aliases = model
         optim_tensors, optim_meta = tree.split(optim)
-        snap = Snapshot(step, self._copy("model/", tensors), {"aliases": json.dumps(aliases)},
-                        self._copy("optim/", optim_tensors), optim_meta, trainer, ranks, meta, started)
+        snap = Snapshot(step, self._stage("model/", tensors), {"aliases": json.dumps(aliases)},
+                        self._stage("optim/", optim_tensors), optim_meta, trainer, ranks, meta, started)
         if self.rt.device.type == "cuda":
             torch.cuda.current_stream(self.rt.device).synchronize()  # the copies above were non-blocking
         blocked = time.perf_counter() - started
@@ -194,8 +192,8 @@ class Checkpointer:
         stage = Path(where[0])
         model, aliases = dedupe(get_model_state_dict(module))
         optim = get_optimizer_state_dict(module, optimizer)
-        local = {**{f"model.{k}": _local(v) for k, v in model.items()},
-                 **{f"optim.{k}": _local(v) for k, v in tree.split(optim["state"])[0].items()}}
+        local = {**{f"model.{k}": local_shard(v) for k, v in model.items()},
+                 **{f"optim.{k}": local_shard(v) for k, v in tree.split(optim["state"])[0].items()}}
         mine = {**rank_state, "nonfinite": _finite(local) or ""}
         ranks: list[Any] = [mine]
         if self.rt.distributed:  # every rank learns of a non-finite shard anywhere, and then none writes
@@ -244,22 +242,30 @@ class Checkpointer:
         return self._commit_sharded(rest, blocked) if self.rt.is_main else None
 
     def _commit_sharded(self, rest: _ShardedRest, blocked: float | None) -> SaveResult:
-        """Rank 0, once every rank's shards are written: the param groups, trainer and per-rank files, then
-        the manifest. ``blocked`` is None for a synchronous save (the loop waited for all of it)."""
-        stage = rest.stage
+        """Rank 0, once every rank's shards are written: the param groups, then the common files and the
+        manifest. ``blocked`` is None for a synchronous save (the loop waited for all of it)."""
+        final, size = self._finish(rest.stage, rest.step, lambda stage: {
+            OPTIMIZER_GROUPS: commit.write_bytes(stage / OPTIMIZER_GROUPS, tree.encode(rest.groups))},
+            rest.trainer, rest.ranks, rest.meta)
+        took = time.perf_counter() - rest.started
+        return SaveResult(rest.step, final, size, took if blocked is None else blocked, took, blocked is not None)
+
+    def _finish(self, stage: Path, step: int, write: Callable[[Path], dict[str, commit.FileRecord]],
+                trainer: dict[str, Any], ranks: list[Any], meta: dict[str, Any]) -> tuple[Path, int]:
+        """What both formats end with: ``write(stage)`` (the format's own files, their records), the trainer
+        state and every rank's file, the manifest and the rename, then pruning. A failure removes the stage.
+        Returns (the checkpoint, its bytes as the manifest counts them, other ranks' shards included)."""
         try:
-            records = {OPTIMIZER_GROUPS: commit.write_bytes(stage / OPTIMIZER_GROUPS, tree.encode(rest.groups)),
-                       TRAINER: commit.write_bytes(stage / TRAINER, json.dumps(rest.trainer, indent=1).encode())}
-            for rank, state in enumerate(rest.ranks):
+            records = write(stage)
+            records[TRAINER] = commit.write_bytes(stage / TRAINER, json.dumps(trainer, indent=1).encode())
+            for rank, state in enumerate(ranks):
                 records[rank_file(rank)] = commit.write_bytes(stage / rank_file(rank), tree.encode(state))
-            final = commit.commit(stage, rest.step, records, rest.meta)
+            final = commit.commit(stage, step, records, meta)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
         commit.prune(self.root, self.cfg.keep, protect=final)
-        size = sum(r["bytes"] for r in commit.read_manifest(final)["files"].values())
-        took = time.perf_counter() - rest.started
-        return SaveResult(rest.step, final, size, took if blocked is None else blocked, took, blocked is not None)
+        return final, sum(r["bytes"] for r in commit.read_manifest(final)["files"].values())
 
     def _stage(self, prefix: str, obj: Any) -> Any:
         """``obj`` (nested dicts of tensors and DTensors) with every tensor copied into a host buffer kept
@@ -273,11 +279,8 @@ class Checkpointer:
             return self._copy_one(prefix, obj)
         return obj
 
-    def _copy(self, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy into host buffers kept between saves (pinned for a GPU), so a save allocates nothing."""
-        return {name: self._copy_one(prefix + name, t) for name, t in tensors.items()}
-
     def _copy_one(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """Copy into a host buffer kept between saves (pinned for a GPU), so a save allocates nothing."""
         pin = self.rt.device.type == "cuda"
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
@@ -291,21 +294,10 @@ class Checkpointer:
         if bad:
             raise NonFiniteState(f"refusing to checkpoint step {snap.step}: {bad} is not finite; fix: "
                                  "--train.nonfinite=skip, a lower --optim.lr, or --optim.grad_clip=1.0")
-        stage = commit.new_stage(self.root, snap.step)
-        try:
-            records = {
-                MODEL: _save_file(stage / MODEL, snap.model, snap.model_meta),
-                OPTIMIZER: _save_file(stage / OPTIMIZER, snap.optim, snap.optim_meta),
-                TRAINER: commit.write_bytes(stage / TRAINER, json.dumps(snap.trainer, indent=1).encode()),
-            }
-            for rank, state in enumerate(snap.ranks):
-                records[rank_file(rank)] = commit.write_bytes(stage / rank_file(rank), tree.encode(state))
-            final = commit.commit(stage, snap.step, records, snap.meta)
-        except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
-            raise
-        commit.prune(self.root, self.cfg.keep, protect=final)
-        size = sum(r.bytes for r in records.values())
+        final, size = self._finish(commit.new_stage(self.root, snap.step), snap.step, lambda stage: {
+            MODEL: _save_file(stage / MODEL, snap.model, snap.model_meta),
+            OPTIMIZER: _save_file(stage / OPTIMIZER, snap.optim, snap.optim_meta)},
+            snap.trainer, snap.ranks, snap.meta)
         return SaveResult(snap.step, final, size, blocked, time.perf_counter() - snap.started, background)
 
     def poll(self) -> list[SaveResult]:

@@ -31,18 +31,14 @@ def evaluate(job: Job) -> dict[str, float]:
     module.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss x count, correct
     count, other = 0, 0  # targets seen (tokens for a language model), batches without class targets
-    batches = len(loader)
-    if cfg.train.eval_batches:
-        batches = min(batches, cfg.train.eval_batches)
+    forwards = len(loader)
     if job.sharded:
         # FSDP's forward is collective (it all-gathers parameters): every rank must run the same number of
         # forwards, though one rank may hold one sample more. The extra forwards are not counted.
         most = -(-len(job.eval_data) // rt.world_size)  # type: ignore[arg-type]
         forwards = -(-most // loader.batch_size)  # type: ignore[operator]
-        if cfg.train.eval_batches:
-            forwards = min(forwards, cfg.train.eval_batches)
-    else:
-        forwards = batches
+    if cfg.train.eval_batches:
+        forwards = min(forwards, cfg.train.eval_batches)
     for batch in _padded(loader, forwards):
         if batch is None:  # this rank is out of samples; keep FSDP's collectives in step, count nothing
             x = job.eval_data[0][0].unsqueeze(0).to(rt.device)

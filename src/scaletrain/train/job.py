@@ -60,7 +60,7 @@ class Job:
     step: int = 0  # optimizer steps completed
     tracer: Tracer | None = None  # per-step fingerprints (debug.trace)
     state_bytes: MemoryBreakdown | None = None  # model state on this rank, counted after the first step
-    timer: StepTimer | None = None  # per-rank phase times
+    timer: StepTimer = dataclasses.field(default_factory=lambda: NullTimer(torch.device("cpu")))  # phase times
     flops: float = 0.0  # model FLOPs per training sample (forward + backward)
     tokens_per_sample: int = 0  # sequence models: tokens per sample
 

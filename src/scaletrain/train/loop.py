@@ -16,7 +16,7 @@ import socket
 import statistics
 import time
 from collections.abc import Iterator
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from scaletrain.observe.memory import model_state_bytes, peak_bytes
 from scaletrain.observe.metrics import MetricsWriter
 from scaletrain.observe.stragglers import StragglerDetector
 from scaletrain.observe.throughput import device_peak, throughput
-from scaletrain.observe.timing import PHASES, NullTimer
+from scaletrain.observe.timing import PHASES
 from scaletrain.parallel import gradient_sync
 from scaletrain.train.checkpointing import (
     FORMAT_DCP,
@@ -42,12 +42,32 @@ from scaletrain.train.checkpointing import (
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast
-from scaletrain.train.preempt import PreemptFlag
+from scaletrain.train.preempt import PreemptFlag, StepAgreement
 from scaletrain.train.state import model_tensors, optimizer_tree, scheduler_tree
 from scaletrain.train.trace import Tracer
 
 DONE, PREEMPTED, INTERRUPTED = "done", "preempted", "interrupted"
-NULL_TIMER = NullTimer(torch.device("cpu"))
+
+
+@dataclass
+class RankReport:
+    """One rank's numbers at a sync point, as Loop._gather brings them to every rank."""
+
+    loss_sum: float
+    loss_count: float
+    skipped: float  # non-finite steps skipped so far (train/guard.py)
+    first_skipped: float  # the first skipped step, -1 if none
+    first_bad_loss: float  # the first step whose loss was non-finite on this rank, -1 if none
+    signal: int  # the preemption signal received, 0 if none
+    peak_bytes: int
+    phases: dict[str, float]  # seconds per step over the interval (zeros off log steps)
+    lead_s: float  # StepTimer.lead_s (GPU)
+
+    @classmethod
+    def parse(cls, row: list[float]) -> RankReport:
+        loss_sum, loss_count, skipped, first_skipped, first_bad, signal, peak, *rest = row
+        return cls(loss_sum, loss_count, skipped, first_skipped, first_bad, int(signal), int(peak),
+                   dict(zip(PHASES, rest)), rest[len(PHASES)])
 
 
 def _hosts(job: Job) -> list[str]:
@@ -79,7 +99,7 @@ def _grad_norm(job: Job) -> torch.Tensor | None:
 def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
     """One optimizer step over accum_steps micro-batches; returns the step's mean loss on the device."""
     rt, precision, chaos, tracer = job.rt, job.cfg.train.precision, job.chaos, job.tracer
-    timer = job.timer or NULL_TIMER
+    timer = job.timer
     accum, step = job.plan.accum_steps, job.step + 1
     timer.start()
     step_loss = torch.zeros((), device=rt.device)
@@ -144,12 +164,8 @@ class Loop:
         self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(job.rt.world_size)]  # seconds, whole run
         self.lead_fracs: list[float] = []  # GPU: per log interval, the median rank's lead_s over its step time
         _, self.peak_flops = device_peak(job.rt.device, job.cfg.train.precision)
-        # checkpoint.preempt_check=step: a Gloo group for one non-blocking all-reduce of the flag per step
-        self._flag_group: Any = None
-        self._flag_work: Any = None
-        self._flag = torch.zeros(1, dtype=torch.int64)
-        if job.cfg.checkpoint.preempt_check == "step" and job.rt.distributed:
-            self._flag_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=job.cfg.dist.timeout_s))
+        self.agreement = StepAgreement(job.cfg.dist.timeout_s) \
+            if job.cfg.checkpoint.preempt_check == "step" and job.rt.distributed else None
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -174,7 +190,8 @@ class Loop:
                 self.preempt.tick()
                 self.console.advance()
                 stop = ""
-                if job.step % job.cfg.log.every == 0 or job.step == plan.total_steps:
+                log_step = job.step % job.cfg.log.every == 0 or job.step == plan.total_steps
+                if log_step:
                     elapsed = time.perf_counter() - t0
                     stop = self._log(self._gather(phases=True), elapsed)
                     t0 = time.perf_counter()
@@ -187,57 +204,45 @@ class Loop:
                     stop = stop or INTERRUPTED
                 ckpt = self.checkpointer
                 if stop or (ckpt is not None and ckpt.due(job.step, plan.total_steps)):
-                    if not (job.step % job.cfg.log.every == 0 or job.step == plan.total_steps):
+                    if not log_step:  # the log step's gather already brought the counters
                         stop = self._check(self._gather(phases=False)) or stop
                     blocked = self._save(final=bool(stop))
-                    if job.timer is not None:
-                        job.timer.add("ckpt", blocked)
+                    job.timer.add("ckpt", blocked)
                     t0 += blocked
                 self._log_saves()
                 if stop:
                     return stop
         finally:
             self.console.stop_progress()
-            if self._flag_work is not None:  # every rank started it: it completes
-                self._flag_work.wait()
-                self._flag_work = None
+            if self.agreement is not None:
+                self.agreement.close()
         if job.eval_data is not None and self.eval_step != job.step:
             self._evaluate()
         return DONE
 
     def _preempted_now(self) -> str:
         """PREEMPTED when the ranks agree at this step boundary that one was signalled, without waiting for
-        the log step. One process needs no agreement. With checkpoint.preempt_check=step every rank waits for
-        the all-reduce it started at the previous boundary (done by now: it is a few bytes on its own
-        group) and starts the next; all of them read the same result at the same step, so they stop
-        together. With log (the default) the log step's gather alone carries the flag."""
+        the log step. One process needs no agreement; several agree through StepAgreement
+        (checkpoint.preempt_check=step). With log (the default) the log step's gather alone carries the flag."""
         if not self.job.rt.distributed:
-            if self.preempt.signum:
-                self.stopped_by = self.preempt.signum
-                return PREEMPTED
+            signum = self.preempt.signum
+        elif self.agreement is not None:
+            signum = self.agreement.poll(self.preempt.signum)
+        else:
             return ""
-        if self._flag_group is None:
-            return ""
-        if self._flag_work is not None:
-            self._flag_work.wait()
-            self._flag_work = None
-            if self._flag.item():  # a CPU tensor: no device sync
-                self.stopped_by = int(self._flag.item())
-                return PREEMPTED
-        self._flag.fill_(self.preempt.signum)
-        self._flag_work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._flag_group, async_op=True)
+        if signum:
+            self.stopped_by = signum
+            return PREEMPTED
         return ""
 
     # -- sync points --------------------------------------------------------------------------------------
 
-    def _gather(self, *, phases: bool) -> list[list[float]]:
-        """Every rank's [loss_sum, loss_count, skipped, first skipped, first bad loss, signal, peak bytes,
-        then seconds per step of each phase (PHASES order; zeros unless ``phases``), then the GPU's lead
-        (StepTimer.lead_s)], on every rank: one all_gather and one host-device sync. float64: byte counts
-        stay exact."""
+    def _gather(self, *, phases: bool) -> list[RankReport]:
+        """Every rank's RankReport (phase times only if ``phases``: collecting them starts a new interval),
+        on every rank: one all_gather and one host-device sync. float64: byte counts stay exact."""
         job = self.job
-        times = job.timer.collect() if phases and job.timer is not None else [0.0] * len(PHASES)
-        lead = job.timer.lead_s if phases and job.timer is not None else 0.0
+        times = job.timer.collect() if phases else [0.0] * len(PHASES)
+        lead = job.timer.lead_s if phases else 0.0
         host = torch.tensor([float(self.preempt.signum), float(peak_bytes(job.rt.device)), *times, lead],
                             dtype=torch.float64)
         mine = torch.cat([torch.stack([self.loss_sum, self.loss_count, *job.guard.state()]).double(),
@@ -245,17 +250,17 @@ class Loop:
         if job.rt.distributed:
             rows = [torch.empty_like(mine) for _ in range(job.rt.world_size)]
             dist.all_gather(rows, mine)
-            return torch.stack(rows).tolist()  # host-device sync: sync points only
-        return [mine.tolist()]
+            return [RankReport.parse(r) for r in torch.stack(rows).tolist()]  # host-device sync
+        return [RankReport.parse(mine.tolist())]
 
-    def _check(self, rows: list[list[float]]) -> str:
+    def _check(self, rows: list[RankReport]) -> str:
         """Act on the gathered counters: stop for a non-finite step (train.nonfinite=raise), report skipped
         ones, and return PREEMPTED if any rank was signalled."""
         job = self.job
-        skipped = max(r[2] for r in rows)
+        skipped = max(r.skipped for r in rows)
         if skipped > self.skipped_seen:
-            first = int(min(r[3] for r in rows if r[3] >= 0))
-            bad = [(int(r[4]), rank) for rank, r in enumerate(rows) if r[4] >= 0]
+            first = int(min(r.first_skipped for r in rows if r.first_skipped >= 0))
+            bad = [(int(r.first_bad_loss), rank) for rank, r in enumerate(rows) if r.first_bad_loss >= 0]
             where = (f"non-finite loss on rank {min(bad)[1]} at step {min(bad)[0]}" if bad else
                      f"non-finite gradients at step {first} (the loss was finite on every rank)")
             if job.cfg.train.nonfinite == "raise":
@@ -264,17 +269,17 @@ class Loop:
                                      "or --train.nonfinite=skip to skip such steps")
             self.console.print(f"warning: {where}: step skipped ({int(skipped)} skipped so far)")
             self.skipped_seen = skipped
-        signals = [int(r[5]) for r in rows if r[5]]
+        signals = [r.signal for r in rows if r.signal]
         if signals:
             self.stopped_by = signals[0]
             return PREEMPTED
         return ""
 
-    def _log(self, rows: list[list[float]], elapsed: float) -> str:
+    def _log(self, rows: list[RankReport], elapsed: float) -> str:
         job = self.job
         steps = self.since
-        counted = sum(r[1] for r in rows)
-        loss = sum(r[0] for r in rows) / counted if counted else math.nan
+        counted = sum(r.loss_count for r in rows)
+        loss = sum(r.loss_sum for r in rows) / counted if counted else math.nan
         stop = self._check(rows)
         if not math.isfinite(loss) and job.cfg.train.nonfinite == "raise":
             raise TrainingFailed(f"loss is {loss} at step {job.step}; fix: lower --optim.lr, set "
@@ -288,8 +293,7 @@ class Loop:
                                world_size=job.rt.world_size, peak=self.peak_flops),
                   "step_time_s": elapsed / steps, "skipped_steps": int(self.skipped_seen),
                   **(self.phases(rows, steps) if job.cfg.log.phase_times else {}), "mem": self.memory(rows)}
-        straggler = self.stragglers.update([dict(zip(PHASES, r[7:])) for r in rows]) \
-            if job.cfg.log.phase_times else None
+        straggler = self.stragglers.update([r.phases for r in rows]) if job.cfg.log.phase_times else None
         if straggler is not None:
             if straggler.pop("new"):
                 self.console.print(
@@ -308,26 +312,26 @@ class Loop:
         self.since = 0
         return stop
 
-    def phases(self, rows: list[list[float]], steps: int) -> dict[str, Any]:
+    def phases(self, rows: list[RankReport], steps: int) -> dict[str, Any]:
         """``phase_s`` (per rank) and ``phase_stats`` (over ranks) of the interval; adds to the run's totals."""
-        per_rank = {phase: [r[7 + i] for r in rows] for i, phase in enumerate(PHASES)}
-        for rank, r in enumerate(rows):
-            for i, phase in enumerate(PHASES):
-                self.phase_totals[rank][phase] += r[7 + i] * steps
+        per_rank = {phase: [r.phases[phase] for r in rows] for phase in PHASES}
+        for totals, r in zip(self.phase_totals, rows):
+            for phase, seconds in r.phases.items():
+                totals[phase] += seconds * steps
         stats = {phase: {"min": min(v), "median": statistics.median(v), "max": max(v),
                          "slowest_rank": max(range(len(v)), key=v.__getitem__)} for phase, v in per_rank.items()}
         if self.job.rt.device.type != "cuda":
             return {"phase_s": per_rank, "phase_stats": stats}
-        leads = [r[7 + len(PHASES)] for r in rows]
+        leads = [r.lead_s for r in rows]
         step_s = statistics.median(per_rank["step"])
         if step_s > 0:
             self.lead_fracs.append(statistics.median(leads) / step_s)
         return {"phase_s": per_rank, "phase_stats": stats, "gpu_lead_s": leads}
 
-    def memory(self, rows: list[list[float]]) -> dict[str, Any]:
+    def memory(self, rows: list[RankReport]) -> dict[str, Any]:
         """metrics.jsonl's ``mem``: per-rank peaks, and rank 0's model state counted from the live tensors."""
         job = self.job
-        peaks = [int(r[6]) for r in rows]
+        peaks = [r.peak_bytes for r in rows]
         mem: dict[str, Any] = {"peak_bytes": max(peaks), "rank_peak_bytes": peaks}
         if job.state_bytes is not None:
             mem.update(job.state_bytes.as_dict())

@@ -19,8 +19,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from types import FrameType
 from typing import Any
+
+import torch
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 MIN_GRACE_S = 2.0
@@ -102,3 +105,36 @@ class PreemptFlag:
             return signal.Signals(signum).name
         except ValueError:
             return f"signal {signum}"
+
+
+class StepAgreement:
+    """checkpoint.preempt_check=step: the ranks agree at every step boundary whether any was signalled,
+    without waiting for anyone. Each boundary waits for the all-reduce (MAX of the signal) started at the
+    previous one, which had a whole step to finish, and starts the next, on a Gloo group of its own so it
+    never interleaves with the loop's collectives. Every rank reads the same result at the same boundary."""
+
+    def __init__(self, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._flag = torch.zeros(1, dtype=torch.int64)  # a CPU tensor: reading it is no device sync
+        self._work: Any = None
+
+    def poll(self, signum: int) -> int:
+        """The signal some rank had at the previous boundary (0 = none); ``signum`` is this rank's now."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._flag.item():
+                return int(self._flag.item())
+        self._flag.fill_(signum)
+        self._work = self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, group=self._group,
+                                           async_op=True)
+        return 0
+
+    def close(self) -> None:
+        """Wait for the all-reduce in flight (every rank started it: it completes)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None

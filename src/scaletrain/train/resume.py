@@ -36,6 +36,7 @@ from scaletrain.train.state import (
     load_model_tensors,
     load_optimizer_tree,
     load_scheduler_tree,
+    with_aliases,
 )
 
 
@@ -134,8 +135,7 @@ def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
                               f"{str(err).splitlines()[0][:200]})", "resume with the model configuration the "
                               "checkpoint was made with") from None
     if "model" in state:
-        full = {**state["model"], **{a: state["model"][n] for a, n in aliases.items()}}
-        set_model_state_dict(module, full)
+        set_model_state_dict(module, with_aliases(state["model"], aliases))
     if "optim" in state:
         groups = keep_implementation(read_tree(resume, OPTIMIZER_GROUPS), optimizer)
         set_optimizer_state_dict(module, optimizer, {"state": state["optim"], "param_groups": groups})
@@ -146,9 +146,7 @@ def _load_full_into_sharded(job: Job, resume: Resume, skip: set[str]) -> None:
     whole tensors and keeps its shard."""
     options = StateDictOptions(full_state_dict=True)
     if "weights" not in skip:
-        tensors, aliases = read_model(resume)
-        full = {**tensors, **{a: tensors[n] for a, n in aliases.items() if n in tensors}}
-        set_model_state_dict(job.module, full, options=options)
+        set_model_state_dict(job.module, with_aliases(*read_model(resume)), options=options)
     if "optimizer" not in skip:
         saved = read_tree(resume, OPTIMIZER)
         saved["param_groups"] = keep_implementation(saved["param_groups"], job.optimizer)

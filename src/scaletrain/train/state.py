@@ -54,9 +54,14 @@ def full_model_state(module: nn.Module, *, sharded: bool) -> dict[str, torch.Ten
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def with_aliases(tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The inverse of dedupe(): every alias back, sharing its tensor."""
+    return {**tensors, **{alias: tensors[name] for alias, name in aliases.items() if name in tensors}}
+
+
 def load_model_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
                        where: str) -> None:
-    full = {**tensors, **{alias: tensors[name] for alias, name in aliases.items() if name in tensors}}
+    full = with_aliases(tensors, aliases)
     want = set(module.state_dict())
     if set(full) != want:
         missing, extra = sorted(want - set(full)), sorted(set(full) - want)
