@@ -71,12 +71,17 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(idx))  # (B, T, vocab)
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final layer norm's output (B, T, C), what the head projects: for a loss fused with the head
+        (models.losses.linear_cross_entropy(model.hidden(x), model.head.weight, y))."""
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))  # (B, T, vocab)
+        return self.ln_f(x)
 
     def flops_per_sample(self) -> float:
         """Training FLOPs (forward + backward) for one sequence of block_size tokens, PaLM's count: per token
