@@ -20,12 +20,14 @@ Knobs that matter (see docs/fsdp.md for measured effects): the per-GPU batch (la
 matmuls big: 124M wants >= 16 x 1024 tokens), torch.compile (fuses the layer norms, GELU, residual adds and
 the loss), fused AdamW (one kernel for the whole update), TF32 for any fp32 matmul left, bias-free linears,
 and for FSDP on one GPU reshard_after_forward=False (there is nothing to gather from; resharding only adds
-copies).
+copies). At 124M two more (benchmarks/RESULTS.md 5b): --residual bf16 (the residual stream in bf16, as under
+FSDP's bf16 policy) and --loss fused (models.losses.linear_cross_entropy: the logits never read twice).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import datetime
 import json
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from scaletrain.models import GPT
+from scaletrain.models.losses import linear_cross_entropy
 from scaletrain.observe.memory import (
     estimate_activation_bytes,
     fmt_bytes,
@@ -112,6 +115,12 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, device: torch.d
     activations = estimate_activation_bytes(model, sample, batch, precision="bf16-mixed")  # eager, unwrapped
     step_model: torch.nn.Module = model
     autocast = not shape.fsdp
+    if autocast and args.residual == "bf16":
+        # Under autocast the residual stream is fp32 (the embeddings are fp32 and x + bf16 promotes); cast the
+        # embeddings' outputs and it stays bf16, as it is under FSDP's bf16 policy: half the bytes for every
+        # add, layer norm and saved input between the matmuls.
+        for emb in (model.tok_emb, model.pos_emb):
+            emb.register_forward_hook(lambda _m, _i, out: out.to(torch.bfloat16))
     if shape.fsdp:
         join_one_rank_group(device)
         if args.compile:
@@ -121,6 +130,8 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, device: torch.d
                    reduce_dtype=policy.reduce_dtype, reshard_after_forward=args.reshard)
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if args.loss == "fused":  # the head and the loss in one pass per chunk; the logits never kept
+            return linear_cross_entropy(model.hidden(x), model.head.weight, y, chunk_rows=args.chunk_rows)
         logits = step_model(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
@@ -129,12 +140,16 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, device: torch.d
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95),
                             fused=device.type == "cuda" and not args.no_fused)
-    data = torch.randint(0, shape.vocab, (4, batch, shape.seq + 1), device=device)
+    data = torch.randint(0, shape.vocab, (4, batch, shape.seq + 1), device=device)  # 4 batches in turn
     backend = SDPA[args.sdpa] if device.type == "cuda" else None
     state = None
 
+    graphs = args.compile and args.compile_mode in ("reduce-overhead", "max-autotune")  # CUDA graphs
+
     def step(i: int) -> None:
         nonlocal state
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are free to reuse
         chunk = data[i % len(data)]
         x, y = chunk[:, :-1], chunk[:, 1:]
         attention = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
@@ -172,6 +187,9 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, device: torch.d
         "shape": name, "params": n_params, "n_layer": shape.n_layer, "n_head": shape.n_head,
         "n_embd": shape.n_embd, "seq_len": shape.seq, "vocab": shape.vocab, "batch": batch,
         "tokens_per_step": batch * shape.seq, "fsdp": shape.fsdp, "compile": args.compile,
+        "compile_mode": args.compile_mode, "inductor": args.inductor, "sdpa": args.sdpa,
+        "residual": "bf16" if shape.fsdp else args.residual, "loss": args.loss,
+        "chunk_rows": args.chunk_rows if args.loss == "fused" else None,
         "activation_checkpointing": args.ac, "bias": not args.no_bias, "fused_adamw": not args.no_fused,
         "clip": args.clip, "warmup_steps": args.warmup, "timed_steps": args.steps, "warmup_s": warm_s,
         "step_s": elapsed / args.steps, "tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token,
@@ -195,13 +213,35 @@ def _profile(step: Callable[[int], None], sync: Callable[[], None], device: torc
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
 
 
+def set_inductor(item: str) -> None:
+    """KEY=VALUE -> torch._inductor.config.KEY = VALUE (a Python literal, else the string)."""
+    from torch._inductor import config
+
+    key, sep, text = item.partition("=")
+    if not sep:
+        raise ValueError(f"{item!r}: expected KEY=VALUE, e.g. coordinate_descent_tuning=True")
+    *path, leaf = key.strip().split(".")
+    owner = config
+    for part in path:
+        owner = getattr(owner, part, None)
+    if owner is None or not hasattr(owner, leaf):
+        raise ValueError(f"{key!r} is not an inductor config key; see torch._inductor.config")
+    try:
+        value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        value = text.strip()
+    setattr(owner, leaf, value)
+
+
 def report(r: dict) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a (peak unknown)"
     mem, rest = r["mem"], r["activations_from_peak_bytes"]
     how = "FSDP2 1-rank mesh" if r["fsdp"] else "autocast bf16"
     title = (f"{r['shape']}: {r['params'] / 1e6:.0f}M params, {r['n_layer']} layers x {r['n_embd']}, batch "
              f"{r['batch']} x {r['seq_len']}, {how}, compile={r['compile']}, "
-             f"ac={r['activation_checkpointing']}")
+             f"ac={r['activation_checkpointing']}, residual {r['residual']}, mode {r['compile_mode'] or 'default'}, "
+             f"loss {r['loss']}"
+             + "".join(f", {item}" for item in r["inductor"]))
     speed = (f"  {r['tokens_per_s']:,.0f} tokens/s  {r['step_s'] * 1e3:.1f} ms/step  "
              f"{r['flops_per_s'] / 1e12:.1f} TFLOP/s  MFU {mfu}  ({r['device']})")
     memory = (f"  peak memory {fmt_bytes(r['peak_mem_bytes'])}: params {fmt_bytes(mem['params_bytes'])} + "
@@ -220,6 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
+    ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                    help="set torch._inductor.config.KEY (e.g. coordinate_descent_tuning=True); repeatable")
+    ap.add_argument("--residual", choices=["fp32", "bf16"], default="fp32",
+                    help="the residual stream's dtype under autocast (FSDP's bf16 policy makes it bf16)")
+    ap.add_argument("--loss", choices=["split", "fused"], default="split",
+                    help="split: logits, then F.cross_entropy; fused: models.losses.linear_cross_entropy")
+    ap.add_argument("--chunk-rows", type=int, default=8192, help="rows per chunk of the fused loss")
     ap.add_argument("--sdpa", choices=sorted(SDPA), default="auto", help="attention kernels SDPA may use")
     ap.add_argument("--ac", choices=["none", "full", "selective"], default="none")
     ap.add_argument("--reshard", action="store_true", help="FSDP reshard_after_forward (off: one GPU)")
@@ -232,16 +279,29 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.smoke:
-        device, names = torch.device("cpu"), ["smoke", "smoke-fsdp"]
+        names = ["smoke"] + ([] if args.loss == "fused" else ["smoke-fsdp"])
         args.compile, args.steps, args.warmup = False, 2, 1
     else:
-        if not torch.cuda.is_available():
-            print("gpu_mfu: no CUDA device here; fix: run on a GPU machine, or --smoke to test the script",
-                  file=sys.stderr)
-            return 2
+        names = ["124m", "1b"] if args.shape == "both" else [args.shape]
+    if args.loss == "fused" and any(SHAPES[n].fsdp for n in names):
+        print("gpu_mfu: --loss fused calls the model's parts directly, past FSDP's hooks (the 1b shape is "
+              "FSDP); fix: --shape 124m", file=sys.stderr)
+        return 2
+    if args.smoke:
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("gpu_mfu: no CUDA device here; fix: run on a GPU machine, or --smoke to test the script",
+              file=sys.stderr)
+        return 2
+    else:
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
-        names = ["124m", "1b"] if args.shape == "both" else [args.shape]
+    try:
+        for item in args.inductor:
+            set_inductor(item)
+    except ValueError as e:
+        print(f"gpu_mfu: --inductor {e}", file=sys.stderr)
+        return 2
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls left outside autocast use TF32
     torch.backends.cudnn.allow_tf32 = True
 
