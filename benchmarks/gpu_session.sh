@@ -16,10 +16,16 @@ timeout 60 python -m scaletrain train gpt-stdlib --train.max_steps=150 --train.p
   --data.batch_size=64 --log.every=25 --train.eval_batches=2 --train.progress=false --run.dir="$OUT/gpt" 2>&1 | tail -22
 echo "== 4. verify-resume on the GPU"
 timeout 75 python -m scaletrain verify-resume digits --steps 30 --at 13 --device=cuda --model.dropout=0.1 2>&1 | tail -3
-echo "== 5. the bottleneck verdict on a GPU: a tiny GPT must be host-bound, the batch-64 run of step 3 not"
+echo "== 5. the bottleneck verdict on a GPU: the small GPTs of steps 3 and 5 are host-bound (the GPU waits for"
+echo "   Python: next to nothing queued at log steps), the GPT at GPT-2-124M shape is compute-bound"
 timeout 60 python -m scaletrain train gpt-stdlib --train.max_steps=200 --model.n_layer=1 --model.n_embd=32 \
   --model.n_head=2 --data.batch_size=4 --log.every=20 --train.eval_batches=1 --train.progress=false \
-  --run.dir="$OUT/tiny" 2>&1 | grep -i -A2 "bottleneck"
-python -c "import json,sys; s=json.load(open(sys.argv[1])); print(s['bottleneck'])" "$OUT/tiny/summary.json"
-grep -o '"gpu_lead_s": \[[^]]*\]' "$OUT/gpt/metrics.jsonl" | tail -3
-python -c "import json,sys; s=json.load(open(sys.argv[1])); print(s['bottleneck'])" "$OUT/gpt/summary.json"
+  --run.dir="$OUT/tiny" > /dev/null 2>&1
+timeout 90 python -m scaletrain train gpt-stdlib --model.n_layer=12 --model.n_head=12 --model.n_embd=768 \
+  --data.seq_len=1024 --data.batch_size=16 --train.precision=bf16-mixed --train.max_steps=60 --log.every=20 \
+  --train.eval_batches=1 --train.progress=false --run.dir="$OUT/big" > /dev/null 2>&1
+for run in gpt tiny big; do
+  python -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[2], s['mfu'], s['bottleneck']['verdict'])" \
+    "$OUT/$run/summary.json" "$run"
+  grep -o '"gpu_lead_s": \[[^]]*\]' "$OUT/$run/metrics.jsonl" | tail -2
+done
