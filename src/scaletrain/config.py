@@ -258,9 +258,13 @@ class LogConfig:
     """Also write the metrics as TensorBoard events to RUN_DIR/tensorboard (needs the tensorboard package)."""
     phase_times: bool = True
     """Time each step's phases per rank (data, h2d, compute, exposed comm, optim): stragglers and the bottleneck verdict need them."""
+    straggler_min_frac: float = 0.25
+    """Name a rank a straggler only when it is persistently slower than the others by at least this fraction of the step time (ranks sharing CPUs trade about a tenth of it back and forth; lower it on dedicated hardware)."""
 
     def __post_init__(self) -> None:
         _check(self.every >= 1, "log.every", self.every, "an integer >= 1", "--log.every=10")
+        _check(0 < self.straggler_min_frac, "log.straggler_min_frac", self.straggler_min_frac,
+               "a fraction of the step time > 0", "--log.straggler_min_frac=0.25")
 
 
 @dataclass(frozen=True)

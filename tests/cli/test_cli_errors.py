@@ -30,6 +30,8 @@ def run_main(argv, capsys):
     (["train", "missing.toml"], ["config = 'missing.toml' (not found)", "fix: check the path"]),
     (["train", "digitz"], ["config = 'digitz'", "use one of the recipes: digits, gpt-stdlib"]),
     (["train", "digits", "--model.name=gpt"], ["model.name = 'gpt'", "mlp or cnn"]),
+    (["train", "digits", "--log.straggler_min_frac=0"],
+     ["log.straggler_min_frac = 0", "a fraction of the step time > 0", "fix: --log.straggler_min_frac=0.25"]),
     (["train", "digits", "--train.precision=fp16-mixed"], ["train.precision = 'fp16-mixed'", "--train.precision=bf16-mixed"]),
     (["train", "digits", "--train.precision=bf16"], ["train.precision = 'bf16'", "one of fp32, bf16-mixed, fp16-mixed", "fix: --train.precision=bf16-mixed"]),
     (["train", "digits", "--device=cuda"], ["dist.device = 'cuda'", "without CUDA"]),

@@ -160,7 +160,8 @@ class Loop:
         self.saves: list[SaveResult] = []
         self.last_mem: dict[str, Any] = {}
         self.hosts = _hosts(job)
-        self.stragglers = StragglerDetector(job.rt.world_size, self.hosts)
+        self.stragglers = StragglerDetector(job.rt.world_size, self.hosts,
+                                            min_fraction=job.cfg.log.straggler_min_frac)
         self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(job.rt.world_size)]  # seconds, whole run
         self.lead_fracs: list[float] = []  # GPU: per log interval, the median rank's lead_s over its step time
         _, self.peak_flops = device_peak(job.rt.device, job.cfg.train.precision)
