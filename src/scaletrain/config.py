@@ -410,9 +410,10 @@ class Config:
 
     def trajectory(self) -> dict[str, dict[str, Any]]:
         """The settings that decide what is computed: everything but where the run happens and writes
-        (run.name, run.dir, dist), how it is shown (train.progress), how it is saved, and fault injection."""
+        (run.name, run.dir, dist), how it is shown and measured (train.progress, log), how it is saved, and
+        fault injection."""
         tree = self.to_dict()
-        for section in ("dist", "checkpoint", "chaos", "debug"):
+        for section in ("dist", "log", "checkpoint", "chaos", "debug"):
             tree.pop(section, None)
         tree["run"] = {k: v for k, v in tree["run"].items() if k not in ("name", "dir")}
         tree["train"] = {k: v for k, v in tree["train"].items() if k != "progress"}

@@ -40,6 +40,15 @@ def test_recipe_and_resolved_config_round_trip(tmp_path):
     assert again == cfg and again.digest() == cfg.digest()
 
 
+def test_the_digest_names_the_computation_not_how_it_is_logged_or_saved():
+    base = load("digits")
+    same = load("digits", cli_overrides={"log.every": "7", "log.straggler_min_frac": "0.1", "checkpoint.every": "5",
+                                         "run.name": "other", "train.progress": "false"})
+    assert same.digest() == base.digest()
+    assert load("digits", cli_overrides={"optim.lr": "0.2"}).digest() != base.digest()
+    assert load("digits", cli_overrides={"train.precision": "bf16-mixed"}).digest() != base.digest()
+
+
 def test_aliases_map_to_their_keys():
     cfg = load(None, {"nproc": 3, "device": "cpu", "max-restarts": 2})
     assert (cfg.dist.nproc, cfg.dist.device, cfg.dist.max_restarts) == (3, "cpu", 2)
