@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of one lent-GPU session, in priority order, each with its own time limit, results under $OUT.
+# The GPU checks of one lent-GPU session (about 8 minutes), in priority order, each with its own time limit, results under $OUT.
 # Run on the device machine from the repository root: PYTHONPATH=src (tomli_w carried in .h4carry).
 set -u
 export PYTHONPATH=src:.h4carry PYTHONUNBUFFERED=1
@@ -28,4 +28,8 @@ for run in gpt tiny big; do
   python -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[2], s['mfu'], s['bottleneck']['verdict'])" \
     "$OUT/$run/summary.json" "$run"
   grep -o '"gpu_lead_s": \[[^]]*\]' "$OUT/$run/metrics.jsonl" | tail -2
+done
+echo "== 6. MFU of the GPT at 124M (issue 4, target 50%): as it was, and the best settings so far (RESULTS 5b)"
+for flags in "" "--residual bf16 --loss fused --batch-size 128"; do
+  timeout 120 python benchmarks/gpu_mfu.py --shape 124m --no-bias --steps 30 --warmup 5 $flags 2>&1 | grep -A1 "^124m"
 done
