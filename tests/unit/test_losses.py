@@ -73,6 +73,19 @@ def test_gpt_head_fused_equals_logits_then_loss():
         assert _rel(p.grad, ref[name]) < 1e-12, name
 
 
+def test_without_gradients_the_loss_alone():
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(50, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(30, 8, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 30, (50,), generator=g)
+    ref = F.cross_entropy(h @ w.T, y)
+    assert abs(linear_cross_entropy(h, w, y, chunk_rows=7).item() - ref.item()) < 1e-12  # nothing requires grad
+    with torch.no_grad():
+        wg = w.clone().requires_grad_()
+        out = linear_cross_entropy(h, wg, y, chunk_rows=7)
+    assert not out.requires_grad and abs(out.item() - ref.item()) < 1e-12
+
+
 def test_bad_chunk_rows():
     with pytest.raises(ValueError, match="chunk_rows must be >= 1, got 0"):
         linear_cross_entropy(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(2, dtype=torch.long), chunk_rows=0)

@@ -14,6 +14,7 @@ once per backward (it is: a loss is differentiated once).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -56,12 +57,22 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, target: Tensor, *, chunk_row
 
     h (..., C), weight (V, C), target (...) of class ids. ``dtype``: the dtype of the matrix products (bf16
     for mixed precision; default: the autocast dtype when autocast is on, else h's); the softmax is in fp32.
-    Peak extra memory is one chunk of logits (chunk_rows x V), not all of them.
+    Peak extra memory is one chunk of logits (chunk_rows x V), not all of them (in eager mode; a compiled
+    graph schedules its own buffers). Every target must be a class id: there is no ignore_index. Without
+    gradients to compute (evaluation, torch.no_grad) it computes the loss alone.
     """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if dtype is None:
         device = h.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    h, target = h.flatten(0, -2), target.flatten()
     with torch.autocast(h.device.type, enabled=False):
-        return _LinearCrossEntropy.apply(h.flatten(0, -2), weight, target.flatten(), chunk_rows, dtype)
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            return _LinearCrossEntropy.apply(h, weight, target, chunk_rows, dtype)
+        acc = torch.promote_types(dtype, torch.float32)  # evaluation: the loss alone, chunk by chunk
+        total = torch.zeros((), dtype=acc, device=h.device)
+        for start in range(0, h.shape[0], chunk_rows):
+            logits = (h[start:start + chunk_rows].to(dtype) @ weight.to(dtype).T).to(acc)
+            total = total + F.cross_entropy(logits, target[start:start + chunk_rows], reduction="sum")
+        return total / h.shape[0]
