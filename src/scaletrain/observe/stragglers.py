@@ -17,8 +17,8 @@ Why a quarter of the step by default: two ranks sharing a 2-core machine with Gl
 trading 11-12% of the step back and forth for 50-100 steps at a time (rank 1 slower, then rank 0), steadily
 enough to pass the persistence and z tests; that is the machine, not a rank, and a rule that names it teaches
 users to ignore the line. NVIDIA's straggler detection (nvidia-resiliency-ext, as NeMo configures it) flags a
-relative score under 0.7 by default, a rank taking 1.43x the fastest's time; a quarter of the step is stricter
-than that. Dedicated hardware can set it lower.
+relative score under 0.7 by default, a rank taking 1.43x the fastest's time; a quarter of the step still
+names smaller excesses than that. Dedicated hardware can set it lower.
 """
 
 from __future__ import annotations
