@@ -214,23 +214,21 @@ def _profile(step: Callable[[int], None], sync: Callable[[], None], device: torc
 
 
 def set_inductor(item: str) -> None:
-    """KEY=VALUE -> torch._inductor.config.KEY = VALUE (a Python literal, else the string)."""
+    """KEY=VALUE -> torch._inductor.config.KEY = VALUE (a Python literal, else the string). The config module
+    itself takes dotted keys (triton.cudagraphs) and refuses unknown ones."""
     from torch._inductor import config
 
     key, sep, text = item.partition("=")
     if not sep:
         raise ValueError(f"{item!r}: expected KEY=VALUE, e.g. coordinate_descent_tuning=True")
-    *path, leaf = key.strip().split(".")
-    owner = config
-    for part in path:
-        owner = getattr(owner, part, None)
-    if owner is None or not hasattr(owner, leaf):
-        raise ValueError(f"{key!r} is not an inductor config key; see torch._inductor.config")
     try:
         value = ast.literal_eval(text.strip())
     except (ValueError, SyntaxError):
         value = text.strip()
-    setattr(owner, leaf, value)
+    try:
+        setattr(config, key.strip(), value)
+    except AttributeError:
+        raise ValueError(f"{key.strip()!r} is not an inductor config key; see torch._inductor.config") from None
 
 
 def report(r: dict) -> str:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of one lent-GPU session (about 8 minutes), in priority order, each with its own time limit, results under $OUT.
+# The GPU checks of one lent-GPU session, in priority order, each with its own time limit (675 s in all), results under $OUT.
 # Run on the device machine from the repository root: PYTHONPATH=src (tomli_w carried in .h4carry).
 set -u
 export PYTHONPATH=src:.h4carry PYTHONUNBUFFERED=1

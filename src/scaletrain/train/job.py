@@ -124,8 +124,9 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     scaler = grad_scaler(cfg.train.precision, rt.device)
     guard = NonFiniteGuard(rt.device, scaler_owns_skips=scaler.is_enabled(), device_skip=supports_device_skip(optimizer))
     timer = StepTimer(rt.device) if cfg.log.phase_times else NullTimer(rt.device)
-    attach_comm_hook(wrapped, timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap)
-    attach_fsdp_mark(wrapped, timer if cfg.log.phase_times else None)
+    timed = timer if cfg.log.phase_times else None  # the hooks need not be attached for a NullTimer
+    attach_comm_hook(wrapped, timed, overlap=cfg.parallel.overlap)
+    attach_fsdp_mark(wrapped, timed)
     tokens = splits.train[0][0].numel() if splits.task == "lm" else 0
     return Job(cfg, rt, plan, module, wrapped, optimizer, build_scheduler(optimizer, cfg.schedule, plan.total_steps),
                scaler, loader, splits.eval, loss_fn or cross_entropy, guard, Chaos(cfg.chaos, rt.rank), strategy,

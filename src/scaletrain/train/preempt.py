@@ -126,8 +126,9 @@ class StepAgreement:
         if self._work is not None:
             self._work.wait()
             self._work = None
-            if self._flag.item():
-                return int(self._flag.item())
+            agreed = int(self._flag.item())
+            if agreed:
+                return agreed
         self._flag.fill_(signum)
         self._work = self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, group=self._group,
                                            async_op=True)
