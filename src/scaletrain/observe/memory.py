@@ -195,8 +195,8 @@ def default_loss(output: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
 
 
-_AUTOCAST = {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16, "fp16-mixed": torch.float16,
-             "fp16": torch.float16}
+AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16, "fp16-mixed": torch.float16,
+                  "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ def measure_step(model: nn.Module, inputs: torch.Tensor, *, precision: str = "fp
     grads = [p.grad for p in model.parameters()]
     for p in model.parameters():
         p.grad = None  # a measured backward must not add into the training's gradients
-    dtype = _AUTOCAST.get(precision)
+    dtype = AUTOCAST_DTYPE.get(precision)
     devices = [inputs.device] if inputs.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         tracker = LiveBytes(existing)

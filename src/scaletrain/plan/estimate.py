@@ -1,0 +1,318 @@
+"""A plan before a run: memory per GPU for each layout, the step's time and the run's cost, and a choice.
+
+Memory. The model is built from the config on fake tensors (torch's FakeTensorMode: shapes, dtypes and
+storages, no data), so a 6.7B-parameter GPT is planned in about 10 s on a 2-core CPU. Model state is counted
+from its parameters: fp32 parameters and gradients and the optimizer's state tensors (AdamW 2 per parameter),
+divided over the ranks that shard them (FSDP: all; HSDP: the GPUs of one machine; DDP: none). The rest of
+the peak ("activations": what forward keeps for backward, the loss, backward's temporaries, and under
+checkpointing the recomputed block) is measured, not guessed: one forward and backward at batch 1 and 2
+under observe.memory.LiveBytes on the fake tensors, the gradients allocated beforehand as DDP keeps them
+(tests/unit/test_plan.py: the same bytes as a real step), then a + b x batch at the per-rank batch. In mixed
+precision it is measured as DDP runs (autocast keeps a compute-dtype copy of each weight for backward) and
+as FSDP runs (parameters all-gathered in the compute dtype: no copies). FSDP adds its working set: two units
+all-gathered in the compute dtype (the one computing and the one prefetched) and one unit's unsharded fp32
+gradients before their reduce-scatter. A layout fits when its total is within 80% of the device
+(choose_strategy's margin: the CUDA context, cuBLAS workspaces, the allocator's rounding and communication
+buffers). Sizes come from the CPU's kernels: on a GPU, flash/cuDNN attention keeps the same or less.
+
+Time. compute = training FLOPs per step / (GPUs x peak x MFU); recomputation under full checkpointing adds one
+forward (a third of the FLOPs). MFU is an assumption the user can change (--mfu; default 0.40: this project
+measured 48-52% for tuned GPT benchmarks and 25-30% through the eager trainer, benchmarks/RESULTS.md 5b).
+Communication per optimizer step, the bytes each GPU sends over the ring algorithms at the link rate: DDP one
+all-reduce of the fp32 gradients (2 (n-1)/n x G); FSDP two all-gathers of the parameters in the compute dtype
+per micro-step (forward, and backward after resharding) and one reduce-scatter of the fp32 gradients per step
+((n-1)/n each); HSDP those within a machine plus an all-reduce of one shard's gradients across machines. A collective
+spanning machines runs at the slower of the two links. The step is max(compute, communication): both overlap
+fully at best, so a plan's step time is a lower bound, and "communication-bound" says the links set it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from scaletrain.config import Config
+from scaletrain.observe.memory import OPTIM_STATES, fmt_bytes
+from scaletrain.plan.catalog import Accelerator
+
+MARGIN = 0.2  # as observe.memory.choose_strategy
+AC_PLANNED = ("none", "full")
+_COMPUTE_BYTES = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the plan needs of a model, measured once on fake tensors."""
+
+    params: int  # parameter elements (a tied parameter once)
+    trainable: int  # of which trainable
+    largest_unit: int  # parameter elements of the largest FSDP unit (a block), or of the model without blocks
+    units: int  # blocks (1 for a model without blocks)
+    flops_per_sample: float  # training FLOPs of one sample (forward and backward), as MFU counts them
+    tokens_per_sample: int  # 0 for a model that does not read tokens
+    activations: dict[str, int]  # AC mode (DDP) or "sharded-" + mode (FSDP) -> bytes kept for backward per rank
+
+
+@dataclass(frozen=True)
+class Layout:
+    strategy: str  # ddp | fsdp | hsdp
+    checkpointing: str  # none | full
+    params_bytes: int
+    grads_bytes: int
+    optim_bytes: int
+    activations_bytes: int
+    fsdp_buffers_bytes: int
+    compute_s: float
+    comm_s: float
+    fits: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.params_bytes + self.grads_bytes + self.optim_bytes + self.activations_bytes
+                + self.fsdp_buffers_bytes)
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.comm_s)
+
+    @property
+    def bound(self) -> str:
+        return "communication" if self.comm_s > self.compute_s else "compute"
+
+
+@dataclass
+class Plan:
+    accelerator: Accelerator
+    gpus_per_node: int
+    nodes: int
+    precision: str
+    batch_size: int
+    accum_steps: int
+    total_steps: int
+    mfu: float
+    net_bytes_per_s: float
+    price_per_gpu_hour: float | None
+    facts: ModelFacts
+    layouts: list[Layout] = field(default_factory=list)
+    choice: Layout | None = None
+    reason: str = ""
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.accelerator.memory_bytes * (1 - MARGIN))
+
+    def run_hours(self, layout: Layout) -> float:
+        return self.total_steps * layout.step_s / 3600
+
+    def cost(self, layout: Layout) -> float | None:
+        if self.price_per_gpu_hour is None:
+            return None
+        return self.run_hours(layout) * self.world * self.price_per_gpu_hour
+
+    def as_dict(self) -> dict[str, Any]:
+        rows = []
+        for lay in self.layouts:
+            row = asdict(lay)
+            row.update(total_bytes=lay.total_bytes, step_s=lay.step_s, bound=lay.bound,
+                       run_hours=self.run_hours(lay), cost=self.cost(lay))
+            rows.append(row)
+        return {"accelerator": asdict(self.accelerator), "gpus_per_node": self.gpus_per_node,
+                "nodes": self.nodes, "world_size": self.world, "precision": self.precision,
+                "batch_size": self.batch_size, "accum_steps": self.accum_steps,
+                "global_batch": self.batch_size * self.world * self.accum_steps, "total_steps": self.total_steps,
+                "mfu_assumed": self.mfu, "net_bytes_per_s": self.net_bytes_per_s,
+                "price_per_gpu_hour": self.price_per_gpu_hour, "usable_bytes": self.usable_bytes,
+                "model": asdict(self.facts), "layouts": rows,
+                "choice": None if self.choice is None else
+                {"strategy": self.choice.strategy, "checkpointing": self.choice.checkpointing},
+                "reason": self.reason}
+
+
+def fmt_seconds(s: float) -> str:
+    """A duration in the unit that reads best: 6.55 ns, 59.5 us, 446 ms, 12.3 s, 4.2 min, 3.1 h, 2.5 d."""
+    for limit, scale, unit in ((1e-6, 1e9, "ns"), (1e-3, 1e6, "us"), (1.0, 1e3, "ms"), (60.0, 1.0, "s"),
+                               (3600.0, 1 / 60, "min"), (86400.0, 1 / 3600, "h")):
+        if s < limit:
+            return f"{s * scale:.3g} {unit}"
+    return f"{s / 86400:.3g} d"
+
+
+def _fake_model(cfg: Config, task: str, info: dict[str, Any], checkpointing: str,
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    from scaletrain.models import build_model
+    from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # Module.to() cannot swap fake parameters: build them in the dtype
+    try:
+        model = build_model(cfg.model, task, info)
+    finally:
+        torch.set_default_dtype(default)
+    model.train()
+    apply_activation_checkpointing(model, checkpointing)
+    return model
+
+
+def step_peak(model: nn.Module, x: torch.Tensor, precision: str) -> int:
+    """Most bytes live at once over one forward and backward beyond the model state: activations, the
+    loss, and backward's temporaries. The gradients are allocated first, as DDP's bucket views keep them
+    between steps, so backward adds into them and only its temporaries count (observe.memory.LiveBytes)."""
+    from scaletrain.observe.memory import AUTOCAST_DTYPE, LiveBytes, default_loss
+
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    dtype = AUTOCAST_DTYPE.get(precision)
+    tracker = LiveBytes([*params, *(p.grad for p in params), *model.buffers(), x])
+    with torch.random.fork_rng(devices=[]), tracker:
+        with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+            loss = default_loss(model(x))
+        loss.backward()
+        del loss
+    for p in params:
+        p.grad = None
+    return tracker.peak
+
+
+def activation_peak(model: nn.Module, sample: torch.Tensor, batch: int, precision: str) -> int:
+    """step_peak at ``batch``: measured at 1 and 2 and extrapolated, a + b x batch (observe.memory's rule)."""
+    one, two = (step_peak(model, sample.unsqueeze(0).expand(b, *sample.shape).contiguous(), precision)
+                for b in (1, 2))
+    return max(one + (two - one) * (batch - 1), 0)
+
+
+def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor) -> ModelFacts:
+    """ModelFacts of cfg's model for ``sample`` (one real input, no batch dim) at cfg.data.batch_size.
+
+    Activations are measured twice per checkpointing mode: as DDP runs (fp32 parameters under autocast, which
+    keeps a compute-dtype copy of every weight for backward) and as FSDP runs (its MixedPrecisionPolicy
+    all-gathers the parameters in the compute dtype and casts the inputs: no copies, counted instead as the
+    FSDP working set)."""
+    from scaletrain.observe.throughput import flops_per_sample
+    from scaletrain.parallel.fsdp import fsdp_units
+
+    precision, batch = cfg.train.precision, cfg.data.batch_size
+    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+    acts: dict[str, int] = {}
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake_sample = mode.from_tensor(sample)
+        for ac in AC_PLANNED:
+            model = _fake_model(cfg, task, info, ac)
+            acts[ac] = activation_peak(model, fake_sample, batch, precision)
+            if ac == "none":
+                flops = flops_per_sample(model, fake_sample)
+                params = {id(p): p for p in model.parameters()}
+                units = fsdp_units(model) or [model]
+                largest = max(sum(p.numel() for p in u.parameters()) for u in units)
+            if dtype is None:
+                acts[f"sharded-{ac}"] = acts[ac]
+                continue
+            low = fake_sample.to(dtype) if fake_sample.is_floating_point() else fake_sample
+            low_model = _fake_model(cfg, task, info, ac, dtype)
+            acts[f"sharded-{ac}"] = activation_peak(low_model, low, batch, "fp32")
+    return ModelFacts(params=sum(p.numel() for p in params.values()),
+                      trainable=sum(p.numel() for p in params.values() if p.requires_grad),
+                      largest_unit=largest, units=len(units), flops_per_sample=flops,
+                      tokens_per_sample=int(info.get("seq_len", 0)) if task == "lm" else 0, activations=acts)
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Accelerator, gpus_per_node: int,
+           nodes: int, precision: str, batch_size: int, accum_steps: int, optimizer: str, mfu: float,
+           net_bytes_per_s: float) -> Layout:
+    """Memory per GPU and time per optimizer step of one layout (the module docstring's model)."""
+    world = gpus_per_node * nodes
+    shard = {"ddp": 1, "fsdp": world, "hsdp": gpus_per_node}[strategy]
+    p32, g32 = 4 * facts.params, 4 * facts.trainable
+    k = OPTIM_STATES.get(optimizer, 2)
+    cbytes = _COMPUTE_BYTES.get(precision, 4)
+    buffers = 0 if strategy == "ddp" or shard == 1 else facts.largest_unit * (2 * cbytes + 4)
+    flops = facts.flops_per_sample * batch_size * world * accum_steps * (4 / 3 if checkpointing == "full" else 1)
+    compute = flops / (world * acc.peak(precision) * mfu)
+    link = acc.link_bytes_per_s
+    across = min(link, net_bytes_per_s) if nodes > 1 else link
+    pc = facts.params * cbytes
+    if strategy == "ddp":
+        comm = 2 * _ring(world) * g32 / across
+    elif strategy == "fsdp":
+        comm = (accum_steps * 2 * _ring(world) * pc + _ring(world) * g32) / across
+    else:  # hsdp: shard within a machine, replicate across machines
+        comm = ((accum_steps * 2 * _ring(shard) * pc + _ring(shard) * g32) / link
+                + 2 * _ring(nodes) * (g32 / shard) / net_bytes_per_s)
+    lay = Layout(strategy, checkpointing, math.ceil(p32 / shard), math.ceil(g32 / shard),
+                 math.ceil(k * g32 / shard),
+                 facts.activations[checkpointing if shard == 1 else f"sharded-{checkpointing}"], buffers, compute,
+                 comm, False)
+    usable = int(acc.memory_bytes * (1 - MARGIN))
+    return Layout(**{**asdict(lay), "fits": lay.total_bytes <= usable})
+
+
+def strategies(world: int, nodes: int) -> list[str]:
+    """The layouts worth planning: DDP always; FSDP with more than one GPU; HSDP across machines."""
+    out = ["ddp"]
+    if world > 1:
+        out.append("fsdp")
+    if nodes > 1 and world // nodes > 1:
+        out.append("hsdp")
+    return out
+
+
+def choose(plan: Plan) -> tuple[Layout | None, str]:
+    """The fastest layout that fits (ties: the simpler one: DDP, then no recomputation), and why."""
+    fitting = [lay for lay in plan.layouts if lay.fits]
+    usable = plan.usable_bytes
+    if fitting:
+        best = min(fitting, key=lambda lay: lay.step_s)  # min keeps the first of equals: the table's order
+        why = (f"activation checkpointing {best.checkpointing}; {fmt_bytes(best.total_bytes)} per GPU of "
+               f"{fmt_bytes(usable)} usable, {fmt_seconds(best.step_s)} per step ({best.bound}-bound)")
+        ddp = next((lay for lay in plan.layouts if lay.strategy == "ddp" and lay.checkpointing == "none"), None)
+        if ddp is not None and not ddp.fits:
+            why += (f"; ddp does not fit: {fmt_bytes(ddp.total_bytes)} per GPU (model state "
+                    f"{fmt_bytes(ddp.params_bytes + ddp.grads_bytes + ddp.optim_bytes)} replicated)")
+        elif ddp is not None and best is not ddp:
+            why += f"; ddp fits too, at {fmt_seconds(ddp.step_s)} per step ({ddp.bound}-bound)"
+        return best, why
+    smallest = min(plan.layouts, key=lambda lay: lay.total_bytes)
+    state = smallest.params_bytes + smallest.grads_bytes + smallest.optim_bytes
+    return None, (f"the smallest is {smallest.strategy} with checkpointing "
+                  f"{smallest.checkpointing} at {fmt_bytes(smallest.total_bytes)} per GPU (model state "
+                  f"{fmt_bytes(state)}, activations {fmt_bytes(smallest.activations_bytes)}) of "
+                  f"{fmt_bytes(usable)} usable; fix: more GPUs to shard over (--nproc, --nnodes), a smaller "
+                  "--data.batch_size with --train.accum_steps keeping the global batch, "
+                  + ("" if plan.precision != "fp32" else "--train.precision=bf16-mixed, ")
+                  + "or a larger accelerator (--gpu)")
+
+
+def make_plan(cfg: Config, facts: ModelFacts, acc: Accelerator, *, total_steps: int, accum_steps: int,
+              mfu: float, net_bytes_per_s: float, price_per_gpu_hour: float | None) -> Plan:
+    gpus, nodes = cfg.dist.nproc, cfg.dist.nnodes
+    plan = Plan(acc, gpus, nodes, cfg.train.precision, cfg.data.batch_size, accum_steps, total_steps, mfu,
+                net_bytes_per_s, price_per_gpu_hour, facts)
+
+    def at(strategy: str, ac: str, per_node: int, n_nodes: int) -> Layout:
+        return layout(facts, strategy, ac, acc=acc, gpus_per_node=per_node, nodes=n_nodes,
+                      precision=cfg.train.precision, batch_size=cfg.data.batch_size, accum_steps=accum_steps,
+                      optimizer=cfg.optim.name, mfu=mfu, net_bytes_per_s=net_bytes_per_s)
+
+    for strategy in strategies(gpus * nodes, nodes):
+        for ac in AC_PLANNED:
+            plan.layouts.append(at(strategy, ac, gpus, nodes))
+    plan.choice, plan.reason = choose(plan)
+    if plan.choice is None:  # how many GPUs FSDP with full checkpointing would need (machines of `gpus`)
+        need = next((n for n in range(2, 65537) if at("fsdp", "full", n, 1).fits), None)
+        plan.reason += (f"; FSDP with --memory.activation_checkpointing=full fits on {need} GPUs of this kind"
+                        if need else "; even 65,536 GPUs would not hold it: the activations of one sample "
+                        "alone do not fit")
+    return plan
