@@ -85,6 +85,11 @@ def test_time_and_communication_follow_the_stated_formulas():
     two = layout(facts, "ddp", "none", gpus_per_node=8, nodes=2, accum_steps=2, **kw)
     assert two.comm_s == pytest.approx(2 * 15 / 16 * 4 * facts.trainable / 50e9, rel=1e-12)  # the slower link
     assert two.step_s == max(two.compute_s, two.comm_s)
+    hsdp = layout(facts, "hsdp", "none", gpus_per_node=8, nodes=2, accum_steps=2, **kw)
+    # shard within a machine over NVLink, all-reduce one shard's gradients between the 2 machines
+    within = (2 * 2 * 7 / 8 * 4 * facts.params + 7 / 8 * 4 * facts.trainable) / 450e9
+    assert hsdp.comm_s == pytest.approx(within + 2 * 1 / 2 * 4 * facts.trainable / 8 / 50e9, rel=1e-12)
+    assert hsdp.params_bytes == math.ceil(4 * facts.params / 8)  # sharded over the 8 GPUs of a machine
 
 
 def test_the_seeds_large_model_needs_sharding_on_h100s():
