@@ -254,8 +254,13 @@ def estimate_activation_bytes(model: nn.Module, sample: torch.Tensor, batch_size
 # ---------------------------------------------------------------------------------------------- decisions
 
 
+# The share of a device kept free when deciding what fits (auto, the planner): allocator fragmentation, the
+# CUDA context, cuBLAS workspaces, communication buffers and temporaries.
+FIT_MARGIN = 0.2
+
+
 def choose_strategy(replica: MemoryBreakdown, capacity_bytes: int, *, world_size: int, nnodes: int = 1,
-                    margin: float = 0.2) -> tuple[str, str]:
+                    margin: float = FIT_MARGIN) -> tuple[str, str]:
     """ddp | fsdp | hsdp for ``--parallel.strategy=auto``, and a one-line reason with the numbers.
 
     ``replica``: one rank's memory without sharding (model state of the whole model, one micro-batch of

@@ -37,10 +37,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from scaletrain.config import Config
-from scaletrain.observe.memory import OPTIM_STATES, fmt_bytes
+from scaletrain.observe.memory import FIT_MARGIN, OPTIM_STATES, fmt_bytes
 from scaletrain.plan.catalog import Accelerator
 
-MARGIN = 0.2  # as observe.memory.choose_strategy
 AC_PLANNED = ("none", "full")
 _COMPUTE_BYTES = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}
 
@@ -55,7 +54,7 @@ class ModelFacts:
     units: int  # blocks (1 for a model without blocks)
     flops_per_sample: float  # training FLOPs of one sample (forward and backward), as MFU counts them
     tokens_per_sample: int  # 0 for a model that does not read tokens
-    activations: dict[str, int]  # AC mode (DDP) or "sharded-" + mode (FSDP) -> bytes kept for backward per rank
+    activations: dict[str, int]  # AC mode (DDP) or "sharded-" + mode (FSDP) -> step peak beyond model state
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ class Plan:
 
     @property
     def usable_bytes(self) -> int:
-        return int(self.accelerator.memory_bytes * (1 - MARGIN))
+        return int(self.accelerator.memory_bytes * (1 - FIT_MARGIN))
 
     def run_hours(self, layout: Layout) -> float:
         return self.total_steps * layout.step_s / 3600
@@ -255,7 +254,7 @@ def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Acceler
                  math.ceil(k * g32 / shard),
                  facts.activations[checkpointing if shard == 1 else f"sharded-{checkpointing}"], buffers, compute,
                  comm, False)
-    usable = int(acc.memory_bytes * (1 - MARGIN))
+    usable = int(acc.memory_bytes * (1 - FIT_MARGIN))
     return Layout(**{**asdict(lay), "fits": lay.total_bytes <= usable})
 
 
