@@ -1,7 +1,7 @@
 """A plan before a run: memory per GPU for each layout, the step's time and the run's cost, and a choice.
 
 Memory. The model is built from the config on fake tensors (torch's FakeTensorMode: shapes, dtypes and
-storages, no data), so a 6.7B-parameter GPT is planned in about 10 s on a 2-core CPU. Model state is counted
+storages, no data), so a 6.7B-parameter GPT is planned in about 20 s on a 2-core CPU. Model state is counted
 from its parameters: fp32 parameters and gradients and the optimizer's state tensors (AdamW 2 per parameter),
 divided over the ranks that shard them (FSDP: all; HSDP: the GPUs of one machine; DDP: none). The rest of
 the peak ("activations": what forward keeps for backward, the loss, backward's temporaries, and under
