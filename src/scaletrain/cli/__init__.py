@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
-from scaletrain.cli import bench, checkpoint, doctor, launch, plan, report, train, verify_resume
+from scaletrain.cli import bench, checkpoint, doctor, launch, plan, report, slurm, train, verify_resume
 from scaletrain.cli.options import Parser
 from scaletrain.errors import EXIT_FAILURE, EXIT_USAGE, TrainingFailed, UserError
 
 COMMANDS = {"train": train, "launch": launch, "verify-resume": verify_resume, "checkpoint": checkpoint,
-            "report": report, "bench": bench, "doctor": doctor, "plan": plan}
+            "report": report, "bench": bench, "doctor": doctor, "plan": plan,
+            "slurm": slurm}
 
 
 def build_parser() -> Parser:

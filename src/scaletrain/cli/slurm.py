@@ -1,0 +1,86 @@
+"""`scaletrain slurm RECIPE|FILE.toml --nodes N --gpus-per-node G [--time T] [--out job.sbatch] [--section.key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from scaletrain.cli.options import add_config_options, check_types, config_overrides
+from scaletrain.config import load, recipe_names
+from scaletrain.errors import UserError
+
+HELP = ("Write an sbatch script that runs this training job on N machines x G GPUs under Slurm: one torchrun "
+        "agent per machine, a checkpoint and a requeue before the time limit, resumed where it stopped.")
+# What the script sets itself, from --nodes and --gpus-per-node and Slurm's variables.
+_LAYOUT = {"dist.nproc": "--gpus-per-node", "dist.nnodes": "--nodes", "dist.rdzv_endpoint": "--nodes",
+           "dist.rdzv_id": "--nodes"}
+
+
+def add_parser(sub: Any, name: str) -> None:
+    p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
+                       usage="scaletrain slurm RECIPE|FILE.toml --nodes N --gpus-per-node G [--time 04:00:00] "
+                             "[--partition P] [--account A] [--out job.sbatch] [--section.key=value ...]")
+    p.add_argument("config", metavar="RECIPE|FILE.toml",
+                   help=f"a built-in recipe ({', '.join(recipe_names())}) or a TOML file")
+    own = p.add_argument_group("slurm")
+    own.add_argument("--nodes", default="1", help="machines [default: 1]")
+    own.add_argument("--gpus-per-node", default="8", help="GPUs (workers) per machine [default: 8]")
+    own.add_argument("--time", default="04:00:00", help="Slurm's time limit [default: 04:00:00]")
+    own.add_argument("--cpus-per-task", default="0", help="CPUs for each machine's task (0 = 8 per GPU) [default: 0]")
+    own.add_argument("--signal-s", default="120",
+                     help="seconds before the time limit at which the run saves and stops [default: 120]")
+    own.add_argument("--port", default="29500", help="the rendezvous port on the first machine [default: 29500]")
+    own.add_argument("--partition", default="", help="Slurm partition [default: the cluster's]")
+    own.add_argument("--account", default="", help="Slurm account [default: yours]")
+    own.add_argument("--out", default="", help="write the script here [default: standard output]")
+    add_config_options(p)
+
+
+def _int(flag: str, text: str, low: int, example: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise UserError(f"{flag} = {text!r}: expected an integer >= {low}; fix: {flag} {example}")
+    return value
+
+
+def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
+    from scaletrain.cluster.slurm import SlurmJob, check_time, sbatch_script
+    from scaletrain.parallel import check_layout
+
+    nodes = _int("--nodes", args.nodes, 1, "2")
+    gpus = _int("--gpus-per-node", args.gpus_per_node, 1, "8")
+    cpus = _int("--cpus-per-task", args.cpus_per_task, 0, "64") or 8 * gpus
+    signal_s = _int("--signal-s", args.signal_s, 1, "120")
+    port = _int("--port", args.port, 1, "29500")
+    if port > 65535:
+        raise UserError(f"--port = {args.port!r}: expected a TCP port in [1, 65535]; fix: --port 29500")
+    time = check_time(args.time)
+    if args.out and Path(args.out).exists():
+        raise UserError(f"--out = {args.out!r}: the file exists, and is not overwritten; fix: another --out, or "
+                        "remove it first")
+    overrides = config_overrides(args, leftovers)
+    check_types(overrides)
+    for key, flag in _LAYOUT.items():
+        if key in overrides:
+            raise UserError(f"--{key} = {overrides[key]!r}: the script sets it from {flag} and Slurm's "
+                            f"variables; fix: drop it and use {flag}")
+    layout = {"dist.nproc": str(gpus), "dist.nnodes": str(nodes), "dist.rdzv_endpoint": "head:29500"}
+    cfg = load(args.config, cli_overrides={**overrides, **layout})
+    check_layout(cfg.parallel, cfg.memory, gpus * nodes, nodes)
+    run_dir = cfg.run.dir or f"runs/{cfg.run.name}"
+    passed = [f"--{k}={v}" for k, v in overrides.items() if k != "run.dir"]
+    job = SlurmJob(nodes, gpus, time, cpus, signal_s, args.partition, args.account, f"scaletrain-{cfg.run.name}",
+                   port)
+    text = sbatch_script(job, args.config, passed, run_dir)
+    if not args.out:
+        sys.stdout.write(text)
+        return 0
+    Path(args.out).write_text(text, encoding="utf-8")
+    print(f"wrote {args.out}: {nodes} machine(s) x {gpus} GPU(s), run directory {run_dir}; submit with: "
+          f"sbatch {args.out}", file=sys.stderr)
+    return 0

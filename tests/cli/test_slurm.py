@@ -1,0 +1,109 @@
+"""scaletrain slurm: the sbatch script, and what it does when Slurm stops the run early.
+
+No Slurm here: the end-to-end test runs the script with bash, `srun` and `scontrol` replaced by two small
+shell stubs (srun runs the command once; `scontrol show hostnames` says 127.0.0.1; `scontrol requeue` writes
+down the job id). The run is stopped at a step by the chaos switch's SIGUSR1 (what Slurm's --signal=USR1@S
+sends), saves, exits 0, and the script requeues it; the second start of the same script (the requeued job)
+resumes from the checkpoint, finishes, and is not requeued again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaletrain.cli import main
+
+SRUN = """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done  # srun's own options
+exec "$@"
+"""
+SCONTROL = """#!/bin/bash
+if [ "$1 $2" = "show hostnames" ]; then echo 127.0.0.1; exit 0; fi
+if [ "$1" = "requeue" ]; then echo "$2" >> "$REQUEUED"; exit 0; fi
+exit 1
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_script_runs_one_agent_per_machine_with_the_users_options(tmp_path, capsys):
+    out = tmp_path / "job.sbatch"
+    assert main(["slurm", "gpt-stdlib", "--nodes", "4", "--gpus-per-node", "8", "--time", "1-00:00:00",
+                 "--partition", "h100", "--account", "lab", "--out", str(out), "--parallel.strategy=hsdp",
+                 "--train.precision=bf16-mixed", "--run.dir=/scratch/gpt run"]) == 0
+    assert "sbatch " + str(out) in capsys.readouterr().err
+    text = out.read_text()
+    directives = [ln.removeprefix("#SBATCH ") for ln in text.splitlines() if ln.startswith("#SBATCH")]
+    assert directives == ["--job-name=scaletrain-gpt-stdlib", "--nodes=4", "--ntasks-per-node=1",
+                          "--gpus-per-node=8", "--cpus-per-task=64", "--time=1-00:00:00", "--signal=USR1@120",
+                          "--requeue", "--open-mode=append", "--output=slurm-%x-%j.out", "--partition=h100",
+                          "--account=lab"]
+    srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
+    assert srun == ("srun --kill-on-bad-exit=1 scaletrain train gpt-stdlib --nproc=8 --nnodes=\"$SLURM_NNODES\" "
+                    "--rdzv-endpoint=\"$head:29500\" --dist.rdzv_id=\"$SLURM_JOB_ID\" "
+                    "--run.dir='/scratch/gpt run' --parallel.strategy=hsdp --train.precision=bf16-mixed")
+    assert subprocess.run(["bash", "-n", str(out)], check=False).returncode == 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--nproc", "2"], ["--dist.nproc = '2'", "sets it from --gpus-per-node", "fix: drop it"]),
+    (["--nodes", "0"], ["--nodes = '0'", "an integer >= 1", "fix: --nodes 2"]),
+    (["--time", "4h"], ["--time = '4h'", "HH:MM:SS", "fix: --time 04:00:00"]),
+    (["--port", "70000"], ["--port = '70000'", "[1, 65535]"]),
+    (["--parallel.strategy=fsdp", "--memory.cpu_offload=maybe"], ["memory.cpu_offload = 'maybe'"]),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
+    assert main(["slurm", "digits", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_an_existing_script_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "job.sbatch"
+    out.write_text("mine\n")
+    assert main(["slurm", "digits", "--out", str(out)]) == 2
+    assert "exists, and is not overwritten" in capsys.readouterr().err and out.read_text() == "mine\n"
+
+
+def test_stopped_by_the_signal_it_is_requeued_and_resumes_without_losing_a_step(tmp_path):
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, body in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (stubs / name).write_text(body)
+        (stubs / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", "digits", "--nodes", "1", "--gpus-per-node", "2", "--port", str(free_port()),
+                 "--out", str(script), "--run.dir=run", "--train.max_steps=24", "--log.every=4",
+                 "--train.progress=false", "--chaos.signal_rank=0", "--chaos.signal_step=5"]) == 0
+    env = {**os.environ, "PATH": os.pathsep.join([str(stubs), str(Path(sys.executable).parent), os.environ["PATH"]]),
+           "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node01",
+           "REQUEUED": str(tmp_path / "requeued")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+
+    first = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=240, check=False)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "requeued").read_text() == "4242\n"
+    stopped = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert stopped["kind"] == "stopped" and stopped["reason"] == "SIGUSR1" and stopped["step"] == 8
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+    second = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=240, check=False)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from run/checkpoints/step-00000008: step 8 of 24" in second.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 24
+    assert (tmp_path / "requeued").read_text() == "4242\n"  # finished: not requeued again
