@@ -56,3 +56,14 @@ def check_types(overrides: dict[str, str]) -> None:
     keys = all_keys()
     for key, value in overrides.items():
         coerce(key, value, keys[key][0], CLI, from_text=True)
+
+
+def parse_count(flag: str, text: str, low: int, example: str = "") -> int:
+    """A subcommand's own integer option: ``text`` as an integer >= ``low``, else one line naming the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise UserError(f"{flag} = {text!r}: expected an integer >= {low}; fix: {flag} {example or max(low, 10)}")
+    return value

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scaletrain.cli.options import add_config_options, check_types, config_overrides
+from scaletrain.cli.options import add_config_options, check_types, config_overrides, parse_count
 from scaletrain.config import load, recipe_names
 from scaletrain.errors import UserError
 
@@ -38,25 +38,15 @@ def add_parser(sub: Any, name: str) -> None:
     add_config_options(p)
 
 
-def _int(flag: str, text: str, low: int, example: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = low - 1
-    if value < low:
-        raise UserError(f"{flag} = {text!r}: expected an integer >= {low}; fix: {flag} {example}")
-    return value
-
-
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.cluster.slurm import SlurmJob, check_time, sbatch_script
     from scaletrain.parallel import check_layout
 
-    nodes = _int("--nodes", args.nodes, 1, "2")
-    gpus = _int("--gpus-per-node", args.gpus_per_node, 1, "8")
-    cpus = _int("--cpus-per-task", args.cpus_per_task, 0, "64") or 8 * gpus
-    signal_s = _int("--signal-s", args.signal_s, 1, "120")
-    port = _int("--port", args.port, 1, "29500")
+    nodes = parse_count("--nodes", args.nodes, 1, "2")
+    gpus = parse_count("--gpus-per-node", args.gpus_per_node, 1, "8")
+    cpus = parse_count("--cpus-per-task", args.cpus_per_task, 0, "64") or 8 * gpus
+    signal_s = parse_count("--signal-s", args.signal_s, 1, "120")
+    port = parse_count("--port", args.port, 1, "29500")
     if port > 65535:
         raise UserError(f"--port = {args.port!r}: expected a TCP port in [1, 65535]; fix: --port 29500")
     time = check_time(args.time)

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from scaletrain.cli.options import add_config_options, check_types, config_overrides
+from scaletrain.cli.options import add_config_options, check_types, config_overrides, parse_count
 from scaletrain.config import RESTORABLE, load, recipe_names
 from scaletrain.errors import UserError
 
@@ -31,16 +31,6 @@ def add_parser(sub: Any, name: str) -> None:
                      "to see what each is for")
     own.add_argument("--work-dir", default="", help="keep the three runs here (default: a temporary directory)")
     add_config_options(p)
-
-
-def _int(flag: str, text: str, low: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = low - 1
-    if value < low:
-        raise UserError(f"{flag} = {text!r}: expected an integer >= {low}; fix: {flag} {max(low, 10)}")
-    return value
 
 
 def choose_steps(total: int, per_epoch: int, steps: int, at: int, rng: random.Random) -> tuple[int, int]:
@@ -74,8 +64,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     world = cfg.dist.nproc * cfg.dist.nnodes
     preflight(cfg, world)
     plan = plan_batches(cfg, world, len(build_splits(cfg.data, cfg.model).train))  # type: ignore[arg-type]
-    n, k = choose_steps(plan.total_steps, plan.steps_per_epoch, _int("--steps", args.steps, 0),
-                        _int("--at", args.at, 0), random.Random())
+    n, k = choose_steps(plan.total_steps, plan.steps_per_epoch, parse_count("--steps", args.steps, 0),
+                        parse_count("--at", args.at, 0), random.Random())
     console = Console(True, progress=False)
     epoch, into = divmod(k, plan.steps_per_epoch)
     console.print(f"verify-resume: {args.config} on {world} rank(s), {n} steps, interrupted after step {k} "
