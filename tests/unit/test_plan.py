@@ -18,9 +18,9 @@ from scaletrain.cli import main
 from scaletrain.config import load
 from scaletrain.data import build_splits
 from scaletrain.models import build_model
-from scaletrain.observe.memory import model_state_bytes
+from scaletrain.observe.memory import estimate_activation_bytes, model_state_bytes
 from scaletrain.plan.catalog import ACCELERATORS
-from scaletrain.plan.estimate import activation_peak, layout, make_plan, measure_model
+from scaletrain.plan.estimate import layout, make_plan, measure_model
 
 SMALL = {"data.batch_size": 3, "data.seq_len": 64, "model.n_layer": 2, "model.n_embd": 64, "model.n_head": 4}
 BIG = {"model.n_layer": 32, "model.n_embd": 4096, "model.n_head": 32, "model.vocab_size": 50304,
@@ -38,10 +38,11 @@ def _facts(overrides: dict, recipe: str = "gpt-stdlib"):
 def test_activations_on_fake_tensors_are_the_bytes_of_a_real_step(precision):
     cfg, splits, sample, facts = _facts({**SMALL, "train.precision": precision})
     real = build_model(cfg.model, splits.task, splits.info)
-    assert facts.activations["none"] == activation_peak(real, sample, 3, precision)
+    assert facts.activations["none"] == estimate_activation_bytes(real, sample, 3, precision=precision,
+                                                                  whole_step=True)
     if precision == "bf16-mixed":  # as FSDP runs it: bf16 parameters, no autocast copies of the weights
         low = build_model(cfg.model, splits.task, splits.info).to(torch.bfloat16)
-        assert facts.activations["sharded-none"] == activation_peak(low, sample, 3, "fp32")
+        assert facts.activations["sharded-none"] == estimate_activation_bytes(low, sample, 3, whole_step=True)
         assert facts.activations["sharded-none"] < facts.activations["none"]
     assert facts.activations["full"] < facts.activations["none"]
     assert facts.units == 2 and facts.tokens_per_sample == 64

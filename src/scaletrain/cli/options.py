@@ -6,7 +6,7 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Literal, get_args, get_origin
 
-from scaletrain.config import ALIASES, CLI, all_keys, coerce, sections, unknown_key
+from scaletrain.config import ALIASES, CLI, all_keys, coerce, recipe_names, sections, unknown_key
 from scaletrain.errors import UserError
 
 
@@ -21,6 +21,12 @@ def _metavar(tp: object) -> str:
     if get_origin(tp) is Literal:
         return "{" + ",".join(str(a) for a in get_args(tp)) + "}"
     return {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR"}.get(tp, "VALUE")  # type: ignore[call-overload]
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    """The RECIPE|FILE.toml positional of the subcommands that load a training config."""
+    parser.add_argument("config", metavar="RECIPE|FILE.toml", help=f"a built-in recipe ({', '.join(recipe_names())}) "
+                        "or a TOML file with [section] tables")
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from scaletrain.cli.options import add_config_options, check_types, config_overrides
-from scaletrain.config import load, recipe_names
+from scaletrain.cli.options import add_config_argument, add_config_options, check_types, config_overrides
+from scaletrain.config import load
 from scaletrain.errors import UserError
 
 HELP = ("Before a run: memory per GPU for DDP, FSDP and HSDP, with and without activation checkpointing, the "
@@ -20,8 +20,7 @@ def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
                        usage="scaletrain plan RECIPE|FILE.toml --gpu KIND [--nproc GPUS_PER_MACHINE] "
                              "[--nnodes MACHINES] [--price USD_PER_GPU_HOUR] [--section.key=value ...]")
-    p.add_argument("config", metavar="RECIPE|FILE.toml",
-                   help=f"a built-in recipe ({', '.join(recipe_names())}) or a TOML file")
+    add_config_argument(p)
     own = p.add_argument_group("plan")
     own.add_argument("--gpu", default="h100", help=f"the accelerator: {', '.join(ACCELERATORS)} [default: h100]")
     own.add_argument("--mfu", default="0.4", help="model FLOPs utilization to assume, in (0, 1] [default: 0.4]")

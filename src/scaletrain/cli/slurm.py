@@ -7,8 +7,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scaletrain.cli.options import add_config_options, check_types, config_overrides, parse_count
-from scaletrain.config import load, recipe_names
+from scaletrain.cli.options import (
+    add_config_argument,
+    add_config_options,
+    check_types,
+    config_overrides,
+    parse_count,
+)
+from scaletrain.config import load
 from scaletrain.errors import UserError
 
 HELP = ("Write an sbatch script that runs this training job on N machines x G GPUs under Slurm: one torchrun "
@@ -22,8 +28,7 @@ def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
                        usage="scaletrain slurm RECIPE|FILE.toml --nodes N --gpus-per-node G [--time 04:00:00] "
                              "[--partition P] [--account A] [--out job.sbatch] [--section.key=value ...]")
-    p.add_argument("config", metavar="RECIPE|FILE.toml",
-                   help=f"a built-in recipe ({', '.join(recipe_names())}) or a TOML file")
+    add_config_argument(p)
     own = p.add_argument_group("slurm")
     own.add_argument("--nodes", default="1", help="machines [default: 1]")
     own.add_argument("--gpus-per-node", default="8", help="GPUs (workers) per machine [default: 8]")

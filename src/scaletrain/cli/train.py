@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scaletrain.cli.options import add_config_options, check_types, config_overrides
-from scaletrain.config import Config, load, recipe_names
+from scaletrain.cli.options import add_config_argument, add_config_options, check_types, config_overrides
+from scaletrain.config import Config, load
 
 HELP = "Train a built-in recipe or a TOML config, on this process, N local workers, or a torchrun job."
 
@@ -19,8 +19,7 @@ def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help=HELP, description=HELP + " Precedence: defaults < TOML < command line.",
                        usage="scaletrain train RECIPE|FILE.toml [--section.key=value ...] [--nproc N]",
                        allow_abbrev=False)
-    p.add_argument("config", metavar="RECIPE|FILE.toml",
-                   help=f"a built-in recipe ({', '.join(recipe_names())}) or a TOML file with [section] tables")
+    add_config_argument(p)
     add_config_options(p)
 
 

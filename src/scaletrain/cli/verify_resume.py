@@ -10,8 +10,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from scaletrain.cli.options import add_config_options, check_types, config_overrides, parse_count
-from scaletrain.config import RESTORABLE, load, recipe_names
+from scaletrain.cli.options import (
+    add_config_argument,
+    add_config_options,
+    check_types,
+    config_overrides,
+    parse_count,
+)
+from scaletrain.config import RESTORABLE, load
 from scaletrain.errors import UserError
 
 HELP = ("Check that your job resumes exactly: run it straight for N steps, and again interrupted at step K and "
@@ -22,8 +28,7 @@ def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
                        usage="scaletrain verify-resume RECIPE|FILE.toml [--steps N] [--at K] [--drop PARTS] "
                              "[--section.key=value ...] [--nproc N]")
-    p.add_argument("config", metavar="RECIPE|FILE.toml",
-                   help=f"a built-in recipe ({', '.join(recipe_names())}) or a TOML file")
+    add_config_argument(p)
     own = p.add_argument_group("verify-resume")
     own.add_argument("--steps", type=str, default="0", help="steps to compare (0 = up to two epochs, at most 200)")
     own.add_argument("--at", type=str, default="0", help="interrupt after this step (0 = a random mid-epoch step)")

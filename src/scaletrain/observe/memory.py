@@ -207,16 +207,19 @@ class StepMemory:
 
 def measure_step(model: nn.Module, inputs: torch.Tensor, *, precision: str = "fp32",
                  loss_fn: Callable[[torch.Tensor], torch.Tensor] = default_loss,
-                 backward: bool = False) -> StepMemory:
+                 backward: bool = False, grads_allocated: bool = False) -> StepMemory:
     """One forward (and, with ``backward``, a backward) of ``model`` on ``inputs``, measured by LiveBytes.
 
+    ``grads_allocated``: give every parameter a zero gradient first, as DDP's bucket views keep them between
+    steps, so backward adds into it and the peak counts only backward's temporaries, not the gradients.
     The model's gradients, RNG and buffers are left as they were, so measuring does not change training.
     """
-    existing = [*model.parameters(), *model.buffers(), inputs]
+    params = list(model.parameters())
     buffers = [b.detach().clone() for b in model.buffers()]
-    grads = [p.grad for p in model.parameters()]
-    for p in model.parameters():
-        p.grad = None  # a measured backward must not add into the training's gradients
+    grads = [p.grad for p in params]
+    for p in params:  # a measured backward must not add into the training's gradients
+        p.grad = torch.zeros_like(p) if grads_allocated else None
+    existing = [*params, *(p.grad for p in params if p.grad is not None), *model.buffers(), inputs]
     dtype = AUTOCAST_DTYPE.get(precision)
     devices = [inputs.device] if inputs.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
@@ -228,7 +231,7 @@ def measure_step(model: nn.Module, inputs: torch.Tensor, *, precision: str = "fp
             if backward:
                 loss.backward()
         del loss
-    for p, g in zip(model.parameters(), grads):
+    for p, g in zip(params, grads):
         p.grad = g
     with torch.no_grad():
         for b, saved in zip(model.buffers(), buffers):
@@ -238,17 +241,23 @@ def measure_step(model: nn.Module, inputs: torch.Tensor, *, precision: str = "fp
 
 def estimate_activation_bytes(model: nn.Module, sample: torch.Tensor, batch_size: int, *,
                               precision: str = "fp32",
-                              loss_fn: Callable[[torch.Tensor], torch.Tensor] = default_loss) -> int:
+                              loss_fn: Callable[[torch.Tensor], torch.Tensor] = default_loss,
+                              whole_step: bool = False) -> int:
     """Activation bytes of one micro-batch of ``batch_size`` copies of ``sample`` (one input, no batch dim).
 
     Measured (measure_step) at batch 1 and 2; activations are a + b x batch (a: what does not grow with the
     batch, e.g. weights cast to bf16 and kept for backward), so the two points give the estimate at any batch
     without running it. Run it on the real device: attention kernels there decide what is kept.
+    ``whole_step``: instead of what forward keeps, the step's peak beyond the model state (forward and
+    backward, gradients allocated beforehand): what the planner adds to the model state.
     """
-    one, two = (measure_step(model, sample.unsqueeze(0).expand(b, *sample.shape).contiguous(),
-                             precision=precision, loss_fn=loss_fn).activations_bytes for b in (1, 2))
-    per_sample = two - one
-    return max(one + per_sample * (batch_size - 1), 0)
+    def at(b: int) -> int:
+        m = measure_step(model, sample.unsqueeze(0).expand(b, *sample.shape).contiguous(), precision=precision,
+                         loss_fn=loss_fn, backward=whole_step, grads_allocated=whole_step)
+        return m.peak_bytes if whole_step else m.activations_bytes
+
+    one, two = at(1), at(2)
+    return max(one + (two - one) * (batch_size - 1), 0)
 
 
 # ---------------------------------------------------------------------------------------------- decisions

@@ -28,10 +28,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from scaletrain.config import LogConfig
 from scaletrain.observe.timing import PHASES
 
 Z_MIN = 3.5
-MIN_FRACTION = 0.25  # the default of log.straggler_min_frac
+MIN_FRACTION = LogConfig.straggler_min_frac  # the config's default, one number
 MIN_SECONDS = 0.001
 WINDOW = 5  # log intervals
 BLAMED = ("data", "h2d", "compute", "optim")  # phases a rank spends on its own (comm is waiting for others)

@@ -32,21 +32,27 @@ PEAKS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
-def device_peak(device: torch.device, precision: str) -> tuple[str, float | None]:
-    """(device name, peak FLOP/s for this precision or None when unknown)."""
-    if device.type != "cuda":
-        return "cpu", None
-    name = torch.cuda.get_device_name(device)
+def peak_flops(name: str, precision: str, *, tf32: bool) -> float | None:
+    """Dense peak FLOP/s of the GPU called ``name`` for the precision a run computes in (fp32: TF32 tensor
+    cores when ``tf32``), or None when the GPU or its rate is not in PEAKS."""
     table = next((peaks for key, peaks in PEAKS if key in name), None)
     if table is None:
-        return name, None
+        return None
     if precision == "bf16-mixed":
         key = "bf16"
     elif precision == "fp16-mixed":
         key = "fp16" if "fp16" in table else "bf16"
     else:
-        key = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
-    return name, table.get(key) or None
+        key = "tf32" if tf32 else "fp32"
+    return table.get(key) or None
+
+
+def device_peak(device: torch.device, precision: str) -> tuple[str, float | None]:
+    """(device name, peak FLOP/s for this precision or None when unknown)."""
+    if device.type != "cuda":
+        return "cpu", None
+    name = torch.cuda.get_device_name(device)
+    return name, peak_flops(name, precision, tf32=torch.backends.cuda.matmul.allow_tf32)
 
 
 def flops_per_sample(model: nn.Module, sample: torch.Tensor) -> float:

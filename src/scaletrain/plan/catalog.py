@@ -2,7 +2,7 @@
 
 Memory is what ``nvidia-smi --query-gpu=memory.total`` reports (for the H100 and the H200 as read on the lent
 machines, benchmarks/RESULTS.md 5b; the others from their 40/80 GiB, 24 and 48 GB parts). Peaks are the dense
-tensor-core rates of observe.throughput.PEAKS (the vendors' data sheets). Links are the data-sheet rates per
+tensor-core rates of observe.throughput.PEAKS (through peak_flops, as MFU reads them) (the vendors' data sheets). Links are the data-sheet rates per
 GPU and direction: NVLink 4 (H100/H200 SXM) 900 GB/s both ways -> 450, NVLink 3 (A100 SXM) 300, PCIe 4.0 x16
 (L4, L40S) 32. Between machines the rate is the plan's --net-gbps (default 400 Gb/s per GPU, one NDR
 InfiniBand port per GPU as on the common 8-GPU nodes). Real all-reduces reach a fraction of a link's rate
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.observe.throughput import PEAKS
+from scaletrain.observe.throughput import peak_flops
 
 MIB = 2**20
 
@@ -27,9 +27,9 @@ class Accelerator:
 
     def peak(self, precision: str) -> float:
         """Dense FLOP/s for the precision a run computes in (fp32 runs: TF32 tensor cores)."""
-        table = next(p for fragment, p in PEAKS if fragment in self.name)
-        key = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(precision, "tf32")
-        return table.get(key) or table["bf16"]
+        peak = peak_flops(self.name, precision, tf32=True)
+        assert peak is not None, f"{self.name} has no {precision} rate in observe.throughput.PEAKS"
+        return peak
 
 
 ACCELERATORS = {a.key: a for a in (

@@ -37,11 +37,16 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from scaletrain.config import Config
-from scaletrain.observe.memory import FIT_MARGIN, OPTIM_STATES, fmt_bytes
+from scaletrain.observe.memory import (
+    AUTOCAST_DTYPE,
+    FIT_MARGIN,
+    OPTIM_STATES,
+    estimate_activation_bytes,
+    fmt_bytes,
+)
 from scaletrain.plan.catalog import Accelerator
 
 AC_PLANNED = ("none", "full")
-_COMPUTE_BYTES = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class Plan:
 
     @property
     def usable_bytes(self) -> int:
-        return int(self.accelerator.memory_bytes * (1 - FIT_MARGIN))
+        return usable_bytes(self.accelerator)
 
     def run_hours(self, layout: Layout) -> float:
         return self.total_steps * layout.step_s / 3600
@@ -161,34 +166,6 @@ def _fake_model(cfg: Config, task: str, info: dict[str, Any], checkpointing: str
     return model
 
 
-def step_peak(model: nn.Module, x: torch.Tensor, precision: str) -> int:
-    """Most bytes live at once over one forward and backward beyond the model state: activations, the
-    loss, and backward's temporaries. The gradients are allocated first, as DDP's bucket views keep them
-    between steps, so backward adds into them and only its temporaries count (observe.memory.LiveBytes)."""
-    from scaletrain.observe.memory import AUTOCAST_DTYPE, LiveBytes, default_loss
-
-    params = list(model.parameters())
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    dtype = AUTOCAST_DTYPE.get(precision)
-    tracker = LiveBytes([*params, *(p.grad for p in params), *model.buffers(), x])
-    with torch.random.fork_rng(devices=[]), tracker:
-        with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
-            loss = default_loss(model(x))
-        loss.backward()
-        del loss
-    for p in params:
-        p.grad = None
-    return tracker.peak
-
-
-def activation_peak(model: nn.Module, sample: torch.Tensor, batch: int, precision: str) -> int:
-    """step_peak at ``batch``: measured at 1 and 2 and extrapolated, a + b x batch (observe.memory's rule)."""
-    one, two = (step_peak(model, sample.unsqueeze(0).expand(b, *sample.shape).contiguous(), precision)
-                for b in (1, 2))
-    return max(one + (two - one) * (batch - 1), 0)
-
-
 def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor) -> ModelFacts:
     """ModelFacts of cfg's model for ``sample`` (one real input, no batch dim) at cfg.data.batch_size.
 
@@ -200,13 +177,13 @@ def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Te
     from scaletrain.parallel.fsdp import fsdp_units
 
     precision, batch = cfg.train.precision, cfg.data.batch_size
-    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+    dtype = AUTOCAST_DTYPE.get(precision)
     acts: dict[str, int] = {}
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fake_sample = mode.from_tensor(sample)
         for ac in AC_PLANNED:
             model = _fake_model(cfg, task, info, ac)
-            acts[ac] = activation_peak(model, fake_sample, batch, precision)
+            acts[ac] = estimate_activation_bytes(model, fake_sample, batch, precision=precision, whole_step=True)
             if ac == "none":
                 flops = flops_per_sample(model, fake_sample)
                 params = {id(p): p for p in model.parameters()}
@@ -217,11 +194,16 @@ def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Te
                 continue
             low = fake_sample.to(dtype) if fake_sample.is_floating_point() else fake_sample
             low_model = _fake_model(cfg, task, info, ac, dtype)
-            acts[f"sharded-{ac}"] = activation_peak(low_model, low, batch, "fp32")
+            acts[f"sharded-{ac}"] = estimate_activation_bytes(low_model, low, batch, whole_step=True)
     return ModelFacts(params=sum(p.numel() for p in params.values()),
                       trainable=sum(p.numel() for p in params.values() if p.requires_grad),
                       largest_unit=largest, units=len(units), flops_per_sample=flops,
                       tokens_per_sample=int(info.get("seq_len", 0)) if task == "lm" else 0, activations=acts)
+
+
+def usable_bytes(acc: Accelerator) -> int:
+    """What a layout may use of the device: all but observe.memory's fit margin."""
+    return int(acc.memory_bytes * (1 - FIT_MARGIN))
 
 
 def _ring(n: int) -> float:
@@ -236,7 +218,7 @@ def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Acceler
     shard = {"ddp": 1, "fsdp": world, "hsdp": gpus_per_node}[strategy]
     p32, g32 = 4 * facts.params, 4 * facts.trainable
     k = OPTIM_STATES.get(optimizer, 2)
-    cbytes = _COMPUTE_BYTES.get(precision, 4)
+    cbytes = AUTOCAST_DTYPE.get(precision, torch.float32).itemsize
     buffers = 0 if strategy == "ddp" or shard == 1 else facts.largest_unit * (2 * cbytes + 4)
     flops = facts.flops_per_sample * batch_size * world * accum_steps * (4 / 3 if checkpointing == "full" else 1)
     compute = flops / (world * acc.peak(precision) * mfu)
@@ -250,12 +232,9 @@ def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Acceler
     else:  # hsdp: shard within a machine, replicate across machines
         comm = ((accum_steps * 2 * _ring(shard) * pc + _ring(shard) * g32) / link
                 + 2 * _ring(nodes) * (g32 / shard) / net_bytes_per_s)
-    lay = Layout(strategy, checkpointing, math.ceil(p32 / shard), math.ceil(g32 / shard),
-                 math.ceil(k * g32 / shard),
-                 facts.activations[checkpointing if shard == 1 else f"sharded-{checkpointing}"], buffers, compute,
-                 comm, False)
-    usable = int(acc.memory_bytes * (1 - FIT_MARGIN))
-    return Layout(**{**asdict(lay), "fits": lay.total_bytes <= usable})
+    acts = facts.activations[checkpointing if shard == 1 else f"sharded-{checkpointing}"]
+    memory = (math.ceil(p32 / shard), math.ceil(g32 / shard), math.ceil(k * g32 / shard), acts, buffers)
+    return Layout(strategy, checkpointing, *memory, compute, comm, sum(memory) <= usable_bytes(acc))
 
 
 def strategies(world: int, nodes: int) -> list[str]:
