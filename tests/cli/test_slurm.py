@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.cli import main
+from scaletrain.cluster.slurm import NO_ENV, PythonEnv, activation, detect_env
 
 SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done  # srun's own options
@@ -50,10 +51,74 @@ def test_the_script_runs_one_agent_per_machine_with_the_users_options(tmp_path, 
                           "--requeue", "--open-mode=append", "--output=slurm-%x-%j.out", "--partition=h100",
                           "--account=lab"]
     srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
-    assert srun == ("srun --kill-on-bad-exit=1 scaletrain train gpt-stdlib --nproc=8 --nnodes=\"$SLURM_NNODES\" "
-                    "--rdzv-endpoint=\"$head:29500\" --dist.rdzv_id=\"$SLURM_JOB_ID\" "
-                    "--run.dir='/scratch/gpt run' --parallel.strategy=hsdp --train.precision=bf16-mixed")
+    # --cpus-per-task again on srun: from Slurm 22.05 a step no longer inherits the job's.
+    assert srun == ("srun --kill-on-bad-exit=1 --cpus-per-task=64 scaletrain train gpt-stdlib --nproc=8 "
+                    "--nnodes=\"$SLURM_NNODES\" --rdzv-endpoint=\"$head:29500\" "
+                    "--dist.rdzv_id=\"$SLURM_JOB_ID\" --run.dir='/scratch/gpt run' --parallel.strategy=hsdp "
+                    "--train.precision=bf16-mixed")
     assert subprocess.run(["bash", "-n", str(out)], check=False).returncode == 0
+
+
+def test_the_script_activates_the_venv_it_was_written_from(tmp_path, capsys):
+    assert sys.prefix != sys.base_prefix, "the tests run in the project's venv"
+    assert main(["slurm", "digits", "--gpus-per-node", "2", "--cpus-per-task", "12"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    body = lines.index("set -uo pipefail")
+    # After the #SBATCH lines (sbatch reads none after the first command), before `set -u` and srun.
+    assert lines[body - 3].startswith("# srun passes the environment activated here on to every machine")
+    fail = '{ echo "scaletrain: could not activate the Python environment above" >&2; exit 1; }'
+    assert lines[body - 2:body] == [f"# Python: the venv {sys.prefix}, which `scaletrain slurm` ran in",
+                                    f"source {sys.prefix}/bin/activate || {fail}"]
+    assert lines[body - 4].startswith("#SBATCH ")
+    assert next(ln for ln in lines if ln.startswith("srun ")).startswith(
+        "srun --kill-on-bad-exit=1 --cpus-per-task=12 scaletrain train digits --nproc=2 ")
+
+
+def _bash(lines: list[str], then: str) -> str:
+    proc = subprocess.run(["bash", "-c", "\n".join([*lines, "set -u", then])], capture_output=True, text=True,
+                          check=False, env={"PATH": os.environ["PATH"]})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_a_conda_env_is_activated_with_conda_sh(tmp_path):
+    base, env = tmp_path / "mini conda", tmp_path / "mini conda" / "envs" / "my env"
+    (base / "etc" / "profile.d").mkdir(parents=True)
+    (base / "bin").mkdir()
+    env.mkdir(parents=True)
+    # conda.sh defines the `conda` shell function; this one says what it was asked.
+    (base / "etc" / "profile.d" / "conda.sh").write_text('conda() { echo "conda $*"; }\n')
+    conda = {"CONDA_PREFIX": str(env), "CONDA_EXE": str(base / "bin" / "conda")}
+    found = detect_env(str(env), str(env), conda, "scaletrain")
+    assert found == PythonEnv("conda", str(env), str(base))
+    lines = activation(found)
+    assert lines[0] == f"# Python: the conda env '{env}', which `scaletrain slurm` ran in (conda: '{base}')"
+    assert lines[1].startswith(f"source '{base}/etc/profile.d/conda.sh' && conda activate '{env}' || {{")
+    assert _bash(lines, "true") == f"conda activate {env}"
+    # A venv made from a conda env's Python is the venv, not the conda env.
+    assert detect_env("/v", str(env), conda, "scaletrain").kind == "venv"
+
+
+def test_a_system_python_puts_its_scaletrain_on_path(tmp_path):
+    bin_dir = tmp_path / "local bin"
+    bin_dir.mkdir()
+    (bin_dir / "scaletrain").write_text("#!/bin/sh\n")
+    (bin_dir / "scaletrain").chmod(0o755)
+    found = detect_env("/usr", "/usr", {}, str(bin_dir / "scaletrain"))
+    assert found == PythonEnv("none", str(bin_dir))
+    lines = activation(found)
+    assert lines == [NO_ENV, f"export PATH='{bin_dir}':\"$PATH\""]
+    assert NO_ENV.startswith("# Python: no venv or conda env was active")
+    assert _bash(lines, "command -v scaletrain") == str(bin_dir / "scaletrain")
+
+
+def test_a_failed_activation_stops_the_script(tmp_path):
+    script = tmp_path / "job.sbatch"
+    script.write_text("\n".join(["#!/bin/bash", *activation(PythonEnv("venv", str(tmp_path / "gone"))),
+                                 "echo still here"]) + "\n")
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 1 and "still here" not in proc.stdout
+    assert "could not activate the Python environment" in proc.stderr
 
 
 @pytest.mark.parametrize("argv, words", [

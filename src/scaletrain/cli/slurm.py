@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ def add_parser(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
-    from scaletrain.cluster.slurm import SlurmJob, check_time, sbatch_script
+    from scaletrain.cluster.slurm import SlurmJob, check_time, detect_env, sbatch_script
     from scaletrain.parallel import check_layout
 
     nodes = parse_count("--nodes", args.nodes, 1, "2")
@@ -71,7 +72,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     passed = [f"--{k}={v}" for k, v in overrides.items() if k != "run.dir"]
     job = SlurmJob(nodes, gpus, time, cpus, signal_s, args.partition, args.account, f"scaletrain-{cfg.run.name}",
                    port)
-    text = sbatch_script(job, args.config, passed, run_dir)
+    env = detect_env(sys.prefix, sys.base_prefix, os.environ, sys.argv[0])
+    text = sbatch_script(job, args.config, passed, run_dir, env)
     if not args.out:
         sys.stdout.write(text)
         return 0

@@ -7,16 +7,28 @@ the step S seconds before the end; the agent passes it to its workers, which agr
 checkpoint and exit 0 (train/preempt.py). The script then requeues the job when the run has no summary.json
 (it stopped before its last step), and the requeued job resumes from that checkpoint in the same run
 directory: no step is lost. A failed run (non-zero exit) is not requeued.
+
+The script activates the Python environment that `scaletrain slurm` ran in (a venv, a conda env, or for a
+system Python the directory of its `scaletrain`) before `srun`, which passes the environment on to every
+machine's task: the same path must exist on every machine (a shared file system). It activates before
+`set -u`, because conda's activation scripts (and its packages') read variables that may be unset.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import shutil
+import sysconfig
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 from scaletrain.errors import UserError
 
+NO_ENV = "# Python: no venv or conda env was active when `scaletrain slurm` ran; its `scaletrain` goes on PATH"
 # Slurm's --time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
 # days-hours:minutes:seconds.
 _TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$")
@@ -35,6 +47,53 @@ class SlurmJob:
     port: int = 29500  # the rendezvous's, on the first machine
 
 
+@dataclass(frozen=True)
+class PythonEnv:
+    """The Python environment that the script activates on every machine."""
+
+    kind: Literal["venv", "conda", "none"]
+    prefix: str  # venv, conda: the environment's directory; none: the directory holding `scaletrain`
+    conda_base: str = ""  # conda: the installation whose etc/profile.d/conda.sh defines `conda activate`
+
+
+def _scaletrain_dir(argv0: str) -> str:
+    """The directory of the `scaletrain` being run: the console script itself, else the one PATH finds, else
+    this interpreter's scripts directory (where pip puts console scripts)."""
+    ran = Path(argv0)
+    if ran.name == "scaletrain" and ran.is_file():
+        return str(ran.absolute().parent)
+    found = shutil.which("scaletrain")
+    return str(Path(found).absolute().parent) if found else sysconfig.get_path("scripts")
+
+
+def detect_env(prefix: str, base_prefix: str, environ: Mapping[str, str], argv0: str) -> PythonEnv:
+    """The environment of a process with this sys.prefix, sys.base_prefix, os.environ and sys.argv[0]: a venv
+    (prefix != base_prefix), a conda env (CONDA_PREFIX is the prefix, and CONDA_EXE = BASE/bin/conda names its
+    installation), or neither."""
+    if os.path.realpath(prefix) != os.path.realpath(base_prefix):
+        return PythonEnv("venv", prefix)
+    conda_prefix, conda_exe = environ.get("CONDA_PREFIX", ""), environ.get("CONDA_EXE", "")
+    if conda_prefix and conda_exe and os.path.realpath(conda_prefix) == os.path.realpath(prefix):
+        return PythonEnv("conda", prefix, str(Path(conda_exe).parent.parent))
+    return PythonEnv("none", _scaletrain_dir(argv0))
+
+
+def activation(env: PythonEnv) -> list[str]:
+    """The script's lines that activate ``env``: a comment saying what, then the command."""
+    q = shlex.quote
+    fail = '{ echo "scaletrain: could not activate the Python environment above" >&2; exit 1; }'
+    if env.kind == "venv":
+        return [f"# Python: the venv {q(env.prefix)}, which `scaletrain slurm` ran in",
+                f"source {q(env.prefix + '/bin/activate')} || {fail}"]
+    if env.kind == "conda":
+        # A batch script's shell is not interactive: it has no `conda` function until conda.sh defines it.
+        conda_sh = q(env.conda_base + "/etc/profile.d/conda.sh")
+        return [(f"# Python: the conda env {q(env.prefix)}, which `scaletrain slurm` ran in "
+                 f"(conda: {q(env.conda_base)})"),
+                f"source {conda_sh} && conda activate {q(env.prefix)} || {fail}"]
+    return [NO_ENV, f'export PATH={q(env.prefix)}:"$PATH"']
+
+
 def check_time(text: str) -> str:
     if not _TIME.match(text):
         raise UserError(f"--time = {text!r}: expected one of Slurm's formats MINUTES, HH:MM:SS or D-HH:MM:SS; "
@@ -42,9 +101,10 @@ def check_time(text: str) -> str:
     return text
 
 
-def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str) -> str:
+def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str, env: PythonEnv) -> str:
     """The script's text. ``config`` and ``overrides`` (--section.key=value) are passed to every machine's
-    `scaletrain train`, after the layout this function sets (nnodes, nproc, rendezvous, run dir)."""
+    `scaletrain train`, after the layout this function sets (nnodes, nproc, rendezvous, run dir); ``env`` is
+    activated before `srun`."""
     q = shlex.quote
     directives = [f"--job-name={job.job_name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
                   f"--gpus-per-node={job.gpus_per_node}", f"--cpus-per-task={job.cpus_per_task}",
@@ -60,10 +120,14 @@ def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str
     lines = ["#!/bin/bash",
              "# Written by `scaletrain slurm`; submit with: sbatch THIS_FILE",
              *(f"#SBATCH {d}" for d in directives),
+             "# srun passes the environment activated here on to every machine: its path must exist on each",
+             *activation(env),
              "set -uo pipefail",
              "# the first machine hosts the rendezvous; every machine's agent starts its GPUs' workers",
              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-             f"srun --kill-on-bad-exit=1 {' '.join(train)}",
+             "# Slurm >= 22.05: srun no longer inherits the job's --cpus-per-task; without it each machine's",
+             "# task (the agent, its workers and their loader processes) may be confined to one CPU",
+             f"srun --kill-on-bad-exit=1 --cpus-per-task={job.cpus_per_task} {' '.join(train)}",
              "code=$?",
              "# exit 0 without summary.json: stopped by USR1/TERM after saving a checkpoint; run again from it",
              f'if [ "$code" -eq 0 ] && [ ! -f {q(run_dir + "/summary.json")} ]; then',
