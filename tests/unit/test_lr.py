@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from scaletrain.config import ScheduleConfig, load
+from scaletrain.schedule import WarmupDecay
 from scaletrain.train.batching import plan_batches
-from scaletrain.train.lr import WarmupDecay, build_scheduler, scaled_lr
+from scaletrain.train.lr import build_scheduler, scaled_lr
 
 
 @pytest.mark.parametrize("ranks, global_batch, lr", [

@@ -11,17 +11,23 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import matplotlib.image
 import pytest
+import torch
 
 import scaletrain
 from scaletrain.errors import DataError
 from scaletrain.observe.report import write_report
 from scaletrain.observe.report.charts import straggler_matrix
-from scaletrain.observe.report.load import load_run, run_names
+from scaletrain.observe.report.load import Run, load_run, run_names
+from scaletrain.observe.report.lr import MAX_POINTS, planned_lr
+from scaletrain.schedule import WarmupDecay
+from scaletrain.train.lr import build_scheduler
 
 SLOW_RANK, WORLD, DELAY_S = 2, 4, 0.030
 PHASES = ("data", "h2d", "compute", "comm", "optim", "ckpt", "step", "pre_comm")
@@ -44,6 +50,21 @@ def unphased_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     scaletrain.run(scaletrain.load("digits", overrides={
         "train.max_steps": 12, "log.every": 2, "train.eval_every": 6, "train.progress": False,
         "dist.device": "cpu", "log.phase_times": False, "run.dir": str(run_dir)}))
+    return run_dir
+
+
+# 5 steps of warmup from 0.1 x the peak, then a cosine to 0.1 x the peak, logged every 10 steps: the log
+# alone never sees the warmup. digits scales its lr 0.05 tuned at a global batch of 64 down to 32 on one rank.
+WARMUP = {"train.max_steps": 40, "log.every": 10, "schedule.warmup_steps": 5, "schedule.warmup_start": 0.1,
+          "schedule.decay": "cosine", "schedule.min_lr_ratio": 0.1, "train.progress": False,
+          "dist.device": "cpu", "debug.trace": True}
+WARMUP_PEAK = 0.05 * 32 / 64
+
+
+@pytest.fixture(scope="session")
+def warmup_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("report") / "digits-warmup"
+    scaletrain.run(scaletrain.load("digits", overrides={**WARMUP, "run.dir": str(run_dir)}))
     return run_dir
 
 
@@ -123,7 +144,8 @@ def test_a_real_one_rank_run_draws_every_chart_it_has_data_for(real_run: Path, t
     assert loss["digits-w1 train"] == {"x": [r["step"] for r in train], "y": [r["loss"] for r in train]}
     assert loss["digits-w1 eval"]["y"] == [r["eval_loss"] for r in evals]
     assert loss["digits-w1 eval accuracy"]["y"] == [r["eval_accuracy"] for r in evals]
-    assert report.chart("lr").data["digits-w1"]["y"] == [r["lr"] for r in train]
+    assert report.chart("lr").data["digits-w1 logged"]["y"] == [r["lr"] for r in train]
+    assert report.chart("lr").data["digits-w1 schedule"]["x"] == list(range(13))
     assert report.chart("throughput").data["digits-w1"]["y"] == [r["samples_per_s"] for r in train]
     assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
     assert all(set(r["phase_s"]) == set(PHASES) and len(r["phase_s"]["step"]) == 1 for r in train)
@@ -289,3 +311,88 @@ def test_run_names_tell_same_named_directories_apart(tmp_path: Path) -> None:
     assert run_names([tmp_path / "a" / "run", tmp_path / "b" / "run"]) == ["a/run", "b/run"]
     assert run_names([tmp_path / "x", tmp_path / "y"]) == ["x", "y"]
     assert run_names([tmp_path / "x", tmp_path / "x"]) == ["x", "x (2)"]
+
+
+def _trainers_schedule(total: int) -> list[float]:
+    """The lr after 0, 1, ..., total steps of the LambdaLR the trainer builds (train/job.py) for WARMUP."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=WARMUP_PEAK)
+    scheduler = build_scheduler(optimizer, scaletrain.load("digits", overrides=WARMUP).schedule, total)
+    lrs = []
+    for _ in range(total + 1):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def test_the_lr_chart_draws_the_schedule_of_every_step_under_the_logged_points(warmup_run: Path,
+                                                                                tmp_path: Path) -> None:
+    chart = write_report([warmup_run], tmp_path / "out").chart("lr")
+    assert chart.figure is not None and chart.note == ""
+    summary = json.loads((warmup_run / "summary.json").read_text())
+    assert summary["peak_lr"] == pytest.approx(WARMUP_PEAK, rel=1e-12) and summary["steps"] == 40
+    curve, logged = chart.data["digits-warmup schedule"], chart.data["digits-warmup logged"]
+    expected = _trainers_schedule(40)
+    assert curve["x"] == list(range(41)) and len(curve["y"]) == len(expected)
+    assert max(abs(a - b) for a, b in zip(curve["y"], expected)) <= 1e-12
+    # The warmup, step by step: 0.1 x peak at step 0, rising linearly to the peak at step 5.
+    warmup = [WARMUP_PEAK * (0.1 + 0.9 * s / 5) for s in range(6)]
+    assert curve["y"][:6] == pytest.approx(warmup, rel=1e-12, abs=0)
+    assert all(a < b for a, b in zip(curve["y"][:5], curve["y"][1:6]))
+    # What the trainer's optimizer ran at in each step (debug.trace): step k ran at the lr after k - 1 steps.
+    ran = [json.loads(line) for line in (warmup_run / "trace" / "rank-00000.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ran] == list(range(1, 41))
+    assert max(abs(r["lr"] - curve["y"][r["step"] - 1]) for r in ran) <= 1e-12
+    # The logged points, the measurement, are drawn too, and sit on the line.
+    train = [r for r in _records(warmup_run) if r["kind"] == "train"]
+    assert logged == {"x": [10, 20, 30, 40], "y": [r["lr"] for r in train]}
+    assert all(abs(curve["y"][int(x)] - y) <= 1e-12 for x, y in zip(logged["x"], logged["y"]))
+
+
+def _without_config(run: Path) -> str:
+    (run / "config.toml").unlink()
+    return "no config.toml"
+
+
+def _unfinished(run: Path) -> str:
+    (run / "summary.json").unlink()
+    return "no summary.json: the run has not finished"
+
+
+def _other_plan(run: Path) -> str:
+    records = _records(run)
+    first = next(r for r in records if r["kind"] == "train")
+    first["lr"] *= 2  # as if this part of the run had twice the global batch under the linear scaling rule
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return f"the lr logged at step {first['step']} ({first['lr']:.6g}) is not the schedule's"
+
+
+@pytest.mark.parametrize("damage", [_without_config, _unfinished, _other_plan])
+def test_without_a_schedule_to_rebuild_the_chart_joins_the_logged_points_and_says_so(
+        damage: Any, warmup_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "old"
+    shutil.copytree(warmup_run, run)
+    why = damage(run)
+    chart = write_report([run], tmp_path / "out").chart("lr")
+    assert chart.figure is not None and set(chart.data) == {"old"}
+    train = [r for r in _records(run) if r["kind"] == "train"]
+    assert chart.data["old"] == {"x": [10, 20, 30, 40], "y": [r["lr"] for r in train]}
+    assert chart.note.startswith(f"old: the schedule is not redrawn ({why}")
+    assert chart.note.endswith("; the line joins the logged points")
+
+
+def test_a_long_schedule_is_exact_at_its_ends_in_a_bounded_number_of_points(tmp_path: Path) -> None:
+    schedule = {"warmup_steps": 300, "decay": "step", "step_every": 2500, "gamma": 0.5}
+    run = Run(tmp_path, "long", summary={"peak_lr": 0.4, "steps": 100_000}, config={"schedule": schedule})
+    steps, lrs, why = planned_lr(run)
+    assert why == "" and steps[0] == 0 and steps[-1] == 100_000 and len(steps) <= MAX_POINTS + 1
+    cfg = scaletrain.load(None, {f"schedule.{k}": v for k, v in schedule.items()})
+    factor = WarmupDecay(cfg.schedule, 100_000)
+    assert lrs == [0.4 * factor(s) for s in steps]
+
+
+def test_the_report_imports_nothing_from_train() -> None:
+    # DESIGN.md: observe/ is a measuring layer under train/; the LR chart's schedule is scaletrain.schedule's.
+    code = "import sys, scaletrain.observe.report; print([m for m in sys.modules if m.startswith('scaletrain.train')])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

@@ -17,6 +17,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from scaletrain.observe.report.load import Run
+from scaletrain.observe.report.lr import planned_lr
 
 # Phases that add up to the step (docs/metrics.md); "step" and "pre_comm" are drawn apart from the stack.
 STACKED_PHASES = ("data", "h2d", "compute", "comm", "optim", "ckpt")
@@ -74,6 +75,18 @@ def _series(run: Run, records: list[dict[str, Any]], key: str, ax: XAxis) -> dic
     return {"x": [ax.of(run, r["step"]) for r in rows], "y": [float(r[key]) for r in rows]}
 
 
+def _style(suffix: str, points: int) -> dict[str, Any]:
+    """Eval dashed; per-rank lines thin and dotted under the run's main line; a planned curve (the lr
+    schedule) a plain line, and the values the run logged over it as dots: the plan and the measurement."""
+    if suffix == "logged":
+        return {"linestyle": "none", "marker": "o", "markersize": 4, "zorder": 3}
+    if suffix.startswith("rank"):
+        return {"linestyle": ":", "linewidth": 1.0}
+    dots = points < 30 and suffix != "schedule"
+    return {"linestyle": "--" if "eval" in suffix else "-", "linewidth": 1.5, "markersize": 3,
+            "marker": "o" if dots else None}
+
+
 def _line_chart(runs: list[Run], ax_x: XAxis, *, name: str, title: str, caption: str, panels: list[
         tuple[str, str, str, Callable[[Run], dict[str, dict[str, list[float]]]]]]) -> Chart:
     """One figure, a panel per (ylabel, scale, what-is-missing, run -> {suffix: series}), a line per series."""
@@ -95,11 +108,7 @@ def _line_chart(runs: list[Run], ax_x: XAxis, *, name: str, title: str, caption:
                 if not s["x"]:
                     continue
                 label = f"{run.name} {suffix}".strip()
-                # Eval dashed; per-rank lines thin and dotted under the run's main line, in its colour.
-                style, width = ("--", 1.5) if "eval" in suffix else (":", 1.0) if suffix.startswith("rank") \
-                    else ("-", 1.5)
-                axis.plot(s["x"], s["y"], style, color=_color(i), linewidth=width, markersize=3, label=label,
-                          marker="o" if len(s["x"]) < 30 and width > 1 else None)
+                axis.plot(s["x"], s["y"], color=_color(i), label=label, **_style(suffix, len(s["x"])))
                 chart.data[label] = s
                 drawn.extend(s["y"])
                 if run not in have:
@@ -134,10 +143,26 @@ def loss_chart(runs: list[Run], ax: XAxis) -> Chart:
 
 
 def lr_chart(runs: list[Run], ax: XAxis) -> Chart:
-    return _line_chart(runs, ax, name="lr", title="Learning rate",
-                       caption="The learning rate after each log interval: warmup, then the decay schedule. "
-                       "With --optim.scale_lr the peak grows with the global batch (linear scaling rule).",
-                       panels=[("learning rate", "linear", "lr", lambda run: {"": _series(run, run.train, "lr", ax)})])
+    plans = {run.name: planned_lr(run) for run in runs}
+
+    def lr(run: Run) -> dict[str, dict[str, list[float]]]:
+        logged = _series(run, run.train, "lr", ax)
+        steps, values, _ = plans[run.name]
+        if not steps:
+            return {"": logged}
+        return {"schedule": {"x": [ax.of(run, s) for s in steps], "y": values}, "logged": logged}
+
+    chart = _line_chart(runs, ax, name="lr", title="Learning rate (line: the schedule; dots: logged)",
+                        caption="The line is the lr of every step, computed from the run's config.toml and "
+                        "summary.json by the trainer's own schedule code: warmup, then the decay. The dots "
+                        "are the lr the run logged after each log interval, which should sit on it. With "
+                        "--optim.scale_lr the peak grows with the global batch (linear scaling rule).",
+                        panels=[("learning rate", "linear", "lr", lr)])
+    if chart.figure is not None:
+        missing = [f"{name}: the schedule is not redrawn ({why}); the line joins the logged points"
+                   for name, (_, _, why) in plans.items() if why]
+        chart.note = "; ".join(n for n in [chart.note, *missing] if n)
+    return chart
 
 
 def _per_rank(run: Run) -> dict[str, list[float]]:

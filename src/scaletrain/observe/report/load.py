@@ -1,4 +1,5 @@
-"""Reading a run directory for the report: metrics.jsonl and summary.json, checked against docs/metrics.md.
+"""Reading a run directory for the report: metrics.jsonl and summary.json, checked against docs/metrics.md,
+and config.toml (for the schedule the learning-rate chart redraws).
 
 A file that cannot be read as the contract says is the user's input, not our bug: it becomes a DataError
 (one line: the path, what is wrong, the fix). Keys that a run simply does not have (an older run without
@@ -14,10 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scaletrain.config import tomllib
 from scaletrain.errors import DataError
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+CONFIG = "config.toml"
 _KINDS = ("train", "eval", "checkpoint", "resume")
 _SCALARS = ("loss", "lr", "samples_per_s", "samples_per_s_per_rank", "tokens_per_s", "step_time_s", "mfu",
             "flops_per_s")
@@ -34,6 +37,7 @@ class Run:
     eval: list[dict[str, Any]] = field(default_factory=list)
     other: list[dict[str, Any]] = field(default_factory=list)  # checkpoint, resume
     summary: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None  # config.toml as written by the run: {section: {key: value}}
 
     @property
     def world_size(self) -> int | None:
@@ -129,6 +133,16 @@ def read_summary(path: Path) -> dict[str, Any] | None:
     return summary
 
 
+def read_config(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise DataError(path, f"not valid TOML ({err})", "restore it or delete it (the learning-rate chart "
+                        f"then shows the lr logged in {METRICS} alone)") from None
+
+
 def load_run(path: Path, name: str | None = None) -> Run:
     """Parse one run directory; DataError for anything that is not a readable run."""
     if not path.exists():
@@ -139,7 +153,8 @@ def load_run(path: Path, name: str | None = None) -> Run:
     metrics = path / METRICS
     if not metrics.is_file():
         raise DataError(path, f"no {METRICS} here (not a run directory, or the run has not started)", _RUN_FIX)
-    run = Run(path=path, name=name or path.name, summary=read_summary(path / SUMMARY))
+    run = Run(path=path, name=name or path.name, summary=read_summary(path / SUMMARY),
+              config=read_config(path / CONFIG))
     for record in read_metrics(metrics):
         {"train": run.train, "eval": run.eval}.get(record["kind"], run.other).append(record)
     if not run.train and not run.eval:
