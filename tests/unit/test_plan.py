@@ -1,9 +1,11 @@
 """scaletrain plan: memory per GPU per layout, time and cost, and the choice, before a run.
 
 The plan builds the model on fake tensors; what it measures there must be what a real model has: the
-peak bytes of a real forward and backward beyond the model state to the byte, the model state of a real model after a real AdamW step to the
-byte. The arithmetic of time and communication is checked against the formulas the docs state, and the
-seed's example (an ~7B model with AdamW in fp32: 16 bytes per parameter before activations) against H100s.
+peak bytes of a real forward and backward beyond the model state to the byte, the model state of a real model
+after a real AdamW step to the byte. The arithmetic of time and communication is checked against the formulas
+the docs state, and the seed's example (an ~7B model with AdamW in fp32: 16 bytes per parameter before
+activations) against H100s. train.tf32 picks the peak a plan's compute time (and MFU) is measured against, and
+the output fits 80 columns unless --wide.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from scaletrain.config import load
 from scaletrain.data import build_splits
 from scaletrain.models import build_model
 from scaletrain.observe.memory import estimate_activation_bytes, model_state_bytes
+from scaletrain.observe.throughput import device_peak
 from scaletrain.plan.catalog import ACCELERATORS
 from scaletrain.plan.estimate import layout, make_plan, measure_model
+from scaletrain.train.precision import set_tf32
 
 SMALL = {"data.batch_size": 3, "data.seq_len": 64, "model.n_layer": 2, "model.n_embd": 64, "model.n_head": 4}
 BIG = {"model.n_layer": 32, "model.n_embd": 4096, "model.n_head": 32, "model.vocab_size": 50304,
@@ -72,8 +76,8 @@ def test_model_state_is_what_a_real_model_holds_after_an_adamw_step():
 
 def test_time_and_communication_follow_the_stated_formulas():
     facts = _facts(SMALL)[3]
-    kw = {"acc": ACCELERATORS["h100"], "precision": "fp32", "batch_size": 3, "optimizer": "adamw", "mfu": 0.5,
-          "net_bytes_per_s": 50e9}
+    kw = {"acc": ACCELERATORS["h100"], "precision": "fp32", "tf32": True, "batch_size": 3, "optimizer": "adamw",
+          "mfu": 0.5, "net_bytes_per_s": 50e9}
     one = layout(facts, "ddp", "none", gpus_per_node=8, nodes=1, accum_steps=2, **kw)
     assert one.compute_s == pytest.approx(facts.flops_per_sample * 3 * 8 * 2 / (8 * 494e12 * 0.5), rel=1e-12)
     assert one.comm_s == pytest.approx(2 * 7 / 8 * 4 * facts.trainable / 450e9, rel=1e-12)
@@ -112,8 +116,8 @@ def test_the_seeds_large_model_needs_sharding_on_h100s():
     alone = plan(1)
     assert alone.choice is None and "fits on" in alone.reason
     need = int(alone.reason.rsplit("fits on ", 1)[1].split()[0])
-    kw = {"acc": h100, "nodes": 1, "precision": "fp32", "batch_size": 1, "accum_steps": 1, "optimizer": "adamw",
-          "mfu": 0.4, "net_bytes_per_s": 50e9}
+    kw = {"acc": h100, "nodes": 1, "precision": "fp32", "tf32": True, "batch_size": 1, "accum_steps": 1,
+          "optimizer": "adamw", "mfu": 0.4, "net_bytes_per_s": 50e9}
     assert layout(facts, "fsdp", "full", gpus_per_node=need, **kw).fits
     assert not layout(facts, "fsdp", "full", gpus_per_node=need - 1, **kw).fits
 
@@ -129,6 +133,86 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys):
         [("ddp", "none"), ("ddp", "full"), ("fsdp", "none"), ("fsdp", "full")]
     assert data["world_size"] == 4 and data["global_batch"] == 12 and data["choice"]["strategy"] == "ddp"
     assert data["layouts"][0]["cost"] == pytest.approx(data["layouts"][0]["run_hours"] * 4 * 1.5)
+
+
+def _plan_text(argv: list[str], capsys) -> str:
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def _widest(text: str) -> int:
+    return max(len(line) for line in text.splitlines())  # rich's box characters are one column each
+
+
+def test_tf32_sets_the_peak_and_the_compute_time():
+    facts = _facts(SMALL)[3]
+    h100 = ACCELERATORS["h100"]
+
+    def plan(**train):
+        cfg = load("gpt-stdlib", cli_overrides={**SMALL, "dist.nproc": 8, **train})
+        return make_plan(cfg, facts, h100, total_steps=10, accum_steps=1, mfu=0.4, net_bytes_per_s=50e9,
+                         price_per_gpu_hour=2.0)
+
+    on, off = plan(), plan(**{"train.tf32": "false"})
+    assert (on.tf32, off.tf32) == (True, False)  # the default, and the key parsed from the command line
+    assert (on.peak, off.peak) == (494e12, 67e12)  # the H100 SXM's dense TF32 and fp32 rates
+    for a, b in zip(on.layouts, off.layouts, strict=True):
+        assert b.compute_s == pytest.approx(a.compute_s * 494 / 67, rel=1e-12)
+        assert a.compute_s == pytest.approx(facts.flops_per_sample * 3 * (4 / 3 if a.checkpointing == "full" else 1)
+                                            / (494e12 * 0.4), rel=1e-12)
+        assert (b.comm_s, b.total_bytes) == (a.comm_s, a.total_bytes)
+    mixed = [plan(**{"train.precision": "bf16-mixed", "train.tf32": t}) for t in ("true", "false")]
+    assert mixed[0].peak == mixed[1].peak == 989e12  # bf16 matmuls: TF32 is not their rate
+
+
+def test_tf32_in_the_commands_header_and_json(tmp_path, capsys):
+    small = [*(f"--{k}={v}" for k, v in SMALL.items()), "--nproc", "2"]
+    texts, compute = [], []
+    for i, flag in enumerate(([], ["--train.tf32=false"])):
+        out = tmp_path / f"plan{i}.json"
+        texts.append(_plan_text(["gpt-stdlib", "--gpu", "h100", *small, *flag, "--json", str(out)], capsys))
+        compute.append([r["compute_s"] for r in json.loads(out.read_text())["layouts"]])
+    assert "494 TFLOP/s tf32" in texts[0] and "67 TFLOP/s fp32" in texts[1]
+    assert compute[1] == pytest.approx([c * 494 / 67 for c in compute[0]], rel=1e-12)
+
+
+def test_the_mfu_peak_follows_train_tf32(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda", 0)
+    assert device_peak(cuda, "fp32", tf32=True) == ("NVIDIA H100 80GB HBM3", 494e12)
+    assert device_peak(cuda, "fp32", tf32=False) == ("NVIDIA H100 80GB HBM3", 67e12)
+    assert device_peak(cuda, "bf16-mixed", tf32=False)[1] == 989e12
+    assert device_peak(torch.device("cpu"), "fp32", tf32=True) == ("cpu", None)
+
+
+def test_set_tf32_sets_cudas_flags_and_leaves_a_cpus_alone():
+    flags = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    saved = [f.allow_tf32 for f in flags]
+    try:
+        for on in (True, False):
+            set_tf32(on, torch.device("cuda", 0))  # the flags are process-wide and settable without a GPU
+            assert [f.allow_tf32 for f in flags] == [on, on]
+        set_tf32(True, torch.device("cpu"))
+        assert [f.allow_tf32 for f in flags] == [False, False]
+    finally:
+        for f, value in zip(flags, saved):
+            f.allow_tf32 = value
+
+
+def test_the_output_fits_80_columns_and_wide_has_the_whole_table(capsys):
+    six = ["digits", "--gpu", "h100", "--nproc", "8", "--nnodes", "2", "--price", "2.5"]  # six layouts
+    text = _plan_text(six, capsys)
+    assert _widest(text) <= 80, text
+    header = next(line for line in text.splitlines() if line.startswith("layout"))
+    assert header.split() == ["layout", "ddp", "ddp", "fsdp", "fsdp", "hsdp", "hsdp"]
+    rows = {line.split()[0] for line in text.splitlines()}
+    assert {"params", "grads", "optimizer", "activations", "total", "fits", "compute", "comm", "step", "run"} <= rows
+    wide = _plan_text([*six, "--wide"], capsys)
+    columns = ["layout", "checkpointing", "params", "grads", "optimizer", "activations", "fsdp buffers", "total",
+               "fits", "compute", "comm", "run", "cost $"]
+    head = next(line for line in wide.splitlines() if "checkpointing" in line)
+    assert [c.strip() for c in head.strip("┃").split("┃")] == columns
+    assert len([line for line in wide.splitlines() if line.startswith("│")]) == 6 and _widest(wide) > 120
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -46,7 +46,7 @@ def add_parser(sub: Any, name: str) -> None:
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.cluster.slurm import SlurmJob, check_time, detect_env, sbatch_script
-    from scaletrain.parallel import check_layout
+    from scaletrain.layout import check_layout
 
     nodes = parse_count("--nodes", args.nodes, 1, "2")
     gpus = parse_count("--gpus-per-node", args.gpus_per_node, 1, "8")

@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from scaletrain.batch import Batch
 from scaletrain.config import MemoryConfig, ParallelConfig
-from scaletrain.errors import ConfigError
+from scaletrain.layout import check_layout, resolve_degrees
 from scaletrain.observe.memory import (
     choose_strategy,
     device_capacity_bytes,
@@ -33,7 +34,7 @@ from scaletrain.observe.memory import (
 )
 from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from scaletrain.parallel.fsdp import apply_fsdp, fsdp_units, is_fsdp, mixed_precision_policy
-from scaletrain.parallel.mesh import build_mesh, resolve_degrees
+from scaletrain.parallel.mesh import build_mesh
 
 __all__ = ["apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "build_mesh",
            "check_layout", "fsdp_units", "gradient_sync", "is_fsdp", "mixed_precision_policy", "parallelize",
@@ -86,19 +87,8 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nnodes: int = 1) -> None:
-    """The layout checks that need no model, as one-line ConfigErrors. Call it before starting workers, so a
-    mistake is reported once rather than by every rank (parallelize() repeats them)."""
-    if memory.cpu_offload and cfg.strategy == "ddp":
-        raise ConfigError("memory.cpu_offload", True, "false with parallel.strategy=ddp (offloading keeps "
-                          "FSDP's sharded state in host memory)",
-                          "--parallel.strategy=fsdp, or drop --memory.cpu_offload")
-    if cfg.strategy != "auto":
-        resolve_degrees(cfg.strategy, cfg.dp_replicate, cfg.dp_shard, world_size, nnodes)
-
-
 def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, nnodes: int = 1,
-                     precision: str = "fp32", optimizer: str = "adamw", sample: torch.Tensor | None = None,
+                     precision: str = "fp32", optimizer: str = "adamw", sample: torch.Tensor | Batch | None = None,
                      batch_size: int = 1, cpu_offload: bool = False) -> tuple[str, str]:
     """(strategy, reason): cfg.strategy as given, or for auto the memory rule's choice with its numbers.
 

@@ -1,18 +1,4 @@
-"""Topology as degrees on two named mesh axes: ``dp_replicate`` x ``dp_shard`` = world size.
-
-The strategy names are presets for the degrees, decided here and nowhere else:
-
-=========  ===================  =======================================================================
-strategy   (replicate, shard)   what it means
-=========  ===================  =======================================================================
-ddp        (world, 1)           every rank holds a full replica; gradients are all-reduced
-fsdp       (1, world)           parameters, gradients and optimizer state sharded over all ranks
-hsdp       (nodes, world/nodes) sharded within a machine, replicated across machines (2-D mesh)
-=========  ===================  =======================================================================
-
-``--parallel.dp_replicate`` / ``--parallel.dp_shard`` override the preset (0 keeps it); -1 means "the
-remaining ranks", the world size divided by the other degree.
-"""
+"""The DeviceMesh of a layout's data-parallel degrees (scaletrain/layout.py decides the degrees)."""
 
 from __future__ import annotations
 
@@ -21,73 +7,9 @@ import logging
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from scaletrain.errors import ConfigError
+from scaletrain.layout import MESH_DIMS, resolve_degrees
 
 log = logging.getLogger(__name__)
-
-MESH_DIMS = ("dp_replicate", "dp_shard")
-
-
-def _preset(strategy: str, world_size: int, nnodes: int) -> tuple[int, int]:
-    if strategy == "ddp":
-        return -1, 1
-    if strategy == "fsdp":
-        return 1, -1
-    if strategy == "hsdp":
-        return nnodes, -1
-    raise ValueError(f"no degrees for strategy {strategy!r}: resolve 'auto' with choose_strategy first")
-
-
-def _fill(key: str, degree: int, other_key: str, other: int, world_size: int) -> int:
-    """-1 -> world_size / other, when other divides the world size."""
-    if degree != -1:
-        return degree
-    if world_size % other:
-        raise ConfigError(f"parallel.{key}", -1, f"-1 to take the remaining ranks, but world size "
-                          f"{world_size} is not a multiple of parallel.{other_key} = {other}",
-                          f"a parallel.{other_key} that divides {world_size}")
-    return world_size // other
-
-
-def resolve_degrees(strategy: str, dp_replicate: int, dp_shard: int, world_size: int,
-                    nnodes: int = 1) -> tuple[int, int]:
-    """(replicate, shard) with replicate x shard == world_size, or a one-line ConfigError with the arithmetic.
-
-    ``dp_replicate`` / ``dp_shard``: 0 = the strategy's preset, -1 = the remaining ranks, else the degree.
-    """
-    for key, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
-        if value < -1:
-            raise ConfigError(f"parallel.{key}", value, "a degree >= 1, -1 (the remaining ranks) or 0 (from "
-                              "parallel.strategy)", f"--parallel.{key}=-1")
-    if strategy == "ddp" and dp_shard not in (0, 1):
-        raise ConfigError("parallel.dp_shard", dp_shard, "1 (or 0) with parallel.strategy=ddp: DDP keeps "
-                          "full replicas", "--parallel.strategy=fsdp (all ranks shard) or hsdp (shard and "
-                          "replicate)")
-    if strategy == "fsdp" and dp_replicate not in (0, 1):
-        raise ConfigError("parallel.dp_replicate", dp_replicate, "1 (or 0) with parallel.strategy=fsdp: FSDP "
-                          "shards over every rank", "--parallel.strategy=hsdp to replicate shard groups")
-    if strategy == "hsdp" and nnodes > 1 and world_size % nnodes:
-        raise ConfigError("parallel.strategy", "hsdp", f"the same number of ranks on each of the {nnodes} "
-                          f"machines (world size {world_size} is not a multiple of {nnodes})",
-                          "equal --nproc on every machine")
-    preset = _preset(strategy, world_size, nnodes)
-    replicate = dp_replicate or preset[0]
-    shard = dp_shard or preset[1]
-    if replicate == -1 and shard == -1:
-        raise ConfigError("parallel.dp_shard", -1, "at most one degree of -1 (the remaining ranks), since "
-                          "parallel.dp_replicate is -1 too", "give one of them as a number, e.g. "
-                          "--parallel.dp_replicate=2 --parallel.dp_shard=-1")
-    replicate = _fill("dp_replicate", replicate, "dp_shard", shard, world_size)
-    shard = _fill("dp_shard", shard, "dp_replicate", replicate, world_size)
-    if replicate * shard != world_size:
-        raise ConfigError("parallel.dp_shard", shard, f"dp_replicate x dp_shard = world size, but "
-                          f"{replicate} x {shard} = {replicate * shard} != {world_size}",
-                          f"degrees whose product is {world_size}, or -1 for one (the remaining ranks)")
-    if strategy == "hsdp" and shard == 1 and world_size > 1:
-        raise ConfigError("parallel.dp_shard", 1, "a degree > 1 with parallel.strategy=hsdp (replicas that "
-                          "shard over 1 rank are DDP)", "--parallel.strategy=ddp, or --parallel.dp_shard=-1")
-    return replicate, shard
-
 
 def build_mesh(device_type: str, replicate: int, shard: int) -> DeviceMesh | None:
     """A DeviceMesh over the default process group with the axes ("dp_replicate", "dp_shard").
@@ -103,3 +25,6 @@ def build_mesh(device_type: str, replicate: int, shard: int) -> DeviceMesh | Non
                             mesh_dim_names=tuple(name for name, _ in shape))
     log.info("device mesh: %s on %s", " x ".join(f"{k} {n}" for k, n in shape), device_type)
     return mesh
+
+
+__all__ = ["MESH_DIMS", "build_mesh", "resolve_degrees"]

@@ -2,8 +2,9 @@
 
 Memory is what ``nvidia-smi --query-gpu=memory.total`` reports (for the H100 and the H200 as read on the lent
 machines, benchmarks/RESULTS.md 5b; the others from their 40/80 GiB, 24 and 48 GB parts). Peaks are the dense
-tensor-core rates of observe.throughput.PEAKS (through peak_flops, as MFU reads them) (the vendors' data sheets). Links are the data-sheet rates per
-GPU and direction: NVLink 4 (H100/H200 SXM) 900 GB/s both ways -> 450, NVLink 3 (A100 SXM) 300, PCIe 4.0 x16
+tensor-core rates of observe.peaks.PEAKS (the vendors' data sheets), read through peak_flops as MFU reads
+them: an fp32 run at the TF32 rate when train.tf32 is on, else at the fp32 rate. Links are the data-sheet rates
+per GPU and direction: NVLink 4 (H100/H200 SXM) 900 GB/s both ways -> 450, NVLink 3 (A100 SXM) 300, PCIe 4.0 x16
 (L4, L40S) 32. Between machines the rate is the plan's --net-gbps (default 400 Gb/s per GPU, one NDR
 InfiniBand port per GPU as on the common 8-GPU nodes). Real all-reduces reach a fraction of a link's rate
 (``scaletrain bench allreduce`` measures it), so a plan's communication time is a lower bound.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.observe.throughput import peak_flops
+from scaletrain.observe.peaks import peak_flops
 
 MIB = 2**20
 
@@ -25,10 +26,10 @@ class Accelerator:
     memory_bytes: int
     link_bytes_per_s: float  # to the other GPUs of its machine, per direction
 
-    def peak(self, precision: str) -> float:
-        """Dense FLOP/s for the precision a run computes in (fp32 runs: TF32 tensor cores)."""
-        peak = peak_flops(self.name, precision, tf32=True)
-        assert peak is not None, f"{self.name} has no {precision} rate in observe.throughput.PEAKS"
+    def peak(self, precision: str, *, tf32: bool) -> float:
+        """Dense FLOP/s for the format a run computes in (fp32 runs: TF32 tensor cores when ``tf32``)."""
+        peak = peak_flops(self.name, precision, tf32=tf32)
+        assert peak is not None, f"{self.name} has no {precision} (tf32={tf32}) rate in observe.peaks.PEAKS"
         return peak
 
 

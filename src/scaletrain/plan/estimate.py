@@ -15,14 +15,16 @@ gradients before their reduce-scatter. A layout fits when its total is within 80
 (choose_strategy's margin: the CUDA context, cuBLAS workspaces, the allocator's rounding and communication
 buffers). Sizes come from the CPU's kernels: on a GPU, flash/cuDNN attention keeps the same or less.
 
-Time. compute = training FLOPs per step / (GPUs x peak x MFU); recomputation under full checkpointing adds one
-forward (a third of the FLOPs). MFU is an assumption the user can change (--mfu; default 0.40: this project
-measured 48-52% for tuned GPT benchmarks and 25-30% through the eager trainer, benchmarks/RESULTS.md 5b).
-Communication per optimizer step, the bytes each GPU sends over the ring algorithms at the link rate: DDP one
-all-reduce of the fp32 gradients (2 (n-1)/n x G); FSDP two all-gathers of the parameters in the compute dtype
-per micro-step (forward, and backward after resharding) and one reduce-scatter of the fp32 gradients per step
-((n-1)/n each); HSDP those within a machine plus an all-reduce of one shard's gradients across machines. A collective
-spanning machines runs at the slower of the two links. The step is max(compute, communication): both overlap
+Time. compute = training FLOPs per step / (GPUs x peak x MFU), at the peak of the format the matmuls run in
+(bf16/fp16 in the mixed modes; an fp32 run at the TF32 rate when train.tf32 is on, else at the fp32 rate);
+recomputation under full checkpointing adds one forward (a third of the FLOPs). MFU is an assumption the
+user can change (--mfu; default 0.40: this project measured 48-52% for tuned GPT benchmarks and 25-30% through
+the eager trainer, benchmarks/RESULTS.md 5b). Communication per optimizer step, the bytes each GPU sends over
+the ring algorithms at the link rate: DDP one all-reduce of the fp32 gradients (2 (n-1)/n x G); FSDP two
+all-gathers of the parameters in the compute dtype per micro-step (forward, and backward after resharding) and
+one reduce-scatter of the fp32 gradients per step ((n-1)/n each); HSDP those within a machine plus an
+all-reduce of one shard's gradients across machines. A collective spanning machines runs at the slower of the
+two links. The step is max(compute, communication): both overlap
 fully at best, so a plan's step time is a lower bound, and "communication-bound" says the links set it.
 """
 
@@ -95,6 +97,7 @@ class Plan:
     gpus_per_node: int
     nodes: int
     precision: str
+    tf32: bool
     batch_size: int
     accum_steps: int
     total_steps: int
@@ -113,6 +116,11 @@ class Plan:
     @property
     def usable_bytes(self) -> int:
         return usable_bytes(self.accelerator)
+
+    @property
+    def peak(self) -> float:
+        """FLOP/s the compute time is planned against (at MFU 1)."""
+        return self.accelerator.peak(self.precision, tf32=self.tf32)
 
     def run_hours(self, layout: Layout) -> float:
         return self.total_steps * layout.step_s / 3600
@@ -147,7 +155,8 @@ def fmt_seconds(s: float) -> str:
                                (3600.0, 1 / 60, "min"), (86400.0, 1 / 3600, "h")):
         if s < limit:
             return f"{s * scale:.3g} {unit}"
-    return f"{s / 86400:.3g} d"
+    days = s / 86400
+    return f"{days:.3g} d" if days < 999.5 else f"{days:,.0f} d"  # not 1e+03 d
 
 
 def _fake_model(cfg: Config, task: str, info: dict[str, Any], checkpointing: str,
@@ -211,8 +220,8 @@ def _ring(n: int) -> float:
 
 
 def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Accelerator, gpus_per_node: int,
-           nodes: int, precision: str, batch_size: int, accum_steps: int, optimizer: str, mfu: float,
-           net_bytes_per_s: float) -> Layout:
+           nodes: int, precision: str, tf32: bool, batch_size: int, accum_steps: int, optimizer: str,
+           mfu: float, net_bytes_per_s: float) -> Layout:
     """Memory per GPU and time per optimizer step of one layout (the module docstring's model)."""
     world = gpus_per_node * nodes
     shard = {"ddp": 1, "fsdp": world, "hsdp": gpus_per_node}[strategy]
@@ -221,7 +230,7 @@ def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Acceler
     cbytes = AUTOCAST_DTYPE.get(precision, torch.float32).itemsize
     buffers = 0 if strategy == "ddp" or shard == 1 else facts.largest_unit * (2 * cbytes + 4)
     flops = facts.flops_per_sample * batch_size * world * accum_steps * (4 / 3 if checkpointing == "full" else 1)
-    compute = flops / (world * acc.peak(precision) * mfu)
+    compute = flops / (world * acc.peak(precision, tf32=tf32) * mfu)
     link = acc.link_bytes_per_s
     across = min(link, net_bytes_per_s) if nodes > 1 else link
     pc = facts.params * cbytes
@@ -276,13 +285,13 @@ def choose(plan: Plan) -> tuple[Layout | None, str]:
 def make_plan(cfg: Config, facts: ModelFacts, acc: Accelerator, *, total_steps: int, accum_steps: int,
               mfu: float, net_bytes_per_s: float, price_per_gpu_hour: float | None) -> Plan:
     gpus, nodes = cfg.dist.nproc, cfg.dist.nnodes
-    plan = Plan(acc, gpus, nodes, cfg.train.precision, cfg.data.batch_size, accum_steps, total_steps, mfu,
-                net_bytes_per_s, price_per_gpu_hour, facts)
+    plan = Plan(acc, gpus, nodes, cfg.train.precision, cfg.train.tf32, cfg.data.batch_size, accum_steps,
+                total_steps, mfu, net_bytes_per_s, price_per_gpu_hour, facts)
 
     def at(strategy: str, ac: str, per_node: int, n_nodes: int) -> Layout:
         return layout(facts, strategy, ac, acc=acc, gpus_per_node=per_node, nodes=n_nodes,
-                      precision=cfg.train.precision, batch_size=cfg.data.batch_size, accum_steps=accum_steps,
-                      optimizer=cfg.optim.name, mfu=mfu, net_bytes_per_s=net_bytes_per_s)
+                      precision=cfg.train.precision, tf32=cfg.train.tf32, batch_size=cfg.data.batch_size,
+                      accum_steps=accum_steps, optimizer=cfg.optim.name, mfu=mfu, net_bytes_per_s=net_bytes_per_s)
 
     for strategy in strategies(gpus * nodes, nodes):
         for ac in AC_PLANNED:

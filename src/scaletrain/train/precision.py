@@ -1,7 +1,8 @@
-"""Mixed precision: bf16/fp16 compute with fp32 master weights, and the fp16 gradient scaler.
+"""Mixed precision: bf16/fp16 compute with fp32 master weights, the fp16 gradient scaler, and TF32.
 
 Without sharding, autocast casts matmul inputs in forward. Under FSDP2 the MixedPrecisionPolicy casts the
-gathered parameters instead (parallel/fsdp.py), so the forward runs without autocast.
+gathered parameters instead (parallel/fsdp.py), so the forward runs without autocast. train.tf32 decides
+whether the fp32 matmuls and convolutions that remain (all of them in an fp32 run) use TF32 tensor cores.
 """
 
 from __future__ import annotations
@@ -36,3 +37,12 @@ def autocast(precision: str, device: torch.device, *, sharded: bool = False) -> 
 def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
     """A scaler that is a no-op unless the run is fp16 (bf16 has fp32's range and needs none)."""
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16-mixed")
+
+
+def set_tf32(on: bool, device: torch.device) -> None:
+    """train.tf32 for this process: fp32 matmuls and cuDNN convolutions on TF32 tensor cores (10-bit mantissa,
+    fp32's range), or full fp32. CUDA only: a CPU has no TF32 and its flags are left as they are."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
