@@ -1,16 +1,21 @@
 """Exact resume through the real command line: 2 Gloo ranks started by torchrun on loopback.
 
-The reference is an uninterrupted run; every interrupted run (a worker SIGKILLed from outside, a
-preemption signal) must end with the same loss at every log step and bit-identical final weights. Dropout
-is on, so the RNG of every rank has to come back too.
+The reference is an uninterrupted run; every interrupted run (a worker SIGKILLed, a preemption signal,
+Ctrl-C) must end with the same loss at every log step and bit-identical final weights. Dropout is on, so
+the RNG of every rank has to come back too.
+
+Ctrl-C is rehearsed as a terminal sends it: SIGINT to the whole process group of the command, which runs in
+a session of its own here (own_group=True) so that the signal never reaches pytest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,9 +37,9 @@ for _key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADD
     ENV.pop(_key, None)
 
 
-def start(*args: str, cwd: Path) -> subprocess.Popen:
+def start(*args: str, cwd: Path, own_group: bool = False) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "scaletrain", "train", *args], cwd=cwd, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=own_group)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
@@ -90,15 +95,21 @@ def reference(tmp_path_factory) -> Path:
     return work / "run"
 
 
-def test_a_worker_killed_from_outside_is_restarted_and_the_run_is_bit_identical(reference, tmp_path):
-    proc = start(*JOB, "--run.dir=run", "--checkpoint.every=8", "--max-restarts=1", cwd=tmp_path)
-    first = tmp_path / "run" / "checkpoints" / "step-00000008"
-    wait_for(lambda: (first / commit.MANIFEST).exists() or proc.poll() is not None, what="the first checkpoint")
-    victim = workers_of(proc.pid)[-1]
-    os.kill(victim, signal.SIGKILL)  # mid-epoch: an epoch is 22 steps here
-    code, out, err = finish(proc)
+def test_a_killed_worker_is_restarted_said_in_one_line_and_the_run_is_bit_identical(reference, tmp_path):
+    kill = ["--chaos.kill_rank=1", "--chaos.kill_step=13"]  # mid-epoch: an epoch is 22 steps here
+    code, out, err = train(*JOB, "--run.dir=run", "--checkpoint.every=8", "--max-restarts=1", *kill,
+                           cwd=tmp_path)
     assert code == 0, err[-3000:]
     assert out.count("resumed from ") == 1, out[-2000:]
+    killed = re.search(r"\[rank 1\] chaos: SIGKILL \(pid (\d+)\) at the start of step 13", err)
+    assert killed, err[-3000:]
+    # Rank 0 of the restarted group says it once: the pid and signal come from the launcher (torchrun's agent
+    # in-process), the step from the survivor, the checkpoint from the resume.
+    said = [line for line in out.splitlines() if "restarting from" in line]
+    want = (f"worker rank 1 (pid {killed[1]}) died by SIGKILL at step 13; restarting from checkpoint step 8 "
+            "(restart 1 of 1)")
+    assert said == [want], out[-3000:]
+    assert "failed (exitcode" not in err  # torchrun's own line about it gives way to that one
     assert losses(tmp_path / "run") == losses(reference)
     assert weights_digest(tmp_path / "run") == weights_digest(reference)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -138,6 +149,89 @@ def test_a_preempted_job_saves_exits_0_and_resumes_with_no_lost_step(reference, 
     assert f"resumed from run/checkpoints/step-{stopped['step']:08d}: step {stopped['step']} of 44" in out
     assert losses(tmp_path / "run") == losses(reference)
     assert weights_digest(tmp_path / "run") == weights_digest(reference)
+
+
+def test_ctrl_c_saves_at_the_agreed_step_exits_130_and_the_same_command_resumes_bit_identical(reference,
+                                                                                              tmp_path):
+    """Ctrl-C during step 9 (rank 0 slowed to 0.1 s a step, so the launcher has passed it on to both workers
+    long before step 10): the ranks agree at the next log step, 12, save there, and the launcher exits 130."""
+    ctrl_c = ["--chaos.signal_rank=0", "--chaos.signal_step=9", "--chaos.signal_name=SIGINT",
+              "--chaos.delay_rank=0", "--chaos.delay_ms=100"]
+    code, out, err = finish(start(*JOB, "--run.dir=run", *ctrl_c, cwd=tmp_path, own_group=True))
+    assert code == 130, err[-3000:]
+    assert "chaos: SIGINT (Ctrl-C) to process group" in err
+    assert err.strip().splitlines()[-1] == (
+        "scaletrain: interrupted (Ctrl-C) at step 12; checkpoint run/checkpoints/step-00000012 saved; run "
+        "the same command again to resume"), err[-3000:]
+    assert "Traceback" not in err
+    stopped = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (stopped["kind"], stopped["reason"], stopped["step"]) == ("stopped", "SIGINT", 12)
+    assert commit.verify(tmp_path / "run" / "checkpoints" / "step-00000012")["step"] == 12
+
+    code, out, err = train(*JOB, "--run.dir=run", cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    assert "resumed from run/checkpoints/step-00000012: step 12 of 44" in out
+    assert losses(tmp_path / "run") == losses(reference)
+    assert weights_digest(tmp_path / "run") == weights_digest(reference)
+
+
+def press_ctrl_c_after(proc: subprocess.Popen, prefix: str) -> float:
+    """Read proc's stderr up to a line starting with ``prefix``, then press Ctrl-C (SIGINT to its process
+    group); returns when."""
+    for line in proc.stderr:
+        if line.startswith(prefix):
+            break
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    return time.monotonic()
+
+
+def test_a_second_ctrl_c_stops_the_workers_at_once_and_keeps_the_last_checkpoint(tmp_path):
+    """The first Ctrl-C (at step 6) asks for a save at the next log step, 8; the second, as soon as the
+    launcher has said it got the first, stops the job at once, mid-save or not. Rank 0 is slowed to 0.4 s a
+    step so that the second comes before step 8."""
+    ctrl_c = ["--chaos.signal_rank=0", "--chaos.signal_step=6", "--chaos.signal_name=SIGINT",
+              "--chaos.delay_rank=0", "--chaos.delay_ms=400", "--checkpoint.every=4",
+              "--checkpoint.async_save=false"]
+    proc = start(*JOB, "--run.dir=run", *ctrl_c, cwd=tmp_path, own_group=True)
+    pressed = press_ctrl_c_after(proc, "scaletrain: Ctrl-C:")
+    workers = workers_of(proc.pid) if proc.poll() is None else []
+    code, _, err = finish(proc, timeout=60)
+    assert time.monotonic() - pressed < 15, err[-3000:]  # a liveness bound, with a wide margin: ~1 s here
+    assert code == 130, err[-3000:]
+    assert "scaletrain: Ctrl-C again: killing the workers now" in err
+    last = err.strip().splitlines()[-1]
+    assert last == ("scaletrain: stopped by SIGINT before the workers could save (they were stopped too); the "
+                    "last checkpoint, run/checkpoints/step-00000004, is intact: run the same command again to "
+                    "resume from it"), err[-3000:]
+    assert [s for s, _ in commit.committed(tmp_path / "run" / "checkpoints")] == [4]
+    assert commit.verify(tmp_path / "run" / "checkpoints" / "step-00000004")["step"] == 4
+    assert not any(alive(pid) for pid in workers)
+
+
+def test_ctrl_c_on_one_process_saves_after_the_step_and_twice_stops_at_once(tmp_path):
+    """One process: Ctrl-C at step 5 saves at the end of step 5 and exits 130; the same command resumes, and
+    there two Ctrl-C (at step 8, slowed to 0.4 s) exit at once with no new checkpoint."""
+    job = ["digits", "--train.epochs=1", "--train.log_every=4", "--train.progress=false", "--run.dir=run",
+           "--chaos.signal_rank=0", "--chaos.signal_name=SIGINT"]
+    code, out, err = finish(start(*job, "--chaos.signal_step=5", cwd=tmp_path, own_group=True))
+    assert code == 130, err[-3000:]
+    assert "scaletrain: Ctrl-C: saving a checkpoint after this step, then stopping" in err
+    assert ("stopped (SIGINT) at step 5: checkpoint run/checkpoints/step-00000005 saved; run the same "
+            "command again to resume") in out.splitlines()
+    assert "Traceback" not in err
+    assert commit.verify(tmp_path / "run" / "checkpoints" / "step-00000005")["step"] == 5
+
+    proc = start(*job, "--chaos.signal_step=8", "--chaos.delay_rank=0", "--chaos.delay_ms=400", cwd=tmp_path,
+                 own_group=True)
+    pressed = press_ctrl_c_after(proc, "scaletrain: Ctrl-C:")
+    code, out, err = finish(proc, timeout=60)
+    assert time.monotonic() - pressed < 5, err[-3000:]
+    assert code == 130, err[-3000:]
+    assert "resumed from run/checkpoints/step-00000005: step 5 of 44" in out
+    assert "scaletrain: Ctrl-C again: stopping now, without a checkpoint" in err
+    assert [s for s, _ in commit.committed(tmp_path / "run" / "checkpoints")] == [5]
+    assert commit.verify(tmp_path / "run" / "checkpoints" / "step-00000005")["step"] == 5
 
 
 def test_preemption_can_be_agreed_at_the_next_step_boundary(tmp_path):

@@ -134,7 +134,7 @@ def _allreduce(args: argparse.Namespace, leftovers: list[str], argv: list[str]) 
     from scaletrain.bench.collectives import OPS, check_backend, check_sizes
     from scaletrain.cluster.torchrun import launch
     from scaletrain.config import DistConfig
-    from scaletrain.runtime import under_launcher
+    from scaletrain.env import under_launcher
 
     if leftovers:
         raise _unexpected(leftovers[0], "allreduce")

@@ -73,7 +73,7 @@ def _print(facts: Any, findings: list[Any], result: dict[str, Any] | None) -> No
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.cluster.doctor import diagnose, facts_dict, gather, self_test
-    from scaletrain.runtime import under_launcher
+    from scaletrain.env import under_launcher
 
     if leftovers:
         raise UserError(f"unexpected argument {leftovers[0]!r}; fix: scaletrain doctor [--self-test/"

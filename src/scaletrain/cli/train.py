@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from scaletrain.checkpoint import commit
 from scaletrain.cli.options import add_config_argument, add_config_options, check_types, config_overrides
 from scaletrain.config import Config, load
 
@@ -26,8 +29,8 @@ def add_parser(sub: Any, name: str) -> None:
 def preflight(cfg: Config, world: int) -> None:
     """Everything that can be checked before workers start, so a mistake is one line, not N crashed ranks."""
     from scaletrain.data import build_splits
+    from scaletrain.layout import check_layout
     from scaletrain.observe.sinks import check_tensorboard
-    from scaletrain.parallel import check_layout
     from scaletrain.runtime import pick_device
     from scaletrain.train.batching import plan_batches
     from scaletrain.train.precision import check_precision
@@ -49,9 +52,7 @@ def _warn_if_launcher_overrides(cfg: Config) -> None:
 
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
-    from scaletrain.cluster.torchrun import launch
-    from scaletrain.runtime import under_launcher
-    from scaletrain.train.rundir import choose_run_dir
+    from scaletrain.env import under_launcher
 
     overrides = config_overrides(args, leftovers)
     check_types(overrides)
@@ -59,34 +60,68 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     if under_launcher():
         _warn_if_launcher_overrides(cfg)
     if under_launcher() or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):
+        from scaletrain.train.preempt import Interrupted
         from scaletrain.train.run import run as run_training
 
-        run_training(cfg)
+        try:
+            run_training(cfg)
+        except Interrupted:  # Ctrl-C, after saving (and saying so)
+            # A worker exits 0: its agent must not take a stop for a failure and restart the group.
+            return 0 if under_launcher() else 128 + signal.SIGINT
         return 0
+    from scaletrain.cluster.torchrun import launch  # torch: imported once the config is known to be good
+    from scaletrain.train.rundir import choose_run_dir
+
     preflight(cfg, cfg.dist.nproc * cfg.dist.nnodes)
     # Chosen once here so all workers write where this process said; the last --run.dir wins in their argv.
     run_dir = choose_run_dir(cfg).run_dir
     worker_argv = [*argv[argv.index("train"):], f"--run.dir={run_dir}"]
+    started = time.time()
     code = launch(cfg.dist, ["scaletrain", *worker_argv], module=True, run_id=f"scaletrain-{cfg.run.name}",
-                  report_signal=False)
-    if code <= 128:
-        return code
-    stop = _stopped_record(run_dir)
-    if stop and stop.get("checkpoint"):
-        # The launcher was signalled too, but the workers saved before stopping: the work is safe.
-        print(f"scaletrain: preempted ({stop['reason']}) at step {stop['step']}; checkpoint {stop['checkpoint']} "
-              "saved; run the same command again to resume", file=sys.stderr)
+                  trainer=True)
+    return code if code <= 128 else _after_signal(code - 128, run_dir, started)
+
+
+def _after_signal(signum: int, run_dir: Path, started: float) -> int:
+    """This launcher was signalled, and its agent stopped the workers: say in one line whether they saved.
+    Ctrl-C exits 130 (128 + SIGINT) as shells expect, so that a script or `make` stops too; a preemption
+    (SIGTERM) that saved exits 0, which is what lets a scheduler requeue the job."""
+    name = signal.Signals(signum).name
+    stop = _stopped_record(run_dir, started)
+    if stop and stop.get("checkpoint"):  # the workers saved before stopping: the work is safe
+        what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"preempted ({stop['reason']})"
+        print(f"scaletrain: {what} at step {stop['step']}; checkpoint {stop['checkpoint']} saved; run the "
+              "same command again to resume", file=sys.stderr)
+        return 128 + signum if signum == signal.SIGINT else 0
+    if _finished(run_dir, started):
+        print(f"scaletrain: {name} came after the run had finished; nothing was lost", file=sys.stderr)
         return 0
-    print(f"scaletrain: stopped by signal {code - 128} before the workers could save; the workers were stopped "
-          "too", file=sys.stderr)
-    return code
+    saved = commit.committed(run_dir / "checkpoints")
+    kept = (f"the last checkpoint, {saved[-1][1]}, is intact: run the same command again to resume from it"
+            if saved else f"there is no checkpoint in {run_dir / 'checkpoints'} to resume from")
+    print(f"scaletrain: stopped by {name} before the workers could save (they were stopped too); {kept}",
+          file=sys.stderr)
+    return 128 + signum
 
 
-def _stopped_record(run_dir: Path) -> dict[str, Any] | None:
-    """The run's last metrics record if it says the workers stopped after saving a checkpoint."""
+def _written_since(path: Path, started: float) -> bool:
     try:
-        last = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").strip().splitlines()[-1]
-        record = json.loads(last)
+        return path.stat().st_mtime >= started
+    except OSError:
+        return False
+
+
+def _finished(run_dir: Path, started: float) -> bool:
+    return _written_since(run_dir / "summary.json", started)
+
+
+def _stopped_record(run_dir: Path, started: float) -> dict[str, Any] | None:
+    """This launch's last metrics record if it says the workers stopped after saving a checkpoint."""
+    path = run_dir / "metrics.jsonl"
+    if not _written_since(path, started):  # a record from an earlier launch says nothing about this one
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8").strip().splitlines()[-1])
     except (OSError, IndexError, json.JSONDecodeError):
         return None
     return record if isinstance(record, dict) and record.get("kind") == "stopped" else None

@@ -1,4 +1,9 @@
-"""Starting workers through torchrun's own API (torch.distributed.run), never a home-made spawner."""
+"""Starting workers through torchrun's own API (torch.distributed.run), never a home-made spawner.
+
+The launcher process runs torchrun's agent in-process. Around it, launch() takes two things into its own
+hands: SIGINT/SIGTERM (a first one stops the job the agent's own way, a second Ctrl-C stops it at once), and
+torchrun's line about a failed worker (read for the restarted workers, which say what happened in one line).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import sys
 from typing import Any
 
 from scaletrain.config import DistConfig
+from scaletrain.env import FAILED_WORKER_ENV
+from scaletrain.errors import EXIT_USAGE
 
 # The agent stops the surviving workers with SIGTERM (then SIGKILL): those exits are consequences, not causes.
 # A worker that catches SIGTERM (preemption) and then cannot save exits with 128 + SIGTERM instead.
@@ -74,13 +81,32 @@ def _quiet_agent_logs() -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _agent_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: str) -> Any:
+    """torchrun's parsed arguments, with SIGINT and SIGTERM left to _Stop and time for the workers to save."""
+    from torch.distributed import run as torchrun
+
+    parsed = torchrun.get_args_parser().parse_args(torchrun_args(cfg, target, module=module, run_id=run_id))
+    # Set, not parsed: torchrun's parser would read the script's own --options (abbreviations included).
+    parsed.training_script_args = target[1:]
+    if hasattr(parsed, "signals_to_handle"):  # newer torchrun; an older agent keeps SIGINT and SIGTERM itself
+        parsed.signals_to_handle = "SIGHUP,SIGQUIT"
+    if hasattr(parsed, "shutdown_timeout") and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
+        # How long the agent waits for stopped workers before SIGKILL (torchrun: 30 s): long enough to save a
+        # checkpoint. A worker that cannot save exits by itself (train/preempt.py's watchdog).
+        parsed.shutdown_timeout = max(30, cfg.timeout_s)
+    return parsed
+
+
 def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: str = "scaletrain",
-           report_signal: bool = True) -> int:
-    """Start cfg.nproc workers on this machine and wait for them; returns the job's exit code.
+           trainer: bool = False) -> int:
+    """Start cfg.nproc workers on this machine and wait for them; returns the job's exit code (128 + the
+    signal when this process was stopped by one).
 
     On one machine everything stays on loopback: the rendezvous store, MASTER_ADDR, and Gloo's sockets
     (GLOO_SOCKET_IFNAME), which would otherwise bind the address the host name resolves to. Every agent of
-    a multi-machine job must pass the same run_id (cfg.rdzv_id wins over it).
+    a multi-machine job must pass the same run_id (cfg.rdzv_id wins over it). ``trainer``: the workers run
+    scaletrain's trainer, which reports a stop and a restart itself; this process then prints nothing when
+    signalled and drops torchrun's line about a failed worker.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -92,18 +118,23 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     # torchrun would set 1 and print a banner about it; on CPUs give each worker its share of the cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     _quiet_agent_logs()
-    parsed = torchrun.get_args_parser().parse_args(torchrun_args(cfg, target, module=module, run_id=run_id))
-    # Set, not parsed: torchrun's parser would read the script's own --options (abbreviations included).
-    parsed.training_script_args = target[1:]
-    previous = signal.signal(signal.SIGUSR1, _forward_to_workers)
+    parsed = _agent_args(cfg, target, module=module, run_id=run_id)
+    stop = _Stop()
+    failures = _FailedWorker(drop=trainer)
+    failure_log = logging.getLogger(_FAILURE_LOGGER)
+    failure_log.addFilter(failures)
+    handlers = {signal.SIGUSR1: _forward_to_workers, signal.SIGINT: stop, signal.SIGTERM: stop}
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     try:
         torchrun.run(parsed)
     except ChildFailedError as err:
         rank, code = root_failure(err.failures)
+        if code == EXIT_USAGE:  # a usage error: the worker said it in one line, once for the job
+            return EXIT_USAGE
         print(f"scaletrain: worker rank {rank} {_exit_text(code)} ({len(err.failures)} of "
               f"{cfg.nproc * cfg.nnodes} workers stopped with an error; see its output above)",
               file=sys.stderr)
-        return 2 if code == 2 else 1
+        return 1
     except RendezvousError as err:
         why = " ".join(f"{err} {err.__cause__ or ''}".split())  # one line: the cause may span several
         where = cfg.rdzv_endpoint or "this machine"
@@ -112,16 +143,79 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
               "same command", file=sys.stderr)
         return 1
     except SignalException as err:
-        if report_signal:
-            print(f"scaletrain: stopped by {err.sigval.name}; the workers were stopped too", file=sys.stderr)
+        if not trainer:
+            how = "a second Ctrl-C killed the workers" if stop.killed else "the workers were stopped too"
+            print(f"scaletrain: stopped by {err.sigval.name}; {how}", file=sys.stderr)
         return 128 + int(err.sigval)
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        failure_log.removeFilter(failures)
+        failures.forget()
     return 0
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below pid (Linux /proc; elsewhere none)."""
+class _Stop:
+    """This process's SIGINT and SIGTERM, in place of torchrun's handler (which takes every one as a reason to
+    stop the agent again). The first one raises torchrun's SignalException, as its handler does: the agent
+    passes the signal on to every worker (scaletrain's save a checkpoint at the step they agree on and exit),
+    restarts nothing, waits for them up to its shutdown timeout, and re-raises. A later SIGINT, a second
+    Ctrl-C, kills the workers at once; a later SIGTERM changes nothing (the workers already stop)."""
+
+    def __init__(self) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self._raise = SignalException
+        self.signum = 0  # the first signal, 0 = none
+        self.killed = False  # a second Ctrl-C killed the workers
+
+    def __call__(self, signum: int, frame: object) -> None:
+        # Raw writes to stderr: a print here could re-enter a stream the interrupted code was writing.
+        if not self.signum:
+            self.signum = signum
+            if signum == signal.SIGINT:
+                os.write(2, b"scaletrain: Ctrl-C: the workers stop (scaletrain's training saves a checkpoint "
+                            b"first); Ctrl-C again: stop them now, without one\n")
+            raise self._raise(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        if signum == signal.SIGINT and not self.killed:
+            self.killed = True
+            os.write(2, b"scaletrain: Ctrl-C again: killing the workers now, without a checkpoint (the last "
+                        b"committed one stays whole)\n")
+            _signal_workers(signal.SIGKILL)
+
+
+_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _FailedWorker(logging.Filter):
+    """Reads torchrun's "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s" as the agent logs it,
+    before it restarts the group, and leaves "PID EXITCODE" in this process's environment, which the restarted
+    workers inherit (env.FAILED_WORKER_ENV): their rank 0 then names the worker that died, how, and where
+    the job goes on from, in one line. ``drop``: that line replaces torchrun's (LOGLEVEL set keeps it)."""
+
+    def __init__(self, *, drop: bool) -> None:
+        super().__init__()
+        self.drop = drop and "LOGLEVEL" not in os.environ
+        self._before = os.environ.get(FAILED_WORKER_ENV)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if not (str(record.msg).startswith("failed (exitcode") and len(args) >= 3):
+            return True
+        exitcode, _, pid = args[:3]
+        os.environ[FAILED_WORKER_ENV] = f"{pid} {exitcode}"
+        return not (self.drop or exitcode == EXIT_USAGE)  # exit 2: the worker's one line says it all
+
+    def forget(self) -> None:
+        """Put this process's environment back as it was."""
+        if self._before is None:
+            os.environ.pop(FAILED_WORKER_ENV, None)
+        else:
+            os.environ[FAILED_WORKER_ENV] = self._before
+
+
+def _children(pid: int) -> list[int]:
+    """The processes pid started (Linux /proc; elsewhere none)."""
     found: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -130,12 +224,15 @@ def _descendants(pid: int) -> list[int]:
     for task in tasks:
         try:
             with open(f"/proc/{pid}/task/{task}/children") as f:
-                children = [int(c) for c in f.read().split()]
+                found += [int(c) for c in f.read().split()]
         except OSError:
             continue
-        for child in children:
-            found += [child, *_descendants(child)]
     return found
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (Linux /proc; elsewhere none)."""
+    return [p for child in _children(pid) for p in (child, *_descendants(child))]
 
 
 def _forward_to_workers(signum: int, frame: object) -> None:
@@ -145,3 +242,14 @@ def _forward_to_workers(signum: int, frame: object) -> None:
     for pid in _descendants(os.getpid()):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signum)
+
+
+def _signal_workers(signum: int) -> None:
+    """Send signum to every worker and what it started (its data loader workers): torchrun starts each worker
+    as the leader of a process group of its own."""
+    for pid in _children(os.getpid()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signum)
+            else:
+                os.kill(pid, signum)

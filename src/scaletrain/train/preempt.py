@@ -1,13 +1,23 @@
-"""Preemption: SIGTERM (a scheduler's or torchrun's stop) or SIGUSR1 (Slurm's --signal=USR1@SECONDS) sets a
+"""Stopping with a checkpoint, and saying why a restarted job restarted.
+
+Preemption: SIGTERM (a scheduler's or torchrun's stop) or SIGUSR1 (Slurm's --signal=USR1@SECONDS) sets a
 flag; the loop reads it at its next sync point, where every rank learns whether any rank was signalled,
 and then all of them save a checkpoint together and exit 0. The handler itself does nothing else: a signal
 can arrive in the middle of a collective, where saving is impossible.
+
+Ctrl-C (SIGINT) sets the same flag, so the ranks save at the same step; the run then raises Interrupted, a
+KeyboardInterrupt, as Ctrl-C does, only later and with the work saved. A second SIGINT (or a SIGINT while a
+preemption is already being saved) exits at once with 130 and no checkpoint: the commit protocol keeps the
+last committed one whole. Only a SIGINT counts as that second Ctrl-C: the SIGTERM of a launcher that stops
+its workers does not.
 
 Catching SIGTERM changes what it means to a process that cannot reach a sync point: one that hangs, or
 waits in a collective for a peer that died. torchrun stops the survivors of a failed worker with SIGTERM
 and waits 30 s before SIGKILL. So a signal also starts a watchdog: if the loop completes no step for a while
 (5 x its recent step time, at least 2 s) and is not saving, the process exits with 128 + the signal, as if
 it had not caught it.
+
+After torchrun restarted the group, restart_line() is the one line rank 0 prints about the failure.
 """
 
 from __future__ import annotations
@@ -25,8 +35,28 @@ from typing import Any
 
 import torch
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from scaletrain import runtime
+from scaletrain.env import under_launcher
+from scaletrain.errors import Stopped
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 MIN_GRACE_S = 2.0
+
+
+class Interrupted(Stopped):
+    """Ctrl-C stopped the run after its checkpoint was saved: raised at the step where the ranks agreed to
+    stop rather than wherever the signal arrived. ``record`` is the metrics.jsonl "stopped" record."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        saved = f"checkpoint {record['checkpoint']}" if record.get("checkpoint") else "a checkpoint"
+        super().__init__(f"Ctrl-C: stopped at step {record['step']} after saving {saved}")
+        self.record = record
+
+
+def say(line: str) -> None:
+    """One line on stderr from a signal handler: a raw write, which cannot re-enter a buffered stream that the
+    interrupted code was in the middle of writing."""
+    os.write(2, (line + "\n").encode())
 
 
 class PreemptFlag:
@@ -40,9 +70,20 @@ class PreemptFlag:
         self._saving = 0
         self._finished = False
         self._watchdog: threading.Thread | None = None
+        self._owner = os.getpid()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._owner:  # a forked data loader worker: the process it serves decides for it
+            return
+        if signum == signal.SIGINT and self.signum:
+            say(f"{self.label}scaletrain: Ctrl-C again: stopping now, without a checkpoint (the last "
+                "committed one stays whole)")
+            os._exit(128 + signum)
+        # Set before saying anything: a second Ctrl-C can interrupt this handler once the line is out.
         self.signum = self.signum or signum
+        if signum == signal.SIGINT and not under_launcher():  # a launcher says it for all its workers
+            say("scaletrain: Ctrl-C: saving a checkpoint after this step, then stopping (Ctrl-C again: stop "
+                "now, without one)")
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name="scaletrain-preempt-watchdog", daemon=True)
             self._watchdog.start()
@@ -139,3 +180,30 @@ class StepAgreement:
         if self._work is not None:
             self._work.wait()
             self._work = None
+
+
+def restart_line(rt: runtime.Runtime, resumed_step: int | None) -> str | None:
+    """Rank 0's one line after torchrun restarted the group: which worker failed, how, at which step, and
+    where the job goes on from, e.g. ``worker rank 1 (pid 4242) died by SIGKILL at step 13; restarting from
+    checkpoint step 8 (restart 1 of 3)``. Says less when less is known (under plain torchrun nobody passes on
+    the pid and exit code). None on other ranks and on a first attempt."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not rt.is_main or attempt == 0:
+        return None
+    failure = runtime.previous_failure(rt)
+    at = f" at step {failure['step']}" if "step" in failure else ""
+    if "rank" in failure:
+        who = f"worker rank {failure['rank']} (pid {failure['pid']}) {_exit_words(failure['exitcode'])}{at}"
+    elif "missing" in failure:
+        who = f"worker rank {failure['missing']} stopped answering{at}"
+    else:
+        who = f"a worker failed{at}"
+    start = "step 0 (no checkpoint to resume)" if resumed_step is None else f"checkpoint step {resumed_step}"
+    most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    return f"{who}; restarting from {start} (restart {attempt} of {most})"
+
+
+def _exit_words(exitcode: int) -> str:
+    """-9 -> "died by SIGKILL" (a negative exit code is the signal that ended the process); 1 -> "exited with
+    code 1"."""
+    return f"died by {PreemptFlag.name(-exitcode)}" if exitcode < 0 else f"exited with code {exitcode}"

@@ -1,0 +1,98 @@
+"""The pieces behind Ctrl-C and the restart line, in-process and cheap (the end-to-end runs, 2 Gloo ranks
+under torchrun, are in test_resume.py): what the launcher reads from torchrun's log, and the line rank 0
+prints after a restart from what it knows."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from scaletrain import env, runtime
+from scaletrain.cluster import torchrun
+from scaletrain.train import preempt
+
+TORCH_FAILURE = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+
+
+def _record(msg: str, args: tuple) -> logging.LogRecord:
+    return logging.LogRecord(torchrun._FAILURE_LOGGER, logging.ERROR, "api.py", 1, msg, args, None)
+
+
+@pytest.mark.parametrize("trainer", [True, False])
+def test_the_launcher_reads_torchruns_failure_line_for_the_restarted_workers(monkeypatch, trainer):
+    monkeypatch.delenv(env.FAILED_WORKER_ENV, raising=False)
+    monkeypatch.delenv("LOGLEVEL", raising=False)
+    seen = torchrun._FailedWorker(drop=trainer)
+    assert seen.filter(_record("Sending process %s closing signal %s", (11, "SIGTERM")))  # not ours: kept
+    assert env.FAILED_WORKER_ENV not in os.environ
+    kept = seen.filter(_record(TORCH_FAILURE, (-9, 1, 4242, "/usr/bin/python")))
+    assert os.environ[env.FAILED_WORKER_ENV] == "4242 -9"  # what the restarted workers inherit
+    assert kept is not trainer  # scaletrain's trainer says it in its own line; a user's script keeps torchrun's
+    seen.forget()
+    assert env.FAILED_WORKER_ENV not in os.environ
+
+
+RT = runtime.Runtime(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"),
+                     backend="gloo")
+
+
+@pytest.mark.parametrize(("known", "line"), [
+    ({"rank": 1, "pid": 4242, "exitcode": -9, "step": 13},
+     "worker rank 1 (pid 4242) died by SIGKILL at step 13; restarting from checkpoint step 8 (restart 1 of 3)"),
+    ({"rank": 1, "pid": 4242, "exitcode": 1, "step": 13},
+     "worker rank 1 (pid 4242) exited with code 1 at step 13; restarting from checkpoint step 8 (restart 1 of 3)"),
+    # plain torchrun: nobody passes the pid and exit code on, the survivors name the rank that never answered
+    ({"missing": "1", "step": 13},
+     "worker rank 1 stopped answering at step 13; restarting from checkpoint step 8 (restart 1 of 3)"),
+    ({}, "a worker failed; restarting from checkpoint step 8 (restart 1 of 3)"),
+])
+def test_the_restart_line_says_what_is_known_and_nothing_else(monkeypatch, known, line):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setattr(runtime, "previous_failure", lambda rt: known)
+    assert preempt.restart_line(RT, 8) == line
+    assert preempt.restart_line(RT, None).endswith("restarting from step 0 (no checkpoint to resume) (restart 1 of 3)")
+    other = runtime.Runtime(1, 1, 2, 2, torch.device("cpu"), "gloo")
+    assert preempt.restart_line(other, 8) is None  # rank 0 says it, once
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert preempt.restart_line(RT, 8) is None  # a first attempt has nothing to explain
+
+
+WAITS_FOR_CTRL_C = """\
+import sys, time
+from scaletrain.train.preempt import PreemptFlag
+
+flag = PreemptFlag().install()
+print("ready", flush=True)
+while not flag.signum:
+    time.sleep(0.01)
+print("flag", flag.signum, flush=True)
+time.sleep(60)
+"""
+
+
+def test_ctrl_c_sets_the_flag_and_a_second_one_exits_130_at_once():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen([sys.executable, "-c", WAITS_FOR_CTRL_C], env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline() == "flag 2\n"  # set, not raised: the loop saves at its next step boundary
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert time.monotonic() - started < 5  # not the 60 s sleep
+    assert proc.returncode == 130
+    assert err.splitlines() == [
+        "scaletrain: Ctrl-C: saving a checkpoint after this step, then stopping (Ctrl-C again: stop now, without one)",
+        "scaletrain: Ctrl-C again: stopping now, without a checkpoint (the last committed one stays whole)"]
