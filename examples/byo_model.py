@@ -6,7 +6,8 @@
 
 The task: 8-dimensional Gaussian points, each labelled by which of 4 fixed random directions it points most
 along. Every rank builds the same data set from the same seed; scaletrain gives each rank its own shard.
-RUN_DIR (default runs/byo) receives summary.json, metrics.jsonl and model.safetensors.
+RUN_DIR receives summary.json, metrics.jsonl and model.safetensors; without it each run takes the next free
+runs/byo, runs/byo-2, ... (a finished run is never overwritten).
 """
 
 import sys
@@ -39,6 +40,6 @@ def smoothed_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":
+    where = {"run.dir": sys.argv[1]} if len(sys.argv) > 1 else {}  # default: runs/byo, runs/byo-2, ...
     scaletrain.fit(Net, make_data(4096, seed=0), eval_data=make_data(1024, seed=1), loss_fn=smoothed_ce,
-                   config={"run.dir": sys.argv[1] if len(sys.argv) > 1 else "runs/byo", "train.epochs": 5,
-                           "optim.lr": 3e-3, "train.log_every": 50})
+                   config={"run.name": "byo", **where, "train.epochs": 5, "optim.lr": 3e-3, "log.every": 50})

@@ -224,12 +224,14 @@ class TrainConfig:
     """Samples per optimizer step across all ranks; > 0 derives accum_steps from it (0 = use accum_steps)."""
     precision: Literal["fp32", "bf16-mixed", "fp16-mixed"] = "fp32"
     """Compute precision: fp32, or bf16/fp16 compute with fp32 master weights (autocast; FSDP's MixedPrecisionPolicy under fsdp/hsdp); fp16 adds a gradient scaler (CUDA only)."""
+    tf32: bool = True
+    """CUDA: let fp32 matmuls and convolutions use TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32, cudnn.allow_tf32), as PyTorch recommends on Ampere and newer; false = full fp32."""
     compile: bool = False
     """Compile the model with torch.compile before wrapping it for data parallelism."""
     eval_every: int = 0
     """Evaluate every this many optimizer steps (0 = at the end of every epoch, and at the end)."""
-    eval_batches: int = 0
-    """Eval batches per rank per evaluation (0 = the whole held-out split)."""
+    eval_batches: int = 100
+    """Eval batches per rank per evaluation, spread evenly over the held-out split (0 = the whole split)."""
     progress: bool = True
     """Show a progress bar on rank 0 when the console is a terminal."""
     deterministic: bool = False
@@ -246,8 +248,8 @@ class TrainConfig:
         _check(self.global_batch >= 0, "train.global_batch", self.global_batch, "an integer >= 0 (0 = derived)",
                "--train.global_batch=256")
         _check(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0", "--train.eval_every=0")
-        _check(self.eval_batches >= 0, "train.eval_batches", self.eval_batches, "an integer >= 0",
-               "--train.eval_batches=0")
+        _check(self.eval_batches >= 0, "train.eval_batches", self.eval_batches,
+               "an integer >= 0 (0 = the whole held-out split)", "--train.eval_batches=100")
 
 
 @dataclass(frozen=True)
@@ -316,9 +318,11 @@ class ChaosConfig:
     interrupt_step: int = 0
     """Act as if preempted at the end of this step: save a checkpoint and exit 0 (0 = off)."""
     signal_rank: int = -1
-    """Send SIGUSR1 to this rank's own process at the start of signal_step, as Slurm's --signal does: rehearses preemption end to end (-1 = off)."""
+    """Send signal_name at the start of signal_step from this rank: rehearses preemption (or Ctrl-C) end to end (-1 = off)."""
     signal_step: int = 0
     """The step at whose start signal_rank is signalled."""
+    signal_name: Literal["SIGUSR1", "SIGTERM", "SIGINT"] = "SIGUSR1"
+    """SIGUSR1 (as Slurm's --signal) or SIGTERM go to signal_rank's own process; SIGINT goes where a terminal's Ctrl-C goes, to the launcher's whole process group (this process's group without a launcher)."""
 
     def __post_init__(self) -> None:
         for key in ("kill", "nan", "hang", "delay", "signal"):
@@ -329,6 +333,8 @@ class ChaosConfig:
             _check(value >= 0, f"chaos.{key}", value, "a step >= 0", f"--chaos.{key}=10")
         _check(self.hang_s >= 0, "chaos.hang_s", self.hang_s, "seconds >= 0", "--chaos.hang_s=60")
         _check(self.delay_ms >= 0, "chaos.delay_ms", self.delay_ms, "milliseconds >= 0", "--chaos.delay_ms=30")
+        _check(self.signal_name in ("SIGUSR1", "SIGTERM", "SIGINT"), "chaos.signal_name", self.signal_name,
+               "SIGUSR1, SIGTERM or SIGINT", "--chaos.signal_name=SIGINT")
 
 
 RESTORABLE = ("weights", "optimizer", "rng", "data", "scheduler")

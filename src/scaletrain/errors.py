@@ -6,18 +6,46 @@ a file) raises one of these with what was wrong, what is allowed and how to fix 
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+import os
+import sys
+from types import TracebackType
+from typing import Any, TextIO
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # training failed (a crash, a non-finite loss)
 EXIT_USAGE = 2  # usage or configuration error
 
 
-class TrainingFailed(Exception):
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """Unpickle one of our errors whatever its __init__ takes (errors travel between ranks as objects)."""
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
+class Reported(Exception):
+    """An error scaletrain reports as one line. ``agreed``: every rank raised this same error from one
+    decision (rank 0's, broadcast), so rank 0 alone reports it."""
+
+    agreed = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+class TrainingFailed(Reported):
     """Training cannot go on (exit code 1): a non-finite loss, a failed collective, out of memory."""
 
 
-class UserError(Exception):
+class Stopped(KeyboardInterrupt):
+    """The run stopped on the user's Ctrl-C after saving a checkpoint, and said so: it ends the program as
+    Ctrl-C does (exit 130), without a traceback; a worker under a launcher exits 0, so that its agent does not
+    take the stop for a failure and restart the group."""
+
+
+class UserError(Reported):
     """A mistake in the user's input. ``str(err)`` is the whole one-line message."""
 
 
@@ -48,3 +76,84 @@ class CheckpointError(UserError):
     def __init__(self, path: Any, problem: str, fix: str) -> None:
         super().__init__(f"checkpoint {path}: {problem}; fix: {fix}")
         self.path, self.problem = path, problem
+
+
+# ------------------------------------------------------------------------------------------- reporting
+
+
+def exit_code(err: BaseException) -> int:
+    return EXIT_USAGE if isinstance(err, UserError) else EXIT_FAILURE
+
+
+def one_line(err: BaseException) -> str:
+    """How scaletrain says ``err``: ``scaletrain: error: ...`` (exit 2) or ``scaletrain: training failed: ...``."""
+    what = "error" if isinstance(err, UserError) else "training failed"
+    return f"scaletrain: {what}: {err}"
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _first_to_say(line: str) -> bool:
+    """Under a launcher, True for the first rank of the job to report this line, through the launcher's
+    key-value store (torchrun's agent keeps it up for the whole job), so an error every rank raised is said
+    once. Without a reachable store every rank says it."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not addr or not port.isdigit():
+        return True
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=5))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        key = f"scaletrain/said/{attempt}/{hashlib.sha256(line.encode()).hexdigest()[:16]}"
+        return int(store.add(key, 1)) == 1
+    except Exception:  # noqa: BLE001 -- the store is gone or unreachable: say it rather than lose it
+        return True
+
+
+def report(err: BaseException, stream: TextIO | None = None) -> int:
+    """Say ``err`` in one line, once per job however many ranks raised it; returns its exit code.
+
+    Rank 0 alone reports an ``agreed`` error; any other is reported by the first rank to reach the launcher's
+    store with that text (prefixed with its rank when that is not rank 0)."""
+    stream = stream or sys.stderr
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    line = one_line(err)
+    if world > 1 and "RANK" in os.environ:
+        if getattr(err, "agreed", False) and rank != 0:
+            return exit_code(err)
+        if not _first_to_say(line):
+            return exit_code(err)
+        if rank != 0:
+            line = f"[rank {rank}] {line}"
+    print(line, file=stream, flush=True)
+    return exit_code(err)
+
+
+def install_excepthook() -> None:
+    """Make a scaletrain error that nobody catches end the program as the CLI does: one line (said once per
+    job) and exit code 2 (1 for a training failure) instead of a traceback; a Stopped run exits as Ctrl-C
+    does (it said why itself). Any other exception goes to the
+    hook that was there before. Call it when such an error is on its way out: torch's init_process_group
+    wraps the hook it finds in one that buffers stderr, which would swallow the line, so ours must be the
+    outermost."""
+    current = sys.excepthook
+    if getattr(current, "_scaletrain", False):
+        return
+
+    def hook(kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(err, Reported):
+            sys.exit(report(err))  # SystemExit from an excepthook sets the exit code (atexit still runs)
+        if isinstance(err, Stopped):
+            sys.exit(0 if "RANK" in os.environ else 130)
+        current(kind, err, tb)
+
+    hook._scaletrain = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -7,19 +7,27 @@ A single process with no launcher around it is world size 1 and starts no proces
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import random
 import socket
+import sys
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from scaletrain.config import DistConfig
-from scaletrain.errors import ConfigError
+from scaletrain.env import FAILED_WORKER_ENV, under_launcher
+from scaletrain.errors import ConfigError, Reported
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -39,11 +47,6 @@ class Runtime:
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
-
-
-def under_launcher() -> bool:
-    """True when a launcher (torchrun, or a compatible one) has set this process's rank and world."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _env_int(name: str, default: int) -> int:
@@ -92,7 +95,43 @@ def init(cfg: DistConfig) -> Runtime:
         backend = "none"
     rt = Runtime(rank, local_rank, world, local_world, device, backend, owns)
     _announce(rt)
+    speak_once(rank)
     return rt
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """``scaletrain: warning: ...`` on sys.stderr as it is when a record is emitted (as logging's lastResort)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"scaletrain: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def speak_once(rank: int) -> None:
+    """Warnings once per job, by rank 0: every rank runs the same code, so N copies say nothing more.
+
+    scaletrain's own log warnings print as ``scaletrain: warning: ...`` on rank 0 only (not propagated to
+    the root logger: a user's logging setup would print them twice). On other ranks Python's warnings (torch's
+    included) are silenced, unless the user chose a warnings filter (-W / PYTHONWARNINGS)."""
+    logger = logging.getLogger("scaletrain")
+    handler = next((h for h in logger.handlers if getattr(h, "_scaletrain", False)), None)
+    if handler is None:
+        handler = _Stderr()
+        handler._scaletrain = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
+    handler.setLevel(logging.WARNING if rank == 0 else logging.CRITICAL + 1)
+    if rank != 0 and not sys.warnoptions:
+        warnings.simplefilter("ignore")
 
 
 def _attempt_store(world: int, timeout: timedelta) -> dist.Store | None:
@@ -110,11 +149,16 @@ def _attempt_store(world: int, timeout: timedelta) -> dist.Store | None:
 
 
 def _store() -> dist.Store | None:
-    """The process group's key-value store (torchrun's agent store), or None."""
+    """The job's key-value store (torchrun's agent store, kept across restarts), or None. The process group
+    sees it through prefixes (per attempt, per group); scaletrain's keys carry the attempt themselves, so that
+    a restarted group can read what the previous attempt wrote."""
     try:
-        return dist.distributed_c10d._get_default_store()
+        store = dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError, AttributeError):
         return None
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 def _attempt() -> str:
@@ -122,10 +166,29 @@ def _attempt() -> str:
 
 
 def _announce(rt: Runtime) -> None:
-    """Record this rank's host in the store once, so that a failure can name where a missing rank runs."""
+    """Record this rank's host (and which rank this pid is) in the store once, so that a failure can name where
+    a missing rank runs; after a restart, pass on what this machine's launcher saw of the previous failure."""
     store = _store() if rt.distributed else None
-    if store is not None:
-        store.set(f"scaletrain/{_attempt()}/host/{rt.rank}", socket.gethostname())
+    if store is None:
+        return
+    host = socket.gethostname()
+    store.set(f"scaletrain/{_attempt()}/host/{rt.rank}", host)
+    store.set(f"scaletrain/{_attempt()}/rank-of/{host}/{os.getpid()}", str(rt.rank))
+    if rt.local_rank == 0 and int(_attempt()) > 0 and FAILED_WORKER_ENV in os.environ:
+        _pass_on_failure(store, host, os.environ[FAILED_WORKER_ENV])
+
+
+def _pass_on_failure(store: dist.Store, host: str, failed: str) -> None:
+    """``failed`` ("PID EXITCODE", from this machine's launcher) becomes the previous attempt's "died" record
+    (rank, pid, exit code) if that pid was a rank of it that did not report a failure itself: a rank that did
+    was stopped by another one's death (a launcher names the first of its own workers to fail)."""
+    prev = f"scaletrain/{int(_attempt()) - 1}"
+    pid, exitcode = failed.split()
+    key = f"{prev}/rank-of/{host}/{pid}"
+    if store.check([key]):
+        rank = store.get(key).decode()
+        if not store.check([f"{prev}/failed/{rank}"]):
+            store.set(f"{prev}/died", f"{rank} {pid} {exitcode}")
 
 
 def missing_peers(rt: Runtime, step: int, wait_s: float = 2.0) -> list[tuple[int, str]]:
@@ -138,6 +201,7 @@ def missing_peers(rt: Runtime, step: int, wait_s: float = 2.0) -> list[tuple[int
     prefix = f"scaletrain/{_attempt()}"
     try:
         store.set(f"{prefix}/failed/{rt.rank}", str(step))
+        store.set(f"{prefix}/failed-at", str(step))  # for a restarted group: the step the failure stopped
         deadline = time.monotonic() + wait_s
         missing = list(range(rt.world_size))
         while missing and time.monotonic() < deadline:
@@ -147,9 +211,51 @@ def missing_peers(rt: Runtime, step: int, wait_s: float = 2.0) -> list[tuple[int
         for r in missing:
             key = f"{prefix}/host/{r}"
             hosts.append((r, store.get(key).decode() if store.check([key]) else "?"))
+        if missing:
+            store.set(f"{prefix}/missing", ", ".join(map(str, missing)))
         return hosts
     except (RuntimeError, dist.DistError):  # the store itself is gone (the agent died): nothing to name
         return []
+
+
+def previous_failure(rt: Runtime) -> dict[str, Any]:
+    """After torchrun restarted the group: what the store holds about the failure that ended the previous
+    attempt. ``rank``, ``pid``, ``exitcode`` of the worker that died (when its machine's launcher passed them
+    on: scaletrain's does, plain torchrun does not); ``step``, the step the survivors were in; ``missing``, the
+    ranks that never answered them. Empty on a first attempt or when nothing was recorded."""
+    store = _store() if rt.distributed else None
+    if store is None or int(_attempt()) == 0:
+        return {}
+    prev = f"scaletrain/{int(_attempt()) - 1}"
+    found: dict[str, Any] = {}
+    try:
+        if store.check([f"{prev}/died"]):
+            rank, pid, exitcode = store.get(f"{prev}/died").decode().split()
+            found.update(rank=int(rank), pid=int(pid), exitcode=int(exitcode))
+        if store.check([f"{prev}/failed-at"]):
+            found["step"] = int(store.get(f"{prev}/failed-at"))
+        if store.check([f"{prev}/missing"]):
+            found["missing"] = store.get(f"{prev}/missing").decode()
+    except (RuntimeError, dist.DistError, ValueError):  # a store that went away, or a value not ours
+        pass
+    return found
+
+
+def rank0_decides(rt: Runtime, decide: Callable[[], T]) -> T:
+    """Rank 0 calls ``decide``; every rank returns its result, or raises the scaletrain error it raised, marked
+    ``agreed`` so that it is reported once (by rank 0), not once per rank. One broadcast of one object."""
+    choice: list[Any] = [None]
+    if rt.is_main:
+        try:
+            choice[0] = decide()
+        except Reported as err:
+            err.agreed = True
+            choice[0] = err
+    if rt.distributed:
+        dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], Reported):
+        raise choice[0]
+    return choice[0]
 
 
 def close(rt: Runtime) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -38,3 +40,24 @@ def test_auto_picks_cpu_and_gloo_without_cuda(monkeypatch):
         runtime.pick_device(DistConfig(device="cuda:1"), local_rank=0)
     with pytest.raises(ConfigError, match="dist.backend = 'nccl'.*gloo"):
         runtime.pick_backend(DistConfig(backend="nccl"), device)
+
+
+def test_warnings_are_said_once_by_rank_0(capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank runs the same code: scaletrain's warnings print on rank 0 only, as `scaletrain: warning:`,
+    and the other ranks silence Python's warnings (torch's included) unless the user set a filter."""
+    import logging
+    import warnings
+
+    from scaletrain.runtime import speak_once
+
+    logger = logging.getLogger("scaletrain.parallel")
+    monkeypatch.setattr(sys, "warnoptions", [])
+    with warnings.catch_warnings():
+        speak_once(1)
+        logger.warning("hsdp with dp_replicate = 1 is fsdp")
+        warnings.warn("a torch warning", UserWarning, stacklevel=1)
+        assert capsys.readouterr().err == ""
+        speak_once(0)
+        logger.warning("hsdp with dp_replicate = 1 is fsdp")
+        assert capsys.readouterr().err == "scaletrain: warning: hsdp with dp_replicate = 1 is fsdp\n"

@@ -7,7 +7,8 @@ import sys
 
 from scaletrain.cli import bench, checkpoint, doctor, launch, plan, report, slurm, train, verify_resume
 from scaletrain.cli.options import Parser
-from scaletrain.errors import EXIT_FAILURE, EXIT_USAGE, TrainingFailed, UserError
+from scaletrain.errors import EXIT_USAGE, TrainingFailed, UserError
+from scaletrain.errors import report as report_error
 
 COMMANDS = {"train": train, "launch": launch, "verify-resume": verify_resume, "checkpoint": checkpoint,
             "report": report, "bench": bench, "doctor": doctor, "plan": plan,
@@ -37,12 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return EXIT_USAGE
         return COMMANDS[args.command].run(args, leftovers, argv)
-    except UserError as err:
-        print(f"{where}scaletrain: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except TrainingFailed as err:
-        print(f"{where}scaletrain: training failed: {err}", file=sys.stderr)
-        return EXIT_FAILURE
+    except (UserError, TrainingFailed) as err:
+        return report_error(err)  # one line, once per job however many ranks raised it
     except KeyboardInterrupt:
         print(f"{where}scaletrain: interrupted", file=sys.stderr)
         return 130

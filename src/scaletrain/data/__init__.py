@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scaletrain.config import DataConfig, ModelConfig
-from scaletrain.data.loader import ShardedLoader, ShardedSampler, epoch_permutation, eval_loader
+from scaletrain.data.loader import ShardedLoader, ShardedSampler, epoch_permutation, eval_indices, eval_loader
 from scaletrain.data.sources import (
     Splits,
     TensorPairs,
@@ -16,7 +16,7 @@ from scaletrain.data.sources import (
 from scaletrain.errors import ConfigError
 
 __all__ = ["ShardedLoader", "ShardedSampler", "Splits", "TensorPairs", "TokenWindows", "build_splits",
-           "epoch_permutation", "eval_loader", "in_memory"]
+           "epoch_permutation", "eval_indices", "eval_loader", "in_memory"]
 
 
 def build_splits(data: DataConfig, model: ModelConfig) -> Splits:

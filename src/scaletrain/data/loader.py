@@ -128,9 +128,19 @@ class ShardedLoader:
         self.sampler.epoch, self.sampler.cursor, self.sampler.end = epoch, cursor, end
 
 
+def eval_indices(size: int, *, batch_size: int, world: int, max_batches: int = 0) -> list[int]:
+    """The held-out samples one evaluation covers, before sharding: all of them, or with ``max_batches`` > 0
+    at most max_batches x batch_size x world, spread evenly over the split (sample floor(i x size / n)), so a
+    bounded evaluation still sees every part of it (a text corpus's held-out files come in order)."""
+    n = min(size, max_batches * batch_size * world) if max_batches else size
+    return list(range(size)) if n == size else [i * size // n for i in range(n)]
+
+
 def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num_workers: int = 0,
-                pin_memory: bool = False) -> DataLoader:
-    """Rank r evaluates samples r, r + W, ...: every sample exactly once across ranks, none padded."""
-    indices = range(rank, len(dataset), world)  # type: ignore[arg-type]
-    return DataLoader(dataset, batch_size=batch_size, sampler=indices, num_workers=num_workers,
+                pin_memory: bool = False, max_batches: int = 0) -> DataLoader:
+    """Rank r evaluates samples r, r + W, ... of eval_indices: every one exactly once across ranks, none
+    padded."""
+    chosen = eval_indices(len(dataset), batch_size=batch_size, world=world,  # type: ignore[arg-type]
+                          max_batches=max_batches)
+    return DataLoader(dataset, batch_size=batch_size, sampler=chosen[rank::world], num_workers=num_workers,
                       pin_memory=pin_memory)

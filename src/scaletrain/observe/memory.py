@@ -19,6 +19,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from scaletrain.batch import Batch, backward_scalar, logits_of, loss_of
 
 GB = 1e9
 
@@ -189,9 +192,13 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def default_loss(output: torch.Tensor) -> torch.Tensor:
-    """The memory a cross-entropy loss holds (scaletrain's default loss), against class 0."""
-    logits = output.reshape(-1, output.shape[-1])
+def default_loss(output: Any) -> torch.Tensor:
+    """The memory a cross-entropy loss holds (scaletrain's default loss), against class 0; a model that
+    computes its own loss, or returns no logits, is measured from its own outputs."""
+    logits = logits_of(output)
+    if loss_of(output) is not None or logits is None:
+        return backward_scalar(output)
+    logits = logits.reshape(-1, logits.shape[-1])
     return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
 
 
@@ -205,10 +212,11 @@ class StepMemory:
     peak_bytes: int  # most bytes live at once over forward and backward (gradients included)
 
 
-def measure_step(model: nn.Module, inputs: torch.Tensor, *, precision: str = "fp32",
-                 loss_fn: Callable[[torch.Tensor], torch.Tensor] = default_loss,
+def measure_step(model: nn.Module, inputs: torch.Tensor | Batch, *, precision: str = "fp32",
+                 loss_fn: Callable[[Any], torch.Tensor] = default_loss,
                  backward: bool = False, grads_allocated: bool = False) -> StepMemory:
-    """One forward (and, with ``backward``, a backward) of ``model`` on ``inputs``, measured by LiveBytes.
+    """One forward (and, with ``backward``, a backward) of ``model`` on ``inputs`` (a batched input tensor
+    or a Batch), measured by LiveBytes.
 
     ``grads_allocated``: give every parameter a zero gradient first, as DDP's bucket views keep them between
     steps, so backward adds into it and the peak counts only backward's temporaries, not the gradients.
@@ -219,14 +227,16 @@ def measure_step(model: nn.Module, inputs: torch.Tensor, *, precision: str = "fp
     grads = [p.grad for p in params]
     for p in params:  # a measured backward must not add into the training's gradients
         p.grad = torch.zeros_like(p) if grads_allocated else None
-    existing = [*params, *(p.grad for p in params if p.grad is not None), *model.buffers(), inputs]
+    batch = inputs if isinstance(inputs, Batch) else Batch((inputs,), {}, None)
+    existing = [*params, *(p.grad for p in params if p.grad is not None), *model.buffers(), *batch.tensors()]
     dtype = AUTOCAST_DTYPE.get(precision)
-    devices = [inputs.device] if inputs.device.type == "cuda" else []
+    device = next(batch.tensors()).device
+    devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         tracker = LiveBytes(existing)
         with tracker:
-            with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype is not None):
-                loss = loss_fn(model(inputs))
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = loss_fn(batch(model))
             retained = tracker.current
             if backward:
                 loss.backward()
@@ -239,11 +249,12 @@ def measure_step(model: nn.Module, inputs: torch.Tensor, *, precision: str = "fp
     return StepMemory(retained, tracker.peak)
 
 
-def estimate_activation_bytes(model: nn.Module, sample: torch.Tensor, batch_size: int, *,
+def estimate_activation_bytes(model: nn.Module, sample: torch.Tensor | Batch, batch_size: int, *,
                               precision: str = "fp32",
-                              loss_fn: Callable[[torch.Tensor], torch.Tensor] = default_loss,
+                              loss_fn: Callable[[Any], torch.Tensor] = default_loss,
                               whole_step: bool = False) -> int:
-    """Activation bytes of one micro-batch of ``batch_size`` copies of ``sample`` (one input, no batch dim).
+    """Activation bytes of one micro-batch of ``batch_size`` copies of ``sample`` (one input with no batch
+    dim, or a Batch of one sample).
 
     Measured (measure_step) at batch 1 and 2; activations are a + b x batch (a: what does not grow with the
     batch, e.g. weights cast to bf16 and kept for backward), so the two points give the estimate at any batch
@@ -252,8 +263,10 @@ def estimate_activation_bytes(model: nn.Module, sample: torch.Tensor, batch_size
     backward, gradients allocated beforehand): what the planner adds to the model state.
     """
     def at(b: int) -> int:
-        m = measure_step(model, sample.unsqueeze(0).expand(b, *sample.shape).contiguous(), precision=precision,
-                         loss_fn=loss_fn, backward=whole_step, grads_allocated=whole_step)
+        inputs = sample.repeat(b) if isinstance(sample, Batch) else \
+            sample.unsqueeze(0).expand(b, *sample.shape).contiguous()
+        m = measure_step(model, inputs, precision=precision, loss_fn=loss_fn, backward=whole_step,
+                         grads_allocated=whole_step)
         return m.peak_bytes if whole_step else m.activations_bytes
 
     one, two = at(1), at(2)

@@ -37,7 +37,7 @@ from scaletrain.checkpoint import commit, tree
 from scaletrain.config import CheckpointConfig
 from scaletrain.errors import CheckpointError, ConfigError, TrainingFailed
 from scaletrain.observe.memory import local_shard
-from scaletrain.runtime import Runtime
+from scaletrain.runtime import Runtime, rank0_decides
 
 FORMAT_FULL, FORMAT_DCP = "full", "dcp"
 MODEL, OPTIMIZER, TRAINER = "model.safetensors", "optimizer.safetensors", "trainer.json"
@@ -370,17 +370,7 @@ def find_resume(cfg: CheckpointConfig, run_dir: Path, rt: Runtime, warn: Any) ->
     """The checkpoint this run continues from, chosen and verified once on rank 0; every rank then checks that
     it sees the same checkpoint (a rank that would load another step is an error, not a drift)."""
     root = run_dir / "checkpoints"
-    choice: list[Any] = [None]
-    if rt.is_main:
-        try:
-            choice[0] = _choose(cfg, root, warn)
-        except (CheckpointError, ConfigError) as err:
-            choice[0] = err
-    if rt.distributed:
-        dist.broadcast_object_list(choice, src=0)
-    if isinstance(choice[0], Exception):
-        raise choice[0]
-    resume: Resume | None = choice[0]
+    resume: Resume | None = rank0_decides(rt, lambda: _choose(cfg, root, warn))
     if rt.distributed:
         mine: Any = None
         if resume is not None:

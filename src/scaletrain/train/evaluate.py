@@ -7,7 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaletrain.data import eval_loader
+from scaletrain.batch import IGNORE_INDEX, Batch, collate_one, logits_of, loss_of
+from scaletrain.data import eval_indices, eval_loader
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast
 
@@ -25,46 +26,57 @@ def evaluate(job: Job) -> dict[str, float]:
     """
     cfg, rt, module = job.cfg, job.rt, job.module
     assert job.eval_data is not None
-    loader = eval_loader(job.eval_data, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-                         rank=rt.rank, world=rt.world_size, num_workers=cfg.data.num_workers,
-                         pin_memory=rt.device.type == "cuda")
+    batch_size = cfg.data.eval_batch_size or cfg.data.batch_size
+    loader = eval_loader(job.eval_data, batch_size=batch_size, rank=rt.rank, world=rt.world_size,
+                         num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
+                         max_batches=cfg.train.eval_batches)
     module.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss x count, correct
-    count, other = 0, 0  # targets seen (tokens for a language model), batches without class targets
+    totals = torch.zeros(4, dtype=torch.float64, device=rt.device)  # loss x count, correct, count, no-accuracy
     forwards = len(loader)
     if job.sharded:
         # FSDP's forward is collective (it all-gathers parameters): every rank must run the same number of
         # forwards, though one rank may hold one sample more. The extra forwards are not counted.
-        most = -(-len(job.eval_data) // rt.world_size)  # type: ignore[arg-type]
-        forwards = -(-most // loader.batch_size)  # type: ignore[operator]
-    if cfg.train.eval_batches:
-        forwards = min(forwards, cfg.train.eval_batches)
-    for batch in _padded(loader, forwards):
-        if batch is None:  # this rank is out of samples; keep FSDP's collectives in step, count nothing
-            x = job.eval_data[0][0].unsqueeze(0).to(rt.device)
+        chosen = eval_indices(len(job.eval_data), batch_size=batch_size, world=rt.world_size,  # type: ignore[arg-type]
+                              max_batches=cfg.train.eval_batches)
+        forwards = -(-len(chosen[::rt.world_size]) // batch_size)  # rank 0's share is the largest
+    for raw in _padded(loader, forwards):
+        if raw is None:  # this rank is out of samples; keep FSDP's collectives in step, count nothing
             with autocast(cfg.train.precision, rt.device, sharded=job.sharded):
-                module(x)
+                job.batcher(collate_one(job.eval_data)).to(rt.device)(module)
             continue
-        x, y = (t.to(rt.device, non_blocking=True) for t in batch)
+        batch = job.batcher(raw).to(rt.device)
         with autocast(cfg.train.precision, rt.device, sharded=job.sharded):
-            out = module(x)
-        n = y.numel() if not y.is_floating_point() else y.shape[0]
-        totals[0] += job.loss_fn(out, y).double() * n
-        if y.is_floating_point() or out.shape[:-1] != y.shape:
-            other += 1
-        else:
-            totals[1] += (out.argmax(-1) == y).sum()
-        count += n
+            out = batch(module)
+            loss = job.loss_fn(out, batch.target)
+        totals += _sums(out, batch, loss)
     module.train()
-    totals = torch.cat([totals, torch.tensor([count, other], dtype=torch.float64, device=rt.device)])
     if rt.distributed:
         dist.all_reduce(totals)  # one collective: every rank gets the same sums, so the same metrics
     loss_sum, correct, count, other = totals.tolist()  # host-device sync: once per evaluation
     metrics = {"loss": loss_sum / max(count, 1.0), "count": count}
-    if not other:  # accuracy only where every rank saw integer class targets
+    if not other:  # accuracy only where every batch of every rank had class targets for the logits
         metrics["accuracy"] = correct / max(count, 1.0)
         metrics["correct"] = correct
     return metrics
+
+
+def _sums(out: Any, batch: Batch, loss: torch.Tensor) -> torch.Tensor:
+    """(loss x count, correct, count, 1 if accuracy cannot be counted) of one batch, on the device.
+
+    count: the targets the loss averages over (class targets other than -100, as cross-entropy counts them),
+    else the batch's samples. Accuracy needs integer class targets of the logits' shape, and logits the loss
+    was computed from here (a model that computes its own loss, a causal LM, may shift its labels).
+    """
+    y, logits = batch.target, logits_of(out)
+    classes = isinstance(y, torch.Tensor) and not y.is_floating_point() and logits is not None \
+        and logits.shape[:-1] == y.shape and loss_of(out) is None
+    if isinstance(y, torch.Tensor) and not y.is_floating_point():
+        valid = y != IGNORE_INDEX
+        n = valid.sum().double()
+    else:
+        valid, n = None, torch.tensor(float(batch.size()), dtype=torch.float64, device=loss.device)
+    correct = ((logits.argmax(-1) == y) & valid).sum().double() if classes and valid is not None else n * 0
+    return torch.stack([loss.double() * n, correct, n, n * 0 + (0.0 if classes else 1.0)])
 
 
 def _padded(loader: Any, forwards: int) -> Any:

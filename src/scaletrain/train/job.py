@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
+from scaletrain.batch import Batcher, BatchFn, collate_one, default_loss
 from scaletrain.config import Config, OptimConfig
 from scaletrain.data import ShardedLoader, Splits
 from scaletrain.models import build_model
@@ -27,17 +27,12 @@ from scaletrain.train.batching import BatchPlan, plan_batches
 from scaletrain.train.chaos import Chaos
 from scaletrain.train.guard import NonFiniteGuard, supports_device_skip
 from scaletrain.train.lr import build_scheduler
-from scaletrain.train.precision import check_precision, grad_scaler
+from scaletrain.train.precision import check_precision, grad_scaler, set_tf32
 
 if TYPE_CHECKING:
     from scaletrain.train.trace import Tracer
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy for (B, classes) vs (B,) and for (B, T, vocab) vs (B, T)."""
-    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+LossFn = Callable[[Any, Any], torch.Tensor]  # (the model's output as it returned it, the batch's target)
 
 
 @dataclass
@@ -53,6 +48,7 @@ class Job:
     loader: ShardedLoader
     eval_data: Dataset | None
     loss_fn: LossFn
+    batcher: Batcher  # a loader's batch -> the model's inputs and the loss's target
     guard: NonFiniteGuard
     chaos: Chaos
     strategy: str = "ddp"  # the data-parallel layout in effect (auto resolved)
@@ -93,11 +89,14 @@ ModelArg = nn.Module | Callable[[], nn.Module] | None
 
 
 def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
-              loss_fn: LossFn | None = None, resume: dict[str, Any] | None = None) -> Job:
+              loss_fn: LossFn | None = None, resume: dict[str, Any] | None = None,
+              batch_fn: BatchFn | None = None) -> Job:
     """``model``: None (the built-in model the config names), a module, or a callable building one (a class
     works): a callable is called after seeding, so run.seed decides the initial weights. ``resume``: the
-    metadata of the checkpoint the job will continue from (its global batch and position shape the plan)."""
+    metadata of the checkpoint the job will continue from (its global batch and position shape the plan).
+    ``batch_fn``: maps a loader batch to (inputs, target) where scaletrain.batch's convention does not fit."""
     check_precision(cfg.train.precision, rt.device)
+    set_tf32(cfg.train.tf32, rt.device)
     plan = plan_batches(cfg, rt.world_size, len(splits.train), resume)  # type: ignore[arg-type]
     set_deterministic(cfg.train.deterministic)
     seed_all(cfg.run.seed)  # the same initial weights on every rank
@@ -106,11 +105,13 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     else:
         module = model if isinstance(model, nn.Module) else model()
     module.to(rt.device)
-    flops = flops_per_sample(module, splits.train[0][0].to(rt.device))  # counted once, before any wrapping
+    batcher = Batcher(module, batch_fn)
+    one = batcher(collate_one(splits.train))  # a batch of one sample, as the loader collates it
+    flops = flops_per_sample(module, one.to(rt.device))  # counted once, before any wrapping
     nnodes = max(1, rt.world_size // rt.local_world_size)
     strategy, reason = resolve_strategy(module, cfg.parallel, world_size=rt.world_size, nnodes=nnodes,
                                         precision=cfg.train.precision, optimizer=cfg.optim.name,
-                                        sample=splits.train[0][0] if cfg.parallel.strategy == "auto" else None,
+                                        sample=one if cfg.parallel.strategy == "auto" else None,
                                         batch_size=plan.batch_size, cpu_offload=cfg.memory.cpu_offload)
     check_precision(cfg.train.precision, rt.device, strategy)
     wrapped = parallelize(module, rt.device, rt.world_size, dataclasses.replace(cfg.parallel, strategy=strategy),
@@ -127,7 +128,6 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     timed = timer if cfg.log.phase_times else None  # the hooks need not be attached for a NullTimer
     attach_comm_hook(wrapped, timed, overlap=cfg.parallel.overlap)
     attach_fsdp_mark(wrapped, timed)
-    tokens = splits.train[0][0].numel() if splits.task == "lm" else 0
     return Job(cfg, rt, plan, module, wrapped, optimizer, build_scheduler(optimizer, cfg.schedule, plan.total_steps),
-               scaler, loader, splits.eval, loss_fn or cross_entropy, guard, Chaos(cfg.chaos, rt.rank), strategy,
-               reason, timer=timer, flops=flops, tokens_per_sample=tokens)
+               scaler, loader, splits.eval, loss_fn or default_loss, batcher, guard, Chaos(cfg.chaos, rt.rank),
+               strategy, reason, timer=timer, flops=flops, tokens_per_sample=one.tokens_per_sample())

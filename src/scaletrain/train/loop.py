@@ -108,16 +108,16 @@ def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
     for micro in range(accum):
         waited = time.perf_counter()
         chaos.delay("data")
-        x, y = next(batches)
+        batch = job.batcher(next(batches))
         timer.host("data", time.perf_counter() - waited)
         if tracer is not None:
-            tracer.batch(job, x, y)
-        x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+            tracer.batch(job, batch)
+        batch = batch.to(rt.device)
         timer.mark("h2d")
         # Only the last micro-step all-reduces (or reduce-scatters) gradients; the others accumulate locally.
         with gradient_sync(job.model, micro == accum - 1):
             with autocast(precision, rt.device, sharded=job.sharded):
-                loss = chaos.poison(step, job.loss_fn(job.model(x), y)) / accum
+                loss = chaos.poison(step, job.loss_fn(batch(job.model), batch.target)) / accum
             chaos.delay("compute")
             job.scaler.scale(loss).backward()
         timer.backward_done()
@@ -164,7 +164,7 @@ class Loop:
                                             min_fraction=job.cfg.log.straggler_min_frac)
         self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(job.rt.world_size)]  # seconds, whole run
         self.lead_fracs: list[float] = []  # GPU: per log interval, the median rank's lead_s over its step time
-        _, self.peak_flops = device_peak(job.rt.device, job.cfg.train.precision)
+        _, self.peak_flops = device_peak(job.rt.device, job.cfg.train.precision, tf32=job.cfg.train.tf32)
         self.agreement = StepAgreement(job.cfg.dist.timeout_s) \
             if job.cfg.checkpoint.preempt_check == "step" and job.rt.distributed else None
 
@@ -354,7 +354,8 @@ class Loop:
 
     def _evaluate(self) -> None:
         job = self.job
-        metrics = evaluate(job)
+        with self.preempt.saving():  # no step completes during an evaluation either: that is progress too
+            metrics = evaluate(job)
         self.last_eval, self.eval_step = metrics, job.step
         epoch = job.loader.epoch + 1 if job.step else 0
         self.writer.write({"kind": "eval", "step": job.step, "epoch": epoch,

@@ -16,8 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain import __version__, runtime
+from scaletrain.batch import BatchFn
 from scaletrain.config import Config, load
-from scaletrain.data import Splits, build_splits, in_memory
+from scaletrain.data import Splits, build_splits, eval_indices, in_memory
+from scaletrain.errors import Reported, Stopped, install_excepthook
 from scaletrain.observe.console import Console
 from scaletrain.observe.memory import (
     device_capacity_bytes,
@@ -34,7 +36,7 @@ from scaletrain.runtime import Runtime
 from scaletrain.train.checkpointing import Checkpointer, Resume, find_resume
 from scaletrain.train.job import Job, LossFn, ModelArg, build_job
 from scaletrain.train.loop import DONE, PREEMPTED, Loop, TrainingFailed
-from scaletrain.train.preempt import PreemptFlag
+from scaletrain.train.preempt import Interrupted, PreemptFlag, restart_line
 from scaletrain.train.resume import config_changes, restore, truncate_metrics
 from scaletrain.train.rundir import agree_run_dir
 from scaletrain.train.state import dedupe, full_model_state
@@ -64,6 +66,13 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     sched = cfg.schedule
     console.print(f"{lr} | {cfg.optim.name} | warmup {sched.warmup_steps} steps, then {sched.decay} | "
                   f"precision {cfg.train.precision}")
+    if n_eval:
+        batch = cfg.data.eval_batch_size or cfg.data.batch_size
+        chosen = len(eval_indices(n_eval, batch_size=batch, world=rt.world_size, max_batches=cfg.train.eval_batches))
+        if chosen < n_eval:
+            console.print(f"eval: {chosen:,} of {n_eval:,} held-out samples, spread over the split "
+                          f"(train.eval_batches = {cfg.train.eval_batches} per rank); --train.eval_batches=0 "
+                          "evaluates all of them")
 
 
 def _finish(job: Job, loop: Loop, wall_s: float) -> dict[str, Any]:
@@ -213,13 +222,16 @@ def _stopped(job: Job, loop: Loop, outcome: str, console: Console, writer: Metri
                   "to resume")
     record = {"kind": "stopped", "step": job.step, "reason": reason, "checkpoint": str(last) if last else None}
     writer.write(record)
+    if reason == "SIGINT":  # Ctrl-C: the work is saved; now stop the caller too, as Ctrl-C does
+        raise Interrupted(record)
     return {"stopped": outcome, **record, "steps": job.step, "world_size": job.rt.world_size}
 
 
 def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
-        loss_fn: LossFn | None = None, rt: Runtime | None = None) -> dict[str, Any]:
+        loss_fn: LossFn | None = None, rt: Runtime | None = None, batch_fn: BatchFn | None = None) -> dict[str, Any]:
     """Train as configured, resuming from the run directory's latest checkpoint if there is one; returns the
-    summary (the same dict on every rank), or, when preempted, ``{"stopped": ..., "steps": ...}``."""
+    summary (the same dict on every rank), or, when preempted, ``{"stopped": ..., "steps": ...}``. After
+    Ctrl-C (SIGINT) it saves a checkpoint and raises preempt.Interrupted, a KeyboardInterrupt."""
     started = time.perf_counter()
     rt = rt or runtime.init(cfg.dist)
     writer = MetricsWriter(None)
@@ -233,7 +245,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         console = Console(rt.is_main, cfg.train.progress)
         splits = splits or build_splits(cfg.data, cfg.model)
         resume = find_resume(cfg.checkpoint, cfg.run_dir, rt, lambda m: console.print(f"warning: {m}"))
-        job = build_job(cfg, rt, splits, model, loss_fn, resume=resume.meta if resume else None)
+        job = build_job(cfg, rt, splits, model, loss_fn, resume=resume.meta if resume else None, batch_fn=batch_fn)
         run_dir = cfg.run_dir
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -248,6 +260,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
             job.loader.track_indices = True
         loop = Loop(job, console, writer, checkpointer=checkpointer, preempt=preempt)
         _header(job, splits, console)
+        if (restarted := restart_line(rt, resume.step if resume else None)) is not None:
+            console.print(restarted)  # after torchrun restarted the group: which worker failed, how, where
         if resume is not None:
             checkpointer.last_step = resume.step
             _resumed(job, loop, resume, console, writer)
@@ -284,20 +298,32 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
 
 
 def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_data: Any = None,
-        loss_fn: LossFn | None = None, config: Config | Mapping[str, Any] | str | None = None) -> dict[str, Any]:
+        loss_fn: LossFn | None = None, config: Config | Mapping[str, Any] | str | None = None,
+        batch_fn: BatchFn | None = None) -> dict[str, Any]:
     """Train your own model on your own data, on one process or every rank of a torchrun job.
 
     ``model``: a module, or better its class (or any callable building it): it is then built after seeding
     from run.seed, so the same config gives the same initial weights on every run.
     ``train_data``/``eval_data``: a torch Dataset or (inputs, targets) as tensors or numpy arrays; without
-    eval_data, data.val_fraction of the training data is held out. ``loss_fn(output, target)`` defaults to
-    cross-entropy. ``config``: a Config, a mapping of dotted keys ({"optim.lr": 0.1}), or a recipe/TOML path.
+    eval_data, data.val_fraction of the training data is held out. A Dataset's samples may be tuples of any
+    length (the last is the target), dicts (Hugging Face style: ``model(**batch)``, target ``labels``) or
+    tensors; ``batch_fn(batch) -> (inputs, target)`` maps any other layout (scaletrain.batch).
+    ``loss_fn(output, target)`` receives the model's output as it returned it (a tensor, tuple, dict or
+    ModelOutput); by default the model's own ``loss`` if it computed one, else cross-entropy of its logits.
+    ``config``: a Config, a mapping of dotted keys ({"optim.lr": 0.1}), or a recipe/TOML path.
+
+    A scaletrain error that the caller does not catch ends the program as the CLI does: one line, exit code
+    2 (1 when training failed), said once however many ranks raised it.
     """
-    if isinstance(config, Config):
-        cfg = config
-    elif isinstance(config, str):
-        cfg = load(config, overrides={"data.source": "memory"})
-    else:
-        cfg = load(None, overrides={"data.source": "memory", **(config or {})})
-    splits = in_memory(train_data, eval_data, cfg.data.val_fraction)
-    return run(cfg, splits=splits, model=model, loss_fn=loss_fn)
+    try:
+        if isinstance(config, Config):
+            cfg = config
+        elif isinstance(config, str):
+            cfg = load(config, overrides={"data.source": "memory"})
+        else:
+            cfg = load(None, overrides={"data.source": "memory", **(config or {})})
+        splits = in_memory(train_data, eval_data, cfg.data.val_fraction)
+        return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn)
+    except (Reported, Stopped):
+        install_excepthook()
+        raise

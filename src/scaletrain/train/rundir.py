@@ -10,11 +10,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch.distributed as dist
-
 from scaletrain.config import Config
 from scaletrain.errors import ConfigError
-from scaletrain.runtime import Runtime
+from scaletrain.runtime import Runtime, rank0_decides
 
 
 def finished(path: Path) -> bool:
@@ -42,16 +40,6 @@ def choose_run_dir(cfg: Config) -> Config:
 
 
 def agree_run_dir(cfg: Config, rt: Runtime) -> Config:
-    """Rank 0 chooses; every rank gets its choice (one object broadcast at start-up)."""
-    if not rt.distributed:
-        return choose_run_dir(cfg)
-    choice: list[object] = [None]
-    if rt.is_main:
-        try:
-            choice[0] = choose_run_dir(cfg).run.dir
-        except ConfigError as err:
-            choice[0] = err
-    dist.broadcast_object_list(choice, src=0)
-    if isinstance(choice[0], ConfigError):
-        raise choice[0]
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(choice[0])))
+    """Rank 0 chooses; every rank gets its choice, or its refusal (one object broadcast at start-up)."""
+    run_dir = rank0_decides(rt, lambda: choose_run_dir(cfg).run.dir)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
+from scaletrain.batch import Batch
 from scaletrain.checkpoint import rng
 from scaletrain.train.job import Job
 from scaletrain.train.state import IMPLEMENTATION, optimizer_tree, scheduler_tree
@@ -86,9 +87,9 @@ class Tracer:
         self._indices = []
         self._lr = job.optimizer.param_groups[0]["lr"]
 
-    def batch(self, job: Job, x: torch.Tensor, y: torch.Tensor) -> None:
-        for t in (x, y):
-            self._data.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    def batch(self, job: Job, batch: Batch) -> None:
+        for t in batch.tensors():
+            self._data.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         self._indices += job.loader.last_indices
 
     def step_done(self, job: Job, loss: torch.Tensor) -> None:

@@ -1,0 +1,238 @@
+"""What the trainer needs of any batch and any model output: the model's inputs, the loss's target, the
+logits and the loss, without assuming a tensor.
+
+A loader may give a tensor, a tuple or list of any length, or a dict (Hugging Face's convention); a model may
+return a tensor, a tuple, a dict or a dataclass-like output (transformers' ModelOutput). The convention,
+unless ``batch_fn`` maps a batch to ``(inputs, target)`` itself:
+
+- ``(x, y)``: ``model(x)``, target ``y``; ``(a, b, ..., y)``: ``model(a, b, ...)``, target ``y`` (the last);
+- a tensor or ``(x,)``: ``model(x)``, no target (the model's output must then carry its own loss);
+- a dict: ``model(**batch)`` with the keys its ``forward`` accepts (all of them if it takes ``**kwargs``), as
+  Hugging Face's Trainer does; the target is the first of ``labels``, ``label``, ``targets``, ``target``,
+  ``y`` present (also given to the model when its forward accepts it, so a transformers model computes its
+  own loss).
+
+``batch_fn(batch) -> (inputs, target)``: inputs a tensor (``model(inputs)``), a tuple (``model(*inputs)``)
+or a dict (``model(**inputs)``).
+
+This module sits at the bottom of the package (it imports only torch and errors): the loop, evaluation,
+the FLOP counter and the memory measurements all read batches and outputs through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.errors import UserError
+
+BatchFn = Callable[[Any], tuple[Any, Any]]
+TARGET_KEYS = ("labels", "label", "targets", "target", "y")
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index (and transformers' label padding)
+
+
+def leaves(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a tensor, tuple/list, mapping (ModelOutput included) or dataclass, in order."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, Mapping):
+        for value in tree.values():
+            yield from leaves(value)
+    elif isinstance(tree, (tuple, list)):
+        for value in tree:
+            yield from leaves(value)
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for f in dataclasses.fields(tree):
+            yield from leaves(getattr(tree, f.name))
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """The same structure with every tensor moved to ``device`` (non-blocking; pinned memory makes it async)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device, non_blocking=True)
+    if isinstance(tree, Mapping):
+        return {k: to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [to_device(v, device) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(to_device(v, device) for v in tree)
+    return tree
+
+
+def _field(output: Any, name: str) -> Any:
+    """``output.name`` or ``output[name]`` (a dataclass, a ModelOutput or a dict), None if absent."""
+    if isinstance(output, Mapping):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def logits_of(output: Any) -> torch.Tensor | None:
+    """The prediction tensor of a model output: the tensor itself, ``logits``, or a tuple's first tensor."""
+    if isinstance(output, torch.Tensor):
+        return output
+    found = _field(output, "logits")
+    if isinstance(found, torch.Tensor):
+        return found
+    if isinstance(output, (tuple, list)) and output:
+        return logits_of(output[0])
+    return None
+
+
+def loss_of(output: Any) -> torch.Tensor | None:
+    """The loss a model computed itself (``output.loss`` / ``output["loss"]``, a scalar tensor), or None."""
+    if isinstance(output, torch.Tensor):
+        return None
+    found = _field(output, "loss")
+    return found if isinstance(found, torch.Tensor) and found.numel() == 1 else None
+
+
+def default_loss(output: Any, target: Any) -> torch.Tensor:
+    """scaletrain's loss when the user gives none: the model's own loss when its output carries one (a
+    transformers model given labels), else mean cross-entropy of the logits, (B, C) vs (B,) or (B, T, V) vs
+    (B, T), ignoring target -100."""
+    own = loss_of(output)
+    if own is not None:
+        return own
+    logits = logits_of(output)
+    if not isinstance(target, torch.Tensor) or logits is None:
+        what = "no target" if target is None else f"a target of type {type(target).__name__}"
+        raise UserError(f"loss: the model returned {describe(output)} with no loss, and the batch has {what}; "
+                        "fix: pass loss_fn=..., or batches (inputs, target) with a tensor target, or a batch_fn")
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def describe(output: Any) -> str:
+    """A short name for a model output, for messages."""
+    if isinstance(output, torch.Tensor):
+        return f"a tensor of shape {tuple(output.shape)}"
+    return f"a {type(output).__name__}"
+
+
+def backward_scalar(output: Any) -> torch.Tensor:
+    """A scalar whose backward reaches every differentiable tensor of ``output`` (for counting FLOPs and
+    measuring memory of a whole step without knowing the loss)."""
+    own = loss_of(output)
+    if own is not None:
+        return own
+    parts = [t.float().sum() for t in leaves(output) if t.requires_grad]
+    if not parts:
+        raise UserError(f"model: its output ({describe(output)}) holds no tensor that requires grad; fix: "
+                        "return the tensors computed from the parameters (logits or a loss)")
+    return torch.stack(parts).sum()
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch as the model and the loss take it."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: Any  # the loss's second argument; None when the batch has none
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(to_device(self.args, device), to_device(self.kwargs, device), to_device(self.target, device))
+
+    def __call__(self, model: nn.Module) -> Any:
+        return model(*self.args, **self.kwargs)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor of the batch, inputs then target (for fingerprints)."""
+        yield from leaves(self.args)
+        yield from leaves(self.kwargs)
+        yield from leaves(self.target)
+
+    def size(self) -> int:
+        """Samples in the batch: the leading dimension of its first input tensor."""
+        first = next((t for t in leaves((self.args, self.kwargs)) if t.dim() > 0), None)
+        return int(first.shape[0]) if first is not None else 1
+
+    def repeat(self, n: int) -> Batch:
+        """A batch of ``n`` copies of this batch of one (for memory measurements at a batch size)."""
+        def rep(tree: Any) -> Any:
+            if isinstance(tree, torch.Tensor):
+                return tree.expand(n, *tree.shape[1:]).contiguous() if tree.dim() > 0 else tree
+            if isinstance(tree, Mapping):
+                return {k: rep(v) for k, v in tree.items()}
+            if isinstance(tree, (tuple, list)):
+                return tuple(rep(v) for v in tree)
+            return tree
+
+        return Batch(rep(self.args), rep(self.kwargs), rep(self.target))
+
+    def tokens_per_sample(self) -> int:
+        """Tokens per sample when the model reads token ids (an integer tensor of shape (B, T, ...): the first
+        positional input, or ``input_ids``), else 0."""
+        ids = self.kwargs.get("input_ids", self.args[0] if self.args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and not ids.is_floating_point() \
+                and not ids.is_complex() and ids.dtype != torch.bool:
+            return int(ids[0].numel())
+        return 0
+
+
+def _accepted(module: nn.Module) -> tuple[frozenset[str], bool]:
+    """The keyword names ``module.forward`` accepts, and whether it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C forward: no signature to read, pass everything
+        return frozenset(), True
+    named = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return named, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+class Batcher:
+    """Splits the loader's batches by the convention above (or by ``batch_fn``) for one model."""
+
+    def __init__(self, module: nn.Module, batch_fn: BatchFn | None = None) -> None:
+        self.batch_fn = batch_fn
+        self.names, self.any_name = _accepted(module)
+
+    def _inputs(self, inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if isinstance(inputs, Mapping):
+            return (), self._keep(inputs)
+        if isinstance(inputs, (tuple, list)):
+            return tuple(inputs), {}
+        return (inputs,), {}
+
+    def _keep(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        if self.any_name:
+            return dict(batch)
+        kept = {k: v for k, v in batch.items() if k in self.names}
+        if not kept:
+            raise UserError(f"data: a batch with keys {sorted(batch)} has none that the model's forward takes "
+                            f"({', '.join(sorted(self.names)) or 'no named arguments'}); fix: name the keys after "
+                            "forward's arguments, or pass batch_fn=lambda b: (inputs, target)")
+        return kept
+
+    def __call__(self, batch: Any) -> Batch:
+        if self.batch_fn is not None:
+            pair = self.batch_fn(batch)
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise UserError(f"batch_fn returned a {type(pair).__name__}; fix: return (inputs, target), "
+                                "with target None when the model computes its own loss")
+            args, kwargs = self._inputs(pair[0])
+            return Batch(args, kwargs, pair[1])
+        if isinstance(batch, torch.Tensor):
+            return Batch((batch,), {}, None)
+        if isinstance(batch, Mapping):
+            key = next((k for k in TARGET_KEYS if k in batch), None)
+            return Batch((), self._keep(batch), batch[key] if key is not None else None)
+        if isinstance(batch, (tuple, list)) and batch:
+            if len(batch) == 1:
+                return Batch((batch[0],), {}, None)
+            return Batch(tuple(batch[:-1]), {}, batch[-1])
+        raise UserError(f"data: a batch of type {type(batch).__name__}; fix: have the Dataset return a tensor, "
+                        "a tuple (inputs..., target) or a dict, or pass batch_fn=lambda b: (inputs, target)")
+
+
+def collate_one(dataset: Any) -> Any:
+    """The data set's first sample as a batch of one, collated as the loader collates."""
+    from torch.utils.data import default_collate
+
+    return default_collate([dataset[0]])

@@ -1,0 +1,158 @@
+"""scaletrain.batch: any batch layout and any model output, read without assuming a tensor."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.batch import Batch, Batcher, backward_scalar, collate_one, default_loss, logits_of, loss_of
+from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingFailed, UserError
+from scaletrain.observe.throughput import flops_per_sample
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class Keywords(nn.Module):
+    """A transformers-style forward: named inputs, labels optional, the loss computed inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = self.lin(features)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits, labels)
+        return out
+
+
+@dataclasses.dataclass
+class Output:  # a ModelOutput-like dataclass
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+X, Y = torch.randn(5, 4), torch.tensor([0, 1, 2, 1, 0])
+
+
+def test_tuple_batches_of_any_length_put_the_target_last() -> None:
+    split = Batcher(Plain())
+    two = split((X, Y))
+    assert two.args[0] is X and two.kwargs == {} and two.target is Y
+    three = split([X, X * 2, Y])
+    assert len(three.args) == 2 and three.args[1].equal(X * 2) and three.target is Y
+    one = split((X,))
+    assert one.args == (X,) and one.target is None
+    bare = split(X)
+    assert bare.args == (X,) and bare.target is None
+
+
+def test_dict_batches_pass_the_keys_forward_takes_and_labels_are_the_target() -> None:
+    batch = Batcher(Keywords())({"features": X, "labels": Y, "idx": torch.arange(5)})
+    assert set(batch.kwargs) == {"features", "labels"}  # idx is not an argument of forward: left out
+    assert batch.target is Y
+    out = batch(Keywords())
+    assert loss_of(out) is not None and logits_of(out).shape == (5, 3)
+
+
+def test_dict_keys_that_forward_cannot_take_are_one_clear_error() -> None:
+    with pytest.raises(UserError, match=r"keys \['a', 'b'\] has none that the model's forward takes.*batch_fn"):
+        Batcher(Plain())({"a": X, "b": Y})
+
+
+def test_batch_fn_maps_any_layout_to_inputs_and_target() -> None:
+    split = Batcher(Keywords(), batch_fn=lambda b: ({"features": b["img"]}, b["cls"]))
+    batch = split({"img": X, "cls": Y})
+    assert batch.kwargs.keys() == {"features"} and batch.target is Y
+    with pytest.raises(UserError, match="batch_fn returned a Tensor; fix: return \\(inputs, target\\)"):
+        Batcher(Plain(), batch_fn=lambda b: b[0])((X, Y))
+
+
+def test_an_unknown_batch_type_is_one_clear_error() -> None:
+    with pytest.raises(UserError, match="a batch of type str; fix:"):
+        Batcher(Plain())("not a batch")
+
+
+def test_default_loss_takes_the_models_own_loss_else_cross_entropy_of_its_logits() -> None:
+    logits = torch.randn(5, 3)
+    want = F.cross_entropy(logits, Y)
+    assert default_loss(logits, Y).item() == want.item()
+    assert default_loss((logits, torch.zeros(1)), Y).item() == want.item()  # a tuple: its first tensor
+    assert default_loss({"logits": logits}, Y).item() == want.item()
+    assert default_loss(Output(logits), Y).item() == want.item()
+    own = torch.tensor(0.25)
+    assert default_loss(Output(logits, own), Y) is own
+    assert default_loss({"logits": logits, "loss": own}, None) is own
+    with pytest.raises(UserError, match="with no loss, and the batch has no target; fix: pass loss_fn"):
+        default_loss(logits, None)
+
+
+def test_backward_scalar_reaches_every_differentiable_output() -> None:
+    a = torch.ones(2, requires_grad=True)
+    b = torch.ones(3, requires_grad=True)
+    backward_scalar({"x": a * 2, "nested": [b * 3, torch.zeros(1)]}).backward()
+    assert a.grad.tolist() == [2.0, 2.0] and b.grad.tolist() == [3.0, 3.0, 3.0]
+    with pytest.raises(UserError, match="holds no tensor that requires grad"):
+        backward_scalar((torch.zeros(1),))
+
+
+def test_flops_are_counted_for_tuple_dict_and_dataclass_outputs_alike() -> None:
+    """The FLOP counter crashed on any output but a tensor; the same linear layer counts the same FLOPs
+    whatever the output's container: forward 2 x 4 x 3 = 24 per sample, backward 24 more for the weight's
+    gradient (the input needs none)."""
+    class Tupled(Plain):
+        def forward(self, x: torch.Tensor):  # type: ignore[override]
+            return self.lin(x), x.mean()
+
+    class Dataclassed(Plain):
+        def forward(self, x: torch.Tensor):  # type: ignore[override]
+            return Output(self.lin(x))
+
+    one = Batch((X[:1],), {}, None)
+    counts = [flops_per_sample(m, one) for m in (Plain(), Tupled(), Dataclassed())]
+    assert counts == [48.0, 48.0, 48.0]
+    kw = Batcher(Keywords())(collate_one([{"features": X[0], "labels": Y[0]}]))
+    assert flops_per_sample(Keywords(), kw) == 48.0  # the loss adds no matmul
+
+
+def test_batches_move_to_a_device_and_repeat_to_a_batch_size() -> None:
+    batch = Batcher(Keywords())({"features": X[:1], "labels": Y[:1]})
+    moved = batch.to(torch.device("cpu"))
+    assert moved.kwargs["features"].equal(X[:1])
+    four = batch.repeat(4)
+    assert four.kwargs["features"].shape == (4, 4) and four.target.shape == (4,) and four.size() == 4
+
+
+def test_tokens_per_sample_only_for_integer_token_inputs() -> None:
+    assert Batch((torch.zeros(2, 16, dtype=torch.long),), {}, None).tokens_per_sample() == 16
+    assert Batch((), {"input_ids": torch.zeros(2, 8, dtype=torch.int32)}, None).tokens_per_sample() == 8
+    assert Batch((torch.zeros(2, 16),), {}, None).tokens_per_sample() == 0  # float features, not tokens
+    assert Batch((torch.zeros(2, dtype=torch.long),), {}, None).tokens_per_sample() == 0  # one id per sample
+
+
+@pytest.mark.parametrize("err", [
+    ConfigError("run.dir", "runs/x", "a new run directory", "--run.dir=runs/x-2", "command line"),
+    DataError("data/train.bin", "not found", "point --data.path at it"),
+    CheckpointError("runs/x/checkpoints/step-1", "damaged", "resume from another"),
+    UserError("data: something; fix: this"),
+    TrainingFailed("loss is nan at step 3; fix: lower --optim.lr"),
+])
+def test_errors_survive_pickling_between_ranks(err: Exception) -> None:
+    """Rank 0 broadcasts its refusal as a pickled object; rank 1 could not rebuild a ConfigError before."""
+    err.agreed = True  # type: ignore[attr-defined]
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) and str(back) == str(err) and back.agreed is True
+    assert back.__dict__ == err.__dict__
