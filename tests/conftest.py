@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -12,3 +13,14 @@ def _no_process_group_left():
     import torch.distributed as dist
 
     assert not (dist.is_available() and dist.is_initialized()), "a test left a process group initialized"
+
+
+@pytest.fixture(scope="session")
+def docs_tour(tmp_path_factory: pytest.TempPathFactory):
+    """Every runnable command of README.md and docs/*.md but the slow ones, run once, in order, in a fresh
+    workspace (tests/docs_tour.py). Tests that need what a documented command makes (the demo's run, the byo
+    example's three runs, a doctor report) read it from here instead of running it again."""
+    import docs_tour
+
+    root = docs_tour.workspace(Path(tmp_path_factory.mktemp("docs")) / "checkout")
+    return docs_tour.tour([c for c in docs_tour.ALL if not c.slow], root)

@@ -70,21 +70,22 @@ def test_throughput_of_a_sequence_model_is_in_tokens(tmp_path):
     assert "cpu tokens/s" in proc.stdout
 
 
-def test_weak_scaling_over_one_and_two_ranks(tmp_path):
-    proc = scaletrain("bench", "scaling", "--recipe", "digits", "--nproc", "1,2", "--steps", "2", "--warmup", "2",
-                      "--json", "sc.json", "--plot", "sc.png", "--runs-dir", "runs", "--dist.device=cpu", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((tmp_path / "sc.json").read_text())
+def test_weak_scaling_over_one_and_two_ranks(docs_tour):
+    """docs/benchmarks.md's weak-scaling command (gpt-stdlib, 1 and 2 ranks), as the docs tour ran it."""
+    ran = docs_tour.find("scaletrain bench scaling --recipe gpt-stdlib --nproc 1,2 --mode weak")
+    assert ran.proc is not None and ran.proc.returncode == 0, ran.problem or ran.note
+    proc, tmp_path = ran.proc, docs_tour.workspace
+    data = json.loads((tmp_path / "weak.json").read_text())
     assert data["mode"] == "weak" and data["threads_per_rank"] == 1
     one, two = data["results"]
-    assert (one["nproc"], one["global_batch"]) == (1, 32) and (two["nproc"], two["global_batch"]) == (2, 64)
+    assert (one["nproc"], one["global_batch"]) == (1, 16) and (two["nproc"], two["global_batch"]) == (2, 32)
     assert one["efficiency"] == pytest.approx(1.0) and two["efficiency"] > 0
     assert two["efficiency"] == pytest.approx(two["samples_per_s"] / 2 / one["samples_per_s"])
     assert one["timed_steps"] == 2 and two["backend"] == "gloo"
     for r in (one, two):  # the runs are real: their summaries are there
-        assert json.loads((Path(r["run_dir"]) / "summary.json").read_text())["world_size"] == r["nproc"]
+        assert json.loads((tmp_path / r["run_dir"] / "summary.json").read_text())["world_size"] == r["nproc"]
     if two["comm_frac"] is None:
         assert "n/a" in proc.stdout
-    assert (tmp_path / "sc.png").read_bytes()[:8] == PNG
+    assert (tmp_path / "weak.png").read_bytes()[:8] == PNG
     cores = len(os.sched_getaffinity(0))
     assert ("exceed the" in proc.stdout) == (2 > cores)

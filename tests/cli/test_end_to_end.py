@@ -26,11 +26,11 @@ def scaletrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def digits_run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("digits")
-    proc = scaletrain("train", "digits", "--nproc", "2", "--run.dir=run", cwd=work)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return work / "run", proc
+def digits_run(docs_tour):
+    """`make demo` (digits on 2 ranks, the README's first command), as the docs tour ran it."""
+    demo = docs_tour.find("make demo")
+    assert demo.proc is not None and demo.proc.returncode == 0, demo.problem or demo.note
+    return docs_tour.workspace / "runs" / "digits", demo.proc
 
 
 def test_digits_two_ranks_reach_97_percent(digits_run):
@@ -39,7 +39,9 @@ def test_digits_two_ranks_reach_97_percent(digits_run):
     assert summary["world_size"] == 2 and summary["global_batch"] == 64 and summary["backend"] == "gloo"
     assert summary["steps"] == 20 * (1437 // 64)
     assert summary["eval"]["count"] == 360  # every test image once, none padded
-    assert summary["eval"]["accuracy"] >= 0.97  # measured 98.89%
+    assert summary["eval"]["accuracy"] >= 0.97
+    if summary["device"] == "cpu":  # what the README says of `make demo`: 98.06%, 353 of 360, every run
+        assert summary["eval"]["correct"] == 353
     for key in ("steps", "samples", "world_size", "wall_s", "train_loss", "eval", "samples_per_s", "peak_mem_bytes"):
         assert key in summary
     # rank 0 alone prints: one header, one table

@@ -52,15 +52,17 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-@pytest.mark.parametrize(("style", "world"), [("python", 1), ("torchrun", 2), ("scaletrain-launch", 2)])
-def test_byo_example_runs_unchanged_under_each_launcher(tmp_path: Path, style: str, world: int) -> None:
-    run_dir = tmp_path / "run"
-    # torchrun's default port is a fixed 29500; a free one keeps parallel test sessions apart.
-    prefix = {"python": [sys.executable],
-              "torchrun": [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port())],
-              "scaletrain-launch": [*SCALETRAIN, "launch", "--nproc", "2"]}[style]
-    proc = _run([*prefix, str(EXAMPLE), str(run_dir)])
-    assert proc.returncode == 0, _explain(proc)
+@pytest.mark.parametrize(("command", "world"), [
+    ("python examples/byo_model.py", 1),
+    ("torchrun --nproc_per_node 2 examples/byo_model.py", 2),
+    ("scaletrain launch --nproc 2 examples/byo_model.py", 2),
+])
+def test_byo_example_runs_unchanged_under_each_launcher(docs_tour, command: str, world: int) -> None:
+    """The README's three commands for examples/byo_model.py, as the docs tour ran them (in that order, each
+    into the next free runs/byo-N)."""
+    ran = docs_tour.find(command)
+    assert ran.proc is not None and ran.proc.returncode == 0, ran.problem or ran.note
+    run_dir = docs_tour.workspace / ran.run_dir
 
     summary = _summary(run_dir)
     assert summary["world_size"] == world

@@ -20,22 +20,24 @@ def verify(*args: str, cwd) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, check=False)
 
 
-def test_the_digits_recipe_resumes_bit_for_bit(tmp_path):
-    proc = verify(*JOB, "--work-dir", str(tmp_path / "w"), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "interrupted after step 5 (epoch 1, 5 of 44 steps in)" in proc.stdout
-    assert "identical: interrupted after step 5 and resumed, the run matches the uninterrupted one bit for bit " \
-           "at every one of 12 steps" in proc.stdout
-    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["resumed", "straight"]  # kept when asked
+def test_the_digits_recipe_resumes_bit_for_bit(docs_tour):
+    """The README's `scaletrain verify-resume digits --nproc 2`, as the docs tour ran it (4 steps, at step 2)."""
+    ran = docs_tour.find("scaletrain verify-resume digits --nproc 2")
+    assert ran.proc is not None and ran.proc.returncode == 0, ran.problem or ran.note
+    assert "digits on 2 rank(s), 4 steps, interrupted after step 2 (epoch 1, 2 of 89 steps in)" in ran.proc.stdout
+    assert "identical: interrupted after step 2 and resumed, the run matches the uninterrupted one bit for bit " \
+           "at every one of 4 steps on all 2 rank(s)" in ran.proc.stdout
 
 
 def test_a_part_left_out_of_the_resume_is_named(tmp_path):
     """Through the real runs for one part (RNG, with dropout on); tests/unit/test_verify_compare.py tells every
     part apart on traces."""
-    proc = verify(*JOB, "--drop", "rng", cwd=tmp_path)
+    proc = verify(*JOB, "--drop", "rng", "--work-dir", str(tmp_path / "w"), cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "interrupted after step 5 (epoch 1, 5 of 44 steps in), resumed without: rng" in proc.stdout
     assert "diverged right after loading the checkpoint of step 5 on rank 0: RNG differs" in proc.stdout, \
         proc.stdout[-2000:]
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["resumed", "straight"]  # kept when asked
 
 
 @pytest.mark.parametrize(("args", "words"), [
