@@ -14,6 +14,8 @@ import difflib
 import hashlib
 import inspect
 import itertools
+import json
+import re
 import sys
 import textwrap
 from collections.abc import Mapping
@@ -436,6 +438,7 @@ class Config:
 
 
 CLI = "command line"  # the origin whose values are strings to parse
+LIBRARY = "the config mapping"  # given to scaletrain.fit/load: Python values, or strings parsed as the CLI does
 
 # Top-level command-line aliases for the flags users type most.
 ALIASES = {"nproc": "dist.nproc", "device": "dist.device", "nnodes": "dist.nnodes",
@@ -547,16 +550,41 @@ def flatten(tree: Mapping[str, Any], origin: str) -> dict[str, Any]:
     return flat
 
 
+def _in_python(err: ConfigError, origin: str) -> ConfigError:
+    """The error as the library's user would fix it: a command-line fix (--optim.lr=0.1) becomes the mapping
+    entry that does the same (config={"optim.lr": 0.1})."""
+    if origin != LIBRARY:
+        return err if err.origin == origin else err.at(origin)
+
+    def entry(m: re.Match[str]) -> str:
+        key, text = ALIASES.get(m[1], m[1]), m[2]
+        value = {"true": "True", "false": "False"}.get(text.lower())
+        if value is None:
+            try:
+                value = repr(ast.literal_eval(text))
+            except (ValueError, SyntaxError):
+                value = json.dumps(text)
+        return f'config={{"{key}": {value}}}'
+
+    fix = re.sub(r"--([\w.]+)[= ]([^\s,;?]+)", entry, err.fix)
+    fix = re.sub(r"did you mean --([\w.]+)\?", r'did you mean "\1"?', fix)
+    return ConfigError(err.key, err.value, err.expected, fix, origin)
+
+
 def build(layers: list[tuple[str, Mapping[str, Any]]]) -> Config:
-    """Build a Config from flat {'section.key': value} layers applied in order (later wins)."""
+    """Build a Config from flat {'section.key': value} layers applied in order (later wins). Command-line and
+    library strings are parsed ("false", "3e-4"); a TOML string is not."""
     keys = all_keys()
     chosen: dict[str, tuple[Any, str]] = {}
     for origin, layer in layers:
         for key, value in layer.items():
             key = ALIASES.get(key, key)
             if key not in keys:
-                raise unknown_key(key, value, origin)
-            chosen[key] = (coerce(key, value, keys[key][0], origin, origin == CLI), origin)
+                raise _in_python(unknown_key(key, value, origin), origin)
+            try:
+                chosen[key] = (coerce(key, value, keys[key][0], origin, origin in (CLI, LIBRARY)), origin)
+            except ConfigError as err:
+                raise _in_python(err, origin) from None
     built = {}
     for sec, cls in sections().items():
         kwargs = {k.split(".", 1)[1]: v for k, (v, _) in chosen.items() if k.startswith(sec + ".")}
@@ -564,7 +592,7 @@ def build(layers: list[tuple[str, Mapping[str, Any]]]) -> Config:
             built[sec] = cls(**kwargs)
         except ConfigError as err:
             origin = chosen.get(err.key, (None, "default"))[1]
-            raise err.at(origin) from None
+            raise _in_python(err, origin) from None
     return Config(**built)
 
 
@@ -604,7 +632,7 @@ def load(source: str | None = None, overrides: Mapping[str, Any] | None = None,
         layers.append(("defaults", {"run.name": name}))
         layers.append((origin, flat))
     if overrides:
-        layers.append(("overrides", flatten(overrides, "overrides")))
+        layers.append((LIBRARY, flatten(overrides, LIBRARY)))
     if cli_overrides:
         layers.append((CLI, dict(cli_overrides)))
     return build(layers)

@@ -55,7 +55,7 @@ class ConfigError(UserError):
     def __init__(self, key: str, value: Any, expected: str, fix: str, origin: str = "") -> None:
         where = f" ({origin})" if origin else ""
         super().__init__(f"{key} = {value!r}{where}: expected {expected}; fix: {fix}")
-        self.key, self.value, self.expected, self.fix = key, value, expected, fix
+        self.key, self.value, self.expected, self.fix, self.origin = key, value, expected, fix, origin
 
     def at(self, origin: str) -> ConfigError:
         """The same error, saying where the value came from."""

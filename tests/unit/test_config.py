@@ -117,3 +117,19 @@ def test_epochs_and_max_steps():
     assert plan_batches(cfg, 2, 105).total_steps == 3 * 5
     cfg = load(None, {"data.batch_size": 10, "train.epochs": 3, "train.max_steps": 7})
     assert plan_batches(cfg, 2, 105).total_steps == 7
+
+
+def test_the_library_mapping_takes_strings_as_the_cli_does_and_its_fixes_are_python() -> None:
+    """fit(config={...}) used to refuse "false" for a bool with a command-line fix."""
+    cfg = load(None, overrides={"train.progress": "false", "optim.lr": "3e-4", "train.epochs": "3", "nproc": 2})
+    assert (cfg.train.progress, cfg.optim.lr, cfg.train.epochs, cfg.dist.nproc) == (False, 3e-4, 3, 2)
+    with pytest.raises(ConfigError) as err:
+        load(None, overrides={"train.progress": "maybe"})
+    assert str(err.value) == ("train.progress = 'maybe' (the config mapping): expected true or false; fix: "
+                              'config={"train.progress": True}')
+    with pytest.raises(ConfigError, match=r'fix: config=\{"train.precision": "bf16-mixed"\}$'):
+        load(None, overrides={"train.precision": "bf16"})
+    with pytest.raises(ConfigError, match=r'fix: did you mean "optim.lr"\?$'):
+        load(None, overrides={"optim.lrr": 0.1})
+    with pytest.raises(ConfigError, match=r'optim.lr = -1.0 \(the config mapping\).*fix: config=\{"optim.lr": 0.001\}'):
+        load(None, overrides={"optim.lr": -1})
