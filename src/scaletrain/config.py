@@ -374,8 +374,13 @@ class ParallelConfig:
     """ddp: all-reduce each gradient bucket as soon as it is ready, during backward (false: all at the end, to see what overlap buys)."""
     find_unused: bool = False
     """ddp: tolerate parameters that get no gradient in a step (costs a graph traversal every step)."""
+    fsdp_units: str = ""
+    """Class names of the model's repeated blocks, comma-separated: FSDP's units, what checkpointing and compile wrap ('' = found, docs/fsdp.md)."""
 
     def __post_init__(self) -> None:
+        names = [n.strip() for n in self.fsdp_units.split(",")] if self.fsdp_units.strip() else []
+        _check(all(n.isidentifier() for n in names), "parallel.fsdp_units", self.fsdp_units,
+               "class names separated by commas, e.g. GPT2Block or Block,MoEBlock", "--parallel.fsdp_units=MyBlock")
         _check(self.bucket_mb > 0, "parallel.bucket_mb", self.bucket_mb, "a number > 0", "--parallel.bucket_mb=25")
         for key in ("dp_replicate", "dp_shard"):
             value = getattr(self, key)

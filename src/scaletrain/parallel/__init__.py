@@ -4,10 +4,12 @@
     apply_tp (not yet: no tensor parallelism) -> apply_activation_checkpointing -> apply_compile
     -> apply_fsdp (fsdp, hsdp) | apply_ddp (ddp, world > 1)
 
-Checkpointing wraps each block's forward before compile, so compile traces the checkpointed block. Compiling
-before wrapping lets DDP's gradient hooks and FSDP's hooks sit outside the compiled blocks; a model with a
-``blocks`` ModuleList is compiled block by block, so gradients of late blocks are ready (and their all-reduce
-or reduce-scatter can start) while earlier blocks are still in backward.
+The three techniques that work per block (checkpointing, compile, FSDP) work on the same blocks, found once
+by ``units.find_units`` (parallel.fsdp_units, a ``blocks`` ModuleList, transformers' ``_no_split_modules``,
+the largest run of same-class layers). Checkpointing wraps each block's forward before compile, so compile
+traces the checkpointed block. Compiling before wrapping lets DDP's gradient hooks and FSDP's hooks sit
+outside the compiled blocks; a model with blocks is compiled block by block, so gradients of late blocks are
+ready (and their all-reduce or reduce-scatter can start) while earlier blocks are still in backward.
 """
 
 from __future__ import annotations
@@ -35,21 +37,23 @@ from scaletrain.observe.memory import (
 from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from scaletrain.parallel.fsdp import apply_fsdp, fsdp_units, is_fsdp, mixed_precision_policy
 from scaletrain.parallel.mesh import build_mesh
+from scaletrain.parallel.units import Units, find_units, unit_warnings, units_line
 
-__all__ = ["apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "build_mesh",
-           "check_layout", "fsdp_units", "gradient_sync", "is_fsdp", "mixed_precision_policy", "parallelize",
-           "resolve_degrees", "resolve_strategy"]
+__all__ = ["Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "build_mesh",
+           "check_layout", "find_units", "fsdp_units", "gradient_sync", "is_fsdp", "mixed_precision_policy",
+           "parallelize", "resolve_degrees", "resolve_strategy", "units_line"]
 
 log = logging.getLogger(__name__)
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile in place (state_dict keys unchanged), per transformer block when there are blocks."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        for block in blocks:
+def apply_compile(model: nn.Module, units: Units | None = None) -> None:
+    """torch.compile in place (state_dict keys unchanged), block by block when there are blocks (``units``:
+    find_units(model) unless given)."""
+    units = units if units is not None else find_units(model)
+    if units.modules:
+        for block in units:
             block.compile()
-        log.info("compiled %d blocks", len(blocks))
+        log.info("compiled %s", units.describe())
     else:
         model.compile()
         log.info("compiled the whole model")
@@ -138,9 +142,12 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
                     "replicate", shard)
     # DDP runs over the default group; only sharding needs a mesh (and HSDP its two axes).
     mesh = build_mesh(device.type, replicate, shard) if strategy in ("fsdp", "hsdp") else None
-    apply_activation_checkpointing(model, memory.activation_checkpointing)
+    units = find_units(model, cfg.fsdp_units)
+    for line in unit_warnings(model, units, sharded=mesh is not None, checkpointing=memory.activation_checkpointing):
+        log.warning("%s", line)
+    apply_activation_checkpointing(model, memory.activation_checkpointing, units)
     if compile:
-        apply_compile(model)
+        apply_compile(model, units)
     if strategy in ("fsdp", "hsdp"):
         if mesh is None:
             ignored = " (memory.cpu_offload ignored)" if memory.cpu_offload else ""
@@ -149,7 +156,8 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
             return model
         policy = mixed_precision_policy(precision)
         return apply_fsdp(model, mesh, param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
-                          reshard_after_forward=cfg.reshard_after_forward, cpu_offload=memory.cpu_offload)
+                          reshard_after_forward=cfg.reshard_after_forward, cpu_offload=memory.cpu_offload,
+                          units=units)
     if replicate > 1:
         return apply_ddp(model, None, bucket_mb=cfg.bucket_mb, find_unused=cfg.find_unused)
     return model

@@ -10,7 +10,7 @@
   and compute. (torchtitan's other selective option, ``selective_ac_option = n``, fully checkpoints every
   n-th block; op-level keeps the choice inside every block, which suits models with few blocks too.)
 
-The blocks are the same units as FSDP's (a ``blocks`` ModuleList, else the parameter-holding children).
+The blocks are the same units as FSDP's (``units.find_units``); a model without any is checkpointed whole.
 Checkpointing wraps each block's ``forward`` in place with ``torch.utils.checkpoint.checkpoint``
 (non-reentrant), so module names and state_dict keys do not change and FSDP/compile see the same modules.
 """
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from scaletrain.parallel.fsdp import fsdp_units
+from scaletrain.parallel.units import Units, find_units
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +70,14 @@ def _checkpointed(forward: Callable[..., Any], selective: bool) -> Callable[...,
     return run
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Checkpoint every block of ``model`` in place: none | full | selective (see the module docstring)."""
+def apply_activation_checkpointing(model: nn.Module, mode: str, units: Units | None = None) -> None:
+    """Checkpoint every block of ``model`` in place: none | full | selective (see the module docstring).
+    ``units``: find_units(model) unless given."""
     if mode not in AC_MODES:
         raise ValueError(f"activation checkpointing mode {mode!r}: expected one of {AC_MODES}")
     if mode == "none":
         return
-    blocks = fsdp_units(model)
+    blocks = list(units if units is not None else find_units(model))
     if not blocks:  # a model without blocks: checkpoint it whole (keeps only its input)
         blocks = [model]
     for block in blocks:

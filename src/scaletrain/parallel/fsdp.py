@@ -1,22 +1,17 @@
 """FSDP2: ``torch.distributed.fsdp.fully_shard`` per unit and at the root, with mixed precision and offload.
 
-Units (which submodules get their own ``fully_shard``, hence their own all-gather and reduce-scatter):
-
-1. a model's ``blocks`` ModuleList (the GPT's transformer blocks, or any user model that names its
-   repeated layers so): one unit per block;
-2. otherwise the model's direct children that hold parameters (the CNN's ``features`` and ``head`` stages),
-   except children that share a parameter with another child (tied weights stay with the root, since one
-   parameter can belong to one unit only), and except a lone child (it would be the root again).
-
-Whatever no unit holds (the GPT's embeddings, final norm and tied head) belongs to the root's unit. Units are
-sharded bottom-up, as fully_shard requires, so each unit's parameters are gathered just before it runs and
-freed after it (reshard_after_forward), which is what bounds the unsharded memory to about one unit.
+The units (which submodules get their own ``fully_shard``, hence their own all-gather and reduce-scatter) are
+the model's repeated blocks as ``units.find_units`` finds them (parallel.fsdp_units, a ``blocks`` ModuleList,
+transformers' ``_no_split_modules``, the largest run of same-class layers). Whatever no unit holds (the
+embeddings, the final norm, a head tied to the embedding) belongs to the root's unit: fully_shard keeps a
+parameter tied only among the modules of one call, and the root's call is the one that holds both ends of a
+tie. Units are sharded bottom-up, as fully_shard requires, so each unit's parameters are gathered just before
+it runs and freed after it (reshard_after_forward), which is what bounds the unsharded memory to about one unit.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 import torch
 from torch import nn
@@ -28,6 +23,8 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+
+from scaletrain.parallel.units import Units, find_units
 
 log = logging.getLogger(__name__)
 
@@ -51,30 +48,24 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules that become their own FSDP units, by the convention in this module's docstring."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        return list(blocks)
-    children = [c for c in model.children() if any(True for _ in c.parameters())]
-    if len(children) < 2:
-        return []
-    owners = Counter(id(p) for c in children for p in c.parameters())  # a tied parameter counts twice
-    return [c for c in children if all(owners[id(p)] == 1 for p in c.parameters())]
+def fsdp_units(model: nn.Module, names: str = "") -> list[nn.Module]:
+    """The submodules that become their own FSDP units (units.find_units; ``names``: parallel.fsdp_units)."""
+    return list(find_units(model, names).modules)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
-               cpu_offload: bool = False) -> nn.Module:
+               cpu_offload: bool = False, units: Units | None = None) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns it.
 
     The root keeps its parameters gathered after forward (fully_shard's default for the root): backward
     needs them first. With ``cpu_offload`` the sharded parameters, gradients and optimizer state live in host
     memory and the optimizer step runs on the CPU (pinned only where there is an accelerator to copy to).
+    ``units``: find_units(model) unless given (parallelize finds them once for FSDP, checkpointing and compile).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
-    units = fsdp_units(model)
+    units = units if units is not None else find_units(model)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward)
@@ -82,8 +73,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
                                    output_dtype=torch.float32 if param_dtype is not None else None)
     fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload)
     dims = "x".join(str(s) for s in mesh.shape)
-    log.info("FSDP2: %d units + root on mesh %s (%s), params %s, reduce %s, reshard_after_forward=%s%s",
-             len(units), dims, "HSDP" if mesh.ndim == 2 else "FSDP", param_dtype or "fp32",
+    log.info("FSDP: %s + root on mesh %s (%s), params %s, reduce %s, reshard_after_forward=%s%s",
+             units.describe() or "no units", dims, "HSDP" if mesh.ndim == 2 else "FSDP", param_dtype or "fp32",
              reduce_dtype or "fp32", reshard_after_forward, ", CPU offload" if cpu_offload else "")
     return model
 

@@ -196,7 +196,7 @@ def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Te
             if ac == "none":
                 flops = flops_per_sample(model, fake_sample)
                 params = {id(p): p for p in model.parameters()}
-                units = fsdp_units(model) or [model]
+                units = fsdp_units(model, cfg.parallel.fsdp_units) or [model]
                 largest = max(sum(p.numel() for p in u.parameters()) for u in units)
             if dtype is None:
                 acts[f"sharded-{ac}"] = acts[ac]

@@ -1,0 +1,232 @@
+"""Which submodules are a model's repeated blocks: the units FSDP shards one at a time, activation
+checkpointing checkpoints and compile compiles, found once by one function for all three.
+
+The first rule that finds any wins:
+
+1. ``parallel.fsdp_units`` (class names, comma-separated): every module of those classes;
+2. a ``blocks`` ModuleList or Sequential on the model (scaletrain's GPT, or any model that names its blocks
+   so): its children;
+3. transformers' ``_no_split_modules`` (class names a model declares indivisible: ``GPT2Block``,
+   ``LlamaDecoderLayer``): every module of those classes, when the model or a submodule declares them;
+4. the largest (by parameters) ModuleList or Sequential of two or more children of one class, wherever it is
+   nested (nanoGPT's ``transformer.h``, Llama's ``model.layers``); then every child of that class in every
+   ModuleList/Sequential made of it, so a ResNet's ``layer1`` .. ``layer4`` give all its BasicBlocks or
+   Bottlenecks, one unit each (per block rather than per stage: a late stage holds most of the parameters);
+5. no repeated blocks: the model's direct children that hold parameters, when there are two or more (the
+   built-in CNN's ``features`` and ``head``).
+
+Then two rules for all: a unit inside another unit is not a unit of its own (the outer one covers it), and a
+unit holding a parameter that a module outside it also holds (tied embedding and head across a unit's
+border) is left to the root: fully_shard keeps a parameter tied only among the modules of one call, so a
+unit would shard its own copy and the module outside would keep the old one (measured: two parameters where
+there was one, trained apart). Embeddings tied to the head both outside the blocks (nanoGPT, GPT-2) stay
+with the root as they are.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from scaletrain.errors import ConfigError
+
+FIX = "--parallel.fsdp_units=MyBlock (the class names of its repeated layers, comma-separated)"
+
+
+@dataclass(frozen=True)
+class Units:
+    """The units of one model: the modules, their qualified names, the rule that found them (parallel.fsdp_units,
+    model.blocks, _no_split_modules, repeated, children or none), and the candidates left to the root because
+    they share a parameter with a module outside them (as 'name (class; why)')."""
+
+    modules: tuple[nn.Module, ...]
+    names: tuple[str, ...]
+    rule: str
+    left_to_root: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.modules)
+
+    def describe(self) -> str:
+        """'12 x GPT2Block' (per class, in model order); by name for the children rule ('features, head');
+        '' when there are none."""
+        if self.rule == "children":
+            return ", ".join(self.names)
+        counts = Counter(class_of(m).__name__ for m in self.modules)
+        return ", ".join(f"{n} x {name}" for name, n in counts.items())
+
+
+def class_of(module: nn.Module) -> type:
+    """The module's own class, also after fully_shard swapped in its subclass FSDP<Name>."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def split_names(value: str) -> tuple[str, ...]:
+    """'Block, MoEBlock' -> ('Block', 'MoEBlock'); '' -> ()."""
+    return tuple(n.strip() for n in value.split(",")) if value.strip() else ()
+
+
+def find_units(model: nn.Module, names: str = "") -> Units:
+    """The model's units by the module docstring's rules; ``names``: parallel.fsdp_units."""
+    named = [(n, m) for n, m in model.named_modules() if m is not model]
+    wanted = split_names(names)
+    if wanted:
+        found = _of_classes(named, set(wanted))
+        missing = sorted(set(wanted) - {class_of(m).__name__ for _, m in found})
+        if missing:
+            raise ConfigError("parallel.fsdp_units", names, f"class names of modules in {class_of(model).__name__} "
+                              f"(none is a {', '.join(missing)}; classes here with parameters: "
+                              f"{_param_classes(named)})", f"--parallel.fsdp_units={_suggest(named)}")
+        return _settle(model, found, "parallel.fsdp_units")
+    for rule, search in (("model.blocks", _blocks), ("_no_split_modules", _no_split), ("repeated", _repeated),
+                         ("children", _children)):
+        found = search(model, named)
+        if found:
+            units = _settle(model, found, rule)
+            if units.modules or units.left_to_root:
+                return units
+    return Units((), (), "none")
+
+
+def _of_classes(named: list[tuple[str, nn.Module]], classes: set[str]) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in named if class_of(m).__name__ in classes]
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _size(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _blocks(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        return []
+    where = {id(m): n for n, m in named}
+    return [(where[id(b)], b) for b in blocks if id(b) in where]
+
+
+def _no_split(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    classes = {c for m in (model, *(m for _, m in named)) for c in (getattr(m, "_no_split_modules", None) or ())
+               if isinstance(c, str)}
+    return _of_classes(named, classes) if classes else []
+
+
+def _same_class_lists(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, type]]:
+    """(name, container, class) of every ModuleList/Sequential whose children are all of one class and
+    hold parameters."""
+    out = []
+    for name, m in named:
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) and _has_params(m):
+            classes = {class_of(c) for c in m}
+            if len(classes) == 1:
+                out.append((name, m, classes.pop()))
+    return out
+
+
+def _repeated(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    lists = _same_class_lists([("", model), *named])  # the model itself may be the Sequential of blocks
+    runs = [(m, cls) for _, m, cls in lists if len(m) > 1]
+    if not runs:
+        return []
+    chosen = max(runs, key=lambda r: _size(r[0]))[1]  # the first of equal sizes
+    return [(f"{name}.{key}" if name else key, child) for name, m, cls in lists if cls is chosen
+            for key, child in m.named_children()]
+
+
+def _children(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    children = [(n, c) for n, c in model.named_children() if _has_params(c)]
+    return children if len(children) > 1 else []
+
+
+def _settle(model: nn.Module, found: list[tuple[str, nn.Module]], rule: str) -> Units:
+    """Each module once, outermost only, and none that shares a parameter with a module outside it."""
+    first: dict[int, tuple[str, nn.Module]] = {}
+    for name, module in found:
+        first.setdefault(id(module), (name, module))
+    inner = {id(sub) for _, m in first.values() for sub in m.modules() if sub is not m}
+    outer = [(n, m) for n, m in first.values() if id(m) not in inner]
+    holders = _holders(model)
+    where = {id(m): n for n, m in model.named_modules()}
+    kept, left = [], []
+    for name, unit in outer:
+        shared = _shared_outside(unit, holders, where)
+        if shared:
+            left.append(f"{name} ({class_of(unit).__name__}; {shared})")
+        else:
+            kept.append((name, unit))
+    return Units(tuple(m for _, m in kept), tuple(n for n, _ in kept), rule, tuple(left))
+
+
+def _holders(model: nn.Module) -> dict[int, set[int]]:
+    """id(parameter) -> the ids of the modules holding it as their own (more than one when tied)."""
+    holders: dict[int, set[int]] = defaultdict(set)
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            holders[id(p)].add(id(m))
+    return holders
+
+
+def _shared_outside(unit: nn.Module, holders: dict[int, set[int]], where: dict[int, str]) -> str:
+    """'' or which of the unit's parameters a module outside it also holds."""
+    inside = {id(m) for m in unit.modules()}
+    for sub_name, sub in unit.named_modules():
+        for p_name, p in sub.named_parameters(recurse=False):
+            outside = holders[id(p)] - inside
+            if outside:
+                other = where.get(next(iter(outside)), "?")
+                own = f"{sub_name}.{p_name}" if sub_name else p_name
+                return f"its {own} is tied to {other or 'the root'}"
+    return ""
+
+
+def _param_classes(named: list[tuple[str, nn.Module]]) -> str:
+    classes = dict.fromkeys(class_of(m).__name__ for _, m in named
+                            if _has_params(m) and not isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)))
+    return ", ".join(list(classes)[:12]) or "none"
+
+
+def _suggest(named: list[tuple[str, nn.Module]]) -> str:
+    """A class name to suggest: the repeated blocks this model has, else any class holding parameters."""
+    lists = _same_class_lists(named)
+    return max(lists, key=lambda r: _size(r[1]))[2].__name__ if lists else "MyBlock"
+
+
+def units_line(model: nn.Module, names: str = "", *, sharded: bool, blocks: bool) -> str:
+    """What the header says about units: 'FSDP: 12 x GPT2Block + root' when sharded, 'blocks: 12 x Block' when
+    only activation checkpointing or compile use them (``blocks``), '' when nothing does."""
+    if not (sharded or blocks):
+        return ""
+    what = find_units(model, names).describe()
+    if sharded:
+        return f"FSDP: {what} + root" if what else "FSDP: the root only (no blocks found)"
+    return f"blocks: {what}" if what else "blocks: none found, the whole model is one"
+
+
+def unit_warnings(model: nn.Module, units: Units, *, sharded: bool, checkpointing: str) -> list[str]:
+    """The warnings to say once: candidates left to the root, and no units where FSDP or activation
+    checkpointing needs them (compile alone is as good on the whole model)."""
+    costs = {}
+    if sharded:
+        costs["FSDP"] = "FSDP gathers the whole model for every forward and backward (only the state between " \
+                        "steps stays sharded)"
+    if checkpointing != "none":
+        costs["activation checkpointing"] = "activation checkpointing recomputes the whole forward at once in " \
+                                            "backward (little memory saved)"
+    said = []
+    if costs and units.left_to_root:
+        said.append(f"{' and '.join(costs)}: left to the root, as a tied parameter must live in one unit: "
+                    + "; ".join(units.left_to_root))
+    if costs and not units.modules:
+        said.append(f"no repeated blocks found in {class_of(model).__name__}: {'; '.join(costs.values())}; "
+                    f"fix: {FIX}")
+    return said

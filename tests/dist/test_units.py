@@ -1,0 +1,361 @@
+"""The repeated blocks of models other than scaletrain's own, found and sharded one unit per block.
+
+Three shapes written here as their sources lay them out (no download, no transformers): nanoGPT's GPT (blocks
+in transformer.h, lm_head tied to transformer.wte, forward returning (logits, loss)), a transformers-style
+causal LM (layers in model.layers, ``_no_split_modules``, a dataclass output), and a torchvision-style ResNet
+(BasicBlocks in layer1..layer3 Sequentials, BatchNorm). On 2 Gloo ranks each trains 5 AdamW steps under DDP
+and under FSDP with the same global batch: FSDP must shard one unit per block with the tied weight in the
+root, and end with DDP's parameters (fp32; only the summation order of the gradients differs, so 1e-5).
+Then fit() trains models returning a tuple, a dict and a dataclass under DDP and FSDP alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import io
+import math
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from spawn_ranks import run_ranks
+from test_fsdp import _full, _max_diff
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+import scaletrain
+from scaletrain import runtime
+from scaletrain.config import DistConfig, ParallelConfig
+from scaletrain.errors import ConfigError
+from scaletrain.parallel import find_units, parallelize
+from scaletrain.parallel.units import unit_warnings
+from scaletrain.train.state import full_model_state
+
+V, T, C, GLOBAL, STEPS = 32, 8, 16, 8, 5
+
+
+# ---------------------------------------------------------------------------------------- nanoGPT's layout
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 2, C // 2).transpose(1, 2) for z in self.c_attn(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, C))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = nn.Linear(C, 4 * C), nn.GELU(), nn.Linear(4 * C, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(C), CausalSelfAttention(), nn.LayerNorm(C), MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, n_layer: int = 2) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(V, C), wpe=nn.Embedding(T, C), drop=nn.Dropout(0.0),
+            h=nn.ModuleList([Block() for _ in range(n_layer)]), ln_f=nn.LayerNorm(C)))
+        self.lm_head = nn.Linear(C, V, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # nanoGPT's weight tying
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple:
+        tr = self.transformer
+        x = tr.drop(tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1])))
+        for block in tr.h:
+            x = block(x)
+        logits = self.lm_head(tr.ln_f(x))  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1)) if targets is not None else None
+        return logits, loss
+
+
+# ------------------------------------------------------------------------------- a transformers-style LM
+
+
+@dataclasses.dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+
+
+class MyDecoderLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm, self.self_attn = nn.RMSNorm(C), CausalSelfAttention()
+        self.post_attention_layernorm, self.mlp = nn.RMSNorm(C), MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, C)
+        self.layers = nn.ModuleList([MyDecoderLayer() for _ in range(3)])
+        self.norm = nn.RMSNorm(C)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class MyForCausalLM(nn.Module):
+    _no_split_modules = ["MyDecoderLayer"]  # as transformers' PreTrainedModel subclasses declare
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model, self.lm_head = MyModel(), nn.Linear(C, V, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
+        return CausalLMOutput(self.lm_head(self.model(input_ids)))
+
+
+# ------------------------------------------------------------------------------ a torchvision-style ResNet
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU()
+        self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)) \
+            if stride != 1 or cin != cout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        return self.relu(out + (self.downsample(x) if self.downsample is not None else x))
+
+
+class ResNet(nn.Module):
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        self.conv1, self.bn1, self.relu = nn.Conv2d(3, 4, 3, 1, 1, bias=False), nn.BatchNorm2d(4), nn.ReLU()
+        self.layer1 = nn.Sequential(BasicBlock(4, 4, 1), BasicBlock(4, 4, 1))
+        self.layer2 = nn.Sequential(BasicBlock(4, 8, 2), BasicBlock(8, 8, 1))
+        self.layer3 = nn.Sequential(BasicBlock(8, 16, 2), BasicBlock(16, 16, 1))
+        self.avgpool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 8, 8) -> (B, classes)
+        x = self.layer3(self.layer2(self.layer1(self.relu(self.bn1(self.conv1(x))))))
+        return self.fc(self.avgpool(x).flatten(1))
+
+
+# -------------------------------------------------------------------------------------------- the runs
+
+# name -> (build, a batch of n for step s, the loss of an output and a target)
+def _tokens(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, V, (n, T + 1), generator=torch.Generator().manual_seed(seed))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+MODELS = {
+    "nanogpt": (NanoGPT, _tokens, lambda m, x, y: m(x, y)[1]),
+    "hf": (MyForCausalLM, _tokens, lambda m, x, y: F.cross_entropy(m(x).logits.reshape(-1, V), y.reshape(-1))),
+    "resnet": (ResNet, _images, lambda m, x, y: F.cross_entropy(m(x), y)),
+}
+
+
+def _train(name: str, strategy: str, rank: int, world: int) -> tuple[nn.Module, dict]:
+    build, batch, loss_of = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    wrapped = parallelize(model, torch.device("cpu"), world, ParallelConfig(strategy=strategy), compile=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    per_rank = GLOBAL // world
+    for step in range(STEPS):
+        x, y = batch(GLOBAL, step)
+        loss_of(wrapped, x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, {"params": {k: v for k, v in _full(model).items() if "running_" not in k and "batches" not in k}}
+
+
+def _sharding(model: nn.Module) -> dict:
+    """Which modules fully_shard made units, and what holds the tied weight."""
+    units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model]
+    out = {"units": units, "n_params": len(list(model.parameters()))}
+    if isinstance(model, NanoGPT):
+        wte, head = model.transformer.wte.weight, model.lm_head.weight
+        out["tied"] = wte is head and isinstance(head, DTensor)
+    return out
+
+
+def _reload_tied(model: NanoGPT, trained: dict[str, torch.Tensor], other: dict[str, torch.Tensor],
+                 rank: int, world: int) -> dict:
+    """The sharded tied model's full weights as the trainer saves them (rank 0 gets them), loaded into a plain
+    model; and other full weights (DDP's) loaded into a fresh sharded one, as a DDP -> FSDP resume does."""
+    saved = full_model_state(model, sharded=True)  # collective
+    plain = NanoGPT()
+    if rank == 0:
+        plain.load_state_dict(saved)
+    torch.manual_seed(1)
+    fresh = NanoGPT()
+    parallelize(fresh, torch.device("cpu"), world, ParallelConfig(strategy="fsdp"), compile=False)
+    set_model_state_dict(fresh, dict(sorted(other.items())), options=StateDictOptions(full_state_dict=True))
+    loaded = _full(fresh)
+    return {"saved_equal": rank != 0 or (saved.keys() == trained.keys()
+                                        and all(torch.equal(saved[k], trained[k]) for k in trained)),
+            "plain_tied": plain.lm_head.weight is plain.transformer.wte.weight,
+            "loaded_equal": all(torch.equal(loaded[k], other[k]) for k in other),
+            "sharded_tied": fresh.lm_head.weight is fresh.transformer.wte.weight}
+
+
+def _units_ranks(rank: int, world: int) -> dict:
+    runtime.init(DistConfig(device="cpu"))
+    out: dict = {}
+    for name in MODELS:
+        _, ddp = _train(name, "ddp", rank, world)
+        model, fsdp = _train(name, "fsdp", rank, world)
+        out[name] = {"diff": _max_diff(fsdp["params"], ddp["params"]), **_sharding(model)}
+        if name == "nanogpt":
+            out[name]["reload"] = _reload_tied(model, fsdp["params"], ddp["params"], rank, world)
+    return out
+
+
+def _described(model: nn.Module) -> tuple[str, str]:
+    units = find_units(model)
+    return units.rule, units.describe()
+
+
+def test_blocks_of_three_model_shapes_are_found_named_and_sharded_one_unit_each():
+    assert _described(NanoGPT()) == ("repeated", "2 x Block")  # transformer.h, not the tied children
+    assert _described(MyForCausalLM()) == ("_no_split_modules", "3 x MyDecoderLayer")
+    # per block in every stage: layer3 is the largest run, and its class is also layer1's and layer2's
+    assert _described(ResNet()) == ("repeated", "6 x BasicBlock")
+    assert find_units(ResNet(), "BasicBlock,Linear").describe() == "6 x BasicBlock, 1 x Linear"
+    with pytest.raises(ConfigError, match=r"none is a GPT2Block.*fix: --parallel.fsdp_units=BasicBlock"):
+        find_units(ResNet(), "GPT2Block")
+    with pytest.raises(ConfigError, match=r"parallel.fsdp_units = 'Block,': expected class names separated"):
+        ParallelConfig(fsdp_units="Block,")
+
+    ranks = run_ranks(_units_ranks, 2)
+    for r in ranks:
+        # measured: 0.0 for all three (2 ranks: each gradient element is the same sum of two either way)
+        assert {name: r[name]["diff"] < 1e-5 for name in MODELS} == dict.fromkeys(MODELS, True), r
+        assert r["nanogpt"]["units"] == ["transformer.h.0", "transformer.h.1"]
+        assert r["nanogpt"]["tied"] and r["nanogpt"]["n_params"] == len(list(NanoGPT().parameters()))
+        assert r["hf"]["units"] == [f"model.layers.{i}" for i in range(3)]
+        assert r["resnet"]["units"] == [f"layer{s}.{i}" for s in (1, 2, 3) for i in (0, 1)]
+        assert all(r["nanogpt"]["reload"].values()), r["nanogpt"]["reload"]
+
+
+class TiedAcross(nn.Module):
+    """A tie across a block's border: the head shares the first block's projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = nn.ModuleList([MLP(), MLP()])
+        self.head = nn.Linear(4 * C, C)
+        self.head.weight = self.h[0].c_fc.weight
+
+
+def test_a_tie_across_a_block_leaves_the_block_to_the_root_and_no_blocks_is_a_warning_with_the_fix():
+    units = find_units(TiedAcross())
+    assert units.names == ("h.1",)
+    assert units.left_to_root == ("h.0 (MLP; its c_fc.weight is tied to head)",)
+    said = unit_warnings(TiedAcross(), units, sharded=True, checkpointing="none")
+    assert said == ["FSDP: left to the root, as a tied parameter must live in one unit: h.0 (MLP; its c_fc.weight "
+                    "is tied to head)"]
+    lone = nn.Sequential(nn.Linear(4, 4))
+    said = unit_warnings(lone, find_units(lone), sharded=True, checkpointing="full")
+    assert len(said) == 1 and said[0].startswith("no repeated blocks found in Sequential: FSDP gathers the whole")
+    assert said[0].endswith("fix: --parallel.fsdp_units=MyBlock (the class names of its repeated layers, "
+                            "comma-separated)")
+    assert unit_warnings(lone, find_units(lone), sharded=False, checkpointing="none") == []  # compile alone
+
+
+# ------------------------------------------------------------------------------ fit() and model outputs
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(x))
+
+
+class Shaped(nn.Module):
+    """(B, 8) -> 4 classes, returned as a tuple, a dict or a dataclass, with a second output beside the logits."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.stem, self.head = kind, nn.Linear(8, 16), nn.Linear(16, 4)
+        self.layers = nn.ModuleList([Layer(), Layer()])
+
+    def forward(self, x: torch.Tensor) -> tuple | dict | Out:
+        h = self.stem(x)
+        for layer in self.layers:
+            h = layer(h)
+        logits, aux = self.head(h), h.mean()
+        return {"tuple": (logits, aux), "dict": {"logits": logits, "aux": aux}, "dataclass": Out(logits, aux)}[self.kind]
+
+
+def _fit_ranks(rank: int, world: int, root: str) -> dict:
+    runtime.init(DistConfig(device="cpu"))  # fit() joins this group and leaves it open
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+    y = x[:, :4].argmax(dim=1)
+    out: dict = {}
+    for kind in ("tuple", "dict", "dataclass"):
+        for strategy in ("ddp", "fsdp"):
+            said = io.StringIO()
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                summary = scaletrain.fit(functools.partial(Shaped, kind), (x, y), config={
+                    "run.dir": f"{root}/{kind}-{strategy}", "parallel.strategy": strategy, "dist.device": "cpu",
+                    "data.batch_size": 16, "train.max_steps": 6, "optim.lr": 1e-2, "train.progress": False,
+                    "train.eval_batches": 1})
+            out[f"{kind}-{strategy}"] = {"loss": summary["train_loss"], "steps": summary["steps"],
+                                         "said": said.getvalue()}
+    return out
+
+
+def test_tuple_dict_and_dataclass_outputs_train_under_fit_with_ddp_and_fsdp(tmp_path: Path):
+    ranks = run_ranks(_fit_ranks, 2, str(tmp_path))
+    for kind in ("tuple", "dict", "dataclass"):
+        ddp, fsdp = ranks[0][f"{kind}-ddp"], ranks[0][f"{kind}-fsdp"]
+        assert ddp["steps"] == fsdp["steps"] == 6 and math.isfinite(fsdp["loss"])
+        assert "parallel: fsdp | FSDP: 2 x Layer + root" in fsdp["said"], fsdp["said"]
+        assert "warning" not in fsdp["said"] + ddp["said"]
+        weights = [safetensors.torch.load_file(tmp_path / f"{kind}-{s}" / "model.safetensors") for s in ("ddp", "fsdp")]
+        assert _max_diff(weights[1], weights[0]) < 1e-5, kind
+    assert ranks[1]["tuple-fsdp"]["said"] == ""  # rank 0 speaks for all
