@@ -45,11 +45,12 @@ TIMEOUT_S = 300
 SHORT = {
     "scaletrain train ": "--train.max_steps=2 --log.every=1 --train.eval_batches=1 --data.batch_size=8 "
                          "--train.progress=false",
-    "scaletrain verify-resume ": "--steps 4 --at 2 --train.eval_batches=1 --data.batch_size=8 --train.progress=false",
+    "scaletrain verify-resume digits": "--steps 4 --at 2 --train.eval_batches=1 --data.batch_size=8 --train.progress=false",
     "scaletrain bench allreduce": "--sizes 1KB,64KB --iters 2 --warmup 1",
     "scaletrain bench throughput": "--steps 2 --repeats 1 --warmup 1",
     "scaletrain bench scaling": "--steps 2 --warmup 2",
     "python benchmarks/ddp_bucket.py": "--steps 4 --log-every 2 --rounds 1",
+    "scaletrain launch --nproc 2 examples/gan.py": "--train.max_steps=4 --log.every=2",
     "python benchmarks/peers/run.py": "--steps 4 --log-every 2 --rounds 1",
 }
 

@@ -10,15 +10,20 @@ from scaletrain.config import Config, load
 
 if TYPE_CHECKING:
     from scaletrain.train.run import fit, run
+    from scaletrain.train.session import session
 
-__all__ = ["Config", "__version__", "fit", "load", "run"]
+__all__ = ["Config", "__version__", "fit", "load", "run", "session"]
 
 
 def __getattr__(name: str) -> Any:
-    """``fit`` and ``run`` are imported on first use: the trainer pulls in torch and its distributed stack
+    """``fit``, ``run`` and ``session`` are imported on first use: the trainer pulls in torch and its distributed stack
     (seconds), which the CLI's launcher, --help and the tools that never train should not pay for."""
     if name in ("fit", "run"):
         from scaletrain.train import run as trainer
 
         return getattr(trainer, name)
+    if name == "session":
+        from scaletrain.train.session import session
+
+        return session
     raise AttributeError(f"module 'scaletrain' has no attribute {name!r}")

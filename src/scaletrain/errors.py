@@ -40,9 +40,13 @@ class TrainingFailed(Reported):
 
 
 class Stopped(KeyboardInterrupt):
-    """The run stopped on the user's Ctrl-C after saving a checkpoint, and said so: it ends the program as
-    Ctrl-C does (exit 130), without a traceback; a worker under a launcher exits 0, so that its agent does not
-    take the stop for a failure and restart the group."""
+    """The run stopped on a signal after saving a checkpoint, and said so: uncaught, it ends the program
+    without a traceback. Ctrl-C exits 130 as Ctrl-C does (a worker under a launcher exits 0, so that its agent
+    does not take the stop for a failure and restart the group); a preemption exits 0."""
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if "RANK" in os.environ else 130
 
 
 class UserError(Reported):
@@ -106,9 +110,13 @@ def _first_to_say(line: str) -> bool:
     if not addr or not port.isdigit():
         return True
     try:
+        import time
         from datetime import timedelta
 
         import torch.distributed as dist
+
+        if os.environ.get("RANK", "0") != "0":
+            time.sleep(0.3)  # rank 0 first: an error every rank raised is said without a rank prefix
 
         store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=5))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -152,7 +160,7 @@ def install_excepthook() -> None:
         if isinstance(err, Reported):
             sys.exit(report(err))  # SystemExit from an excepthook sets the exit code (atexit still runs)
         if isinstance(err, Stopped):
-            sys.exit(0 if "RANK" in os.environ else 130)
+            sys.exit(err.exit_code)
         current(kind, err, tb)
 
     hook._scaletrain = True  # type: ignore[attr-defined]

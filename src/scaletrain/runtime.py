@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from scaletrain.config import DistConfig
 from scaletrain.env import FAILED_WORKER_ENV, under_launcher
-from scaletrain.errors import ConfigError, Reported
+from scaletrain.errors import ConfigError, Reported, TrainingFailed
 
 T = TypeVar("T")
 
@@ -216,6 +216,22 @@ def missing_peers(rt: Runtime, step: int, wait_s: float = 2.0) -> list[tuple[int
         return hosts
     except (RuntimeError, dist.DistError):  # the store itself is gone (the agent died): nothing to name
         return []
+
+
+def collective_failure(err: RuntimeError, rt: Runtime, step: int, timeout_s: int) -> Exception:
+    """A failed or timed-out collective during ``step`` becomes one line naming the ranks that did not answer
+    (recording the step for a restarted group); any other error is returned as it is."""
+    text = str(err)
+    looks = isinstance(err, dist.DistError) or any(
+        s in text for s in ("gloo", "Gloo", "NCCL", "Timed out", "timed out", "Connection closed", "Connection reset"))
+    if not (rt.distributed and looks):
+        return err
+    missing = missing_peers(rt, step)
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    who = ", ".join(f"rank {r} (host {h})" for r, h in missing) or "no rank could be named"
+    return TrainingFailed(f"a collective failed during step {step} ({first}); not answering: {who}; fix: if a rank "
+                          f"hangs, look at its stack (py-spy dump); --dist.timeout_s={timeout_s} bounds the wait, and "
+                          "--max-restarts lets torchrun restart the group from the last checkpoint")
 
 
 def previous_failure(rt: Runtime) -> dict[str, Any]:

@@ -73,3 +73,14 @@ def parse_count(flag: str, text: str, low: int, example: str = "") -> int:
     if value < low:
         raise UserError(f"{flag} = {text!r}: expected an integer >= {low}; fix: {flag} {example or max(low, 10)}")
     return value
+
+
+def parse_overrides(argv: list[str]) -> dict[str, str]:
+    """A script's own ``--section.key=value`` arguments (scaletrain.session(argv=sys.argv[1:])) as config
+    overrides, checked as the CLI checks them; anything else is one clear error."""
+    parser = Parser(prog="scaletrain.session", add_help=False, allow_abbrev=False)
+    add_config_options(parser)
+    args, leftovers = parser.parse_known_args(argv)
+    overrides = config_overrides(args, leftovers)
+    check_types(overrides)
+    return overrides

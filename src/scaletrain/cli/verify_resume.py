@@ -21,12 +21,13 @@ from scaletrain.config import RESTORABLE, load
 from scaletrain.errors import UserError
 
 HELP = ("Check that your job resumes exactly: run it straight for N steps, and again interrupted at step K and "
-        "resumed; report identical, or the first diverging step and which part of the state differs.")
+        "resumed; report identical, or the first diverging step and which part of the state differs. The job is a "
+        "recipe, a TOML config, or a script whose loop runs in scaletrain.session(argv=sys.argv[1:]).")
 
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
-                       usage="scaletrain verify-resume RECIPE|FILE.toml [--steps N] [--at K] [--drop PARTS] "
+                       usage="scaletrain verify-resume RECIPE|FILE.toml|SCRIPT.py [--steps N] [--at K] [--drop PARTS] "
                              "[--section.key=value ...] [--nproc N]")
     add_config_argument(p)
     own = p.add_argument_group("verify-resume")
@@ -62,6 +63,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.train.batching import plan_batches
     from scaletrain.train.verify import compare, read_trace, run_train
 
+    if args.config.endswith(".py"):
+        return _verify_script(args, leftovers, argv)
     overrides = config_overrides(args, leftovers)
     check_types(overrides)
     cfg = load(args.config, cli_overrides=overrides)
@@ -102,24 +105,81 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     return 0 if verdict.identical else 1
 
 
+def _verify_script(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
+    """verify-resume for a script whose loop runs in a scaletrain.session(argv=sys.argv[1:]): the same three
+    runs (straight, stopped after step K, resumed), each `python SCRIPT ARGS` (or `scaletrain launch --nproc N
+    SCRIPT ARGS`) with the session's own --run.dir, --debug.trace and --chaos.interrupt_step added."""
+    from scaletrain.observe.console import Console
+    from scaletrain.train.verify import compare, read_trace, run_script
+
+    script = args.config
+    if not Path(script).is_file():
+        raise UserError(f"script {script!r} not found; fix: check the path")
+    overrides = config_overrides(args, leftovers)
+    check_types(overrides)
+    cfg = load(None, cli_overrides=overrides)
+    world = cfg.dist.nproc * cfg.dist.nnodes
+    n = parse_count("--steps", args.steps, 0) or 20
+    if n < 2:
+        raise UserError(f"--steps {n}: at least 2 steps are needed (one before and one after the interruption); "
+                        "fix: --steps 20")
+    at = parse_count("--at", args.at, 0)
+    if at and not 1 <= at < n:
+        raise UserError(f"--at {at}: expected a step in [1, {n - 1}] (before the last compared step); fix: --at {n // 2}")
+    k = at or random.Random().randrange(1, n)
+    drop = load(None, cli_overrides={"debug.skip_restore": args.drop}).debug.skip_restore
+    if drop:
+        raise UserError(f"--drop {drop}: a session restores every part; fix: leave --drop out for a script")
+    console = Console(True, progress=False)
+    console.print(f"verify-resume: {script} on {world} rank(s), {n} steps, interrupted after step {k}")
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="scaletrain-verify-"))
+    if args.work_dir and work.exists() and any(work.iterdir()):
+        raise UserError(f"--work-dir {work}: not empty; fix: name a new or empty directory")
+    rest = argv[argv.index("verify-resume") + 1:]
+    rest.remove(args.config)
+    cli = _without(_without_own_values(rest), ("--nproc", "--dist.nproc"))  # the world is the launcher's
+    env = dict(os.environ)
+    try:
+        console.print(f"  run A: straight to step {n} ...")
+        run_script(script, [*cli, f"--chaos.interrupt_step={n}"], work / "straight", env, world)
+        console.print(f"  run B: to step {k}, then stop as if preempted ...")
+        run_script(script, [*cli, f"--chaos.interrupt_step={k}"], work / "resumed", env, world)
+        console.print(f"  run C: a new process resumes B's checkpoint and runs to step {n} ...")
+        run_script(script, [*cli, f"--chaos.interrupt_step={n}"], work / "resumed", env, world)
+        verdict = compare(read_trace(work / "straight"), _first(work / "resumed", k), _after(work / "resumed", k),
+                          n, k)
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    console.print(verdict.text())
+    if not verdict.identical:
+        console.print(f"  differing trace fields: {', '.join(verdict.fields)}")
+    return 0 if verdict.identical else 1
+
+
 _OWN = ("--steps", "--at", "--drop", "--work-dir")
 
 
-def _without_own_values(args: list[str]) -> list[str]:
-    """The command line minus verify-resume's own options (and their values), passed on to each run."""
+def _without(args: list[str], options: tuple[str, ...]) -> list[str]:
+    """``args`` minus ``options`` and their values (``--opt value`` or ``--opt=value``)."""
     out: list[str] = []
     skip = False
     for a in args:
         if skip:
             skip = False
             continue
-        if a in _OWN:
+        if a in options:
             skip = True
             continue
-        if a.startswith(tuple(o + "=" for o in _OWN)):
+        if a.startswith(tuple(o + "=" for o in options)):
             continue
         out.append(a)
     return out
+
+
+def _without_own_values(args: list[str]) -> list[str]:
+    """The command line minus verify-resume's own options (and their values), passed on to each run."""
+    return _without(args, _OWN)
 
 
 def _first(run_dir: Path, k: int) -> dict[int, list[dict[str, Any]]]:

@@ -106,6 +106,20 @@ class ShardedLoader:
             s.cursor = 0
             s.end = s.usable
 
+    def epoch_batches(self) -> Iterator[Any]:
+        """The rest of the current epoch's micro-batches, then the next epoch begins (the cursor counts a
+        batch as consumed once it is handed out, as __iter__ does): one pass for a loop written as
+        ``for epoch in ...: for batch in loader: ...``."""
+        s = self.sampler
+        remaining = (s.end - s.cursor) // self.micro_samples
+        if remaining:
+            batches = iter(self)
+            for _ in range(remaining):
+                yield next(batches)
+        s.epoch += 1
+        s.cursor = 0
+        s.end = s.usable
+
     def state_dict(self) -> dict[str, int]:
         s = self.sampler
         return {"epoch": s.epoch, "cursor": s.cursor, "end": s.end, "size": self.size,

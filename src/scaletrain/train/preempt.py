@@ -53,6 +53,19 @@ class Interrupted(Stopped):
         self.record = record
 
 
+class Preempted(Stopped):
+    """SIGTERM or SIGUSR1 stopped a session's loop after its checkpoint was saved (a scheduler's preemption,
+    Slurm's warning before the time limit): the program ends with exit code 0, and the next launch resumes."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        super().__init__(f"{record['reason']}: stopped at step {record['step']} after saving a checkpoint")
+        self.record = record
+
+    @property
+    def exit_code(self) -> int:
+        return 0
+
+
 def say(line: str) -> None:
     """One line on stderr from a signal handler: a raw write, which cannot re-enter a buffered stream that the
     interrupted code was in the middle of writing."""

@@ -32,6 +32,7 @@ from scaletrain.observe.metrics import MetricsWriter, peak_memory_bytes, write_j
 from scaletrain.observe.sinks import TensorBoardSink, check_tensorboard
 from scaletrain.observe.stragglers import bottleneck, phase_fractions
 from scaletrain.observe.throughput import throughput
+from scaletrain.parallel import units_line
 from scaletrain.runtime import Runtime
 from scaletrain.train.checkpointing import Checkpointer, Resume, find_resume
 from scaletrain.train.job import Job, LossFn, ModelArg, build_job
@@ -54,7 +55,10 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     console.print(f"model {name}: {params / 1e6:.3f}M parameters | data {cfg.data.source}: "
                   f"{len(splits.train)} train / {n_eval} held-out samples")  # type: ignore[arg-type]
     layout = job.strategy if rt.world_size > 1 or job.sharded else "single replica"
-    extras = [f"activation checkpointing {cfg.memory.activation_checkpointing}"] \
+    units = units_line(job.module, cfg.parallel.fsdp_units, sharded=job.sharded,
+                       blocks=cfg.memory.activation_checkpointing != "none" or cfg.train.compile)
+    extras = [units] if units else []
+    extras += [f"activation checkpointing {cfg.memory.activation_checkpointing}"] \
         if cfg.memory.activation_checkpointing != "none" else []
     extras += ["CPU offload"] if cfg.memory.cpu_offload and job.sharded else []
     console.print(f"parallel: {layout}" + (f" ({job.strategy_reason})" if cfg.parallel.strategy == "auto" else "")
@@ -199,22 +203,6 @@ def _out_of_memory(job: Job) -> TrainingFailed:
                           f"{advice}")
 
 
-def _collective_failure(err: RuntimeError, job: Job) -> Exception:
-    """A failed or timed-out collective becomes one line naming the ranks that did not answer."""
-    text = str(err)
-    looks = isinstance(err, dist.DistError) or any(
-        s in text for s in ("gloo", "Gloo", "NCCL", "Timed out", "timed out", "Connection closed", "Connection reset"))
-    if not (job.rt.distributed and looks):
-        return err
-    step = job.step + 1
-    missing = runtime.missing_peers(job.rt, step)
-    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    who = ", ".join(f"rank {r} (host {h})" for r, h in missing) or "no rank could be named"
-    return TrainingFailed(f"a collective failed during step {step} ({first}); not answering: {who}; fix: if a rank "
-                          f"hangs, look at its stack (py-spy dump); --dist.timeout_s={job.cfg.dist.timeout_s} bounds "
-                          "the wait, and --max-restarts lets torchrun restart the group from the last checkpoint")
-
-
 def _stopped(job: Job, loop: Loop, outcome: str, console: Console, writer: MetricsWriter) -> dict[str, Any]:
     last = loop.saves[-1].path if loop.saves else None
     reason = PreemptFlag.name(loop.stopped_by) if outcome == PREEMPTED else "chaos.interrupt_step"
@@ -270,7 +258,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         except torch.OutOfMemoryError as err:
             raise _out_of_memory(job) from err
         except RuntimeError as err:
-            raise _collective_failure(err, job) from err
+            raise runtime.collective_failure(err, job.rt, job.step + 1, job.cfg.dist.timeout_s) from err
         with preempt.saving():
             checkpointer.close()
         preempt.finished()

@@ -124,3 +124,15 @@ def run_train(config: str, args: list[str], run_dir: Path, env: dict[str, str]) 
         tail = " | ".join(line for line in proc.stderr.strip().splitlines()[-3:])
         raise UserError(f"verify-resume: the run in {run_dir} failed (exit {proc.returncode}): {tail}; fix: "
                         f"make `scaletrain train {config} ...` work first")
+
+
+def run_script(script: str, args: list[str], run_dir: Path, env: dict[str, str], world: int) -> None:
+    """A script whose loop runs in scaletrain.session(argv=...), as `python SCRIPT` or, for several ranks,
+    `scaletrain launch --nproc N SCRIPT`; a failure is a UserError carrying its last lines."""
+    launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "scaletrain", "launch", "--nproc", str(world)]
+    cmd = [*launcher, script, *args, f"--run.dir={run_dir}", "--debug.trace=true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        tail = " | ".join(line for line in proc.stderr.strip().splitlines()[-3:])
+        raise UserError(f"verify-resume: the run in {run_dir} failed (exit {proc.returncode}): {tail}; fix: make "
+                        f"`python {script} ...` work first")

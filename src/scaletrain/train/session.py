@@ -1,0 +1,736 @@
+"""``scaletrain.session()``: a training loop of your own, with scaletrain's data parallelism, exact resume,
+metrics, stragglers and preemption. You write forward, backward and the optimizer steps; the session does the
+rest::
+
+    with scaletrain.session({"train.max_steps": 2000, "checkpoint.every": 200}) as st:
+        G, opt_g = st.setup(Generator(), make_opt_g)      # wrapped for the layout (DDP here), restored on resume
+        D, opt_d = st.setup(Discriminator(), make_opt_d)
+        loader = st.loader(dataset, batch_size=64)         # this rank's shard, batches on the device, resumable
+        while not st.done:
+            for real in loader:
+                with st.step():                            # phase times, stragglers, preemption, checkpoints
+                    ...
+                    st.backward(loss_d); opt_d.step(); opt_d.zero_grad()
+                    ...
+                    st.backward(loss_g); opt_g.step(); opt_g.zero_grad()
+                    st.log(loss_d=loss_d, loss_g=loss_g)
+                if st.done:
+                    break
+
+Create the session first and build the models after it: it seeds every rank alike (run.seed), so the initial
+weights agree; at the first step each rank switches to seed + rank (dropout differs per rank) or, on resume,
+to its saved RNG. An optimizer is given as a function of the parameters (``lambda params: Adam(params)``) or
+as an optimizer built on the model's parameters. A checkpoint holds every model and optimizer set up, every
+loader's position, the step, every rank's RNG and the running metric sums: a resumed run continues bit for bit.
+The same file runs under ``python``, ``torchrun`` and ``scaletrain launch``.
+
+What it does not do (yet): FSDP (one DCP checkpoint holds one model; a session refuses strategy fsdp/hsdp and
+says so), skipping a non-finite step (the user calls the optimizers: ``train.nonfinite=raise`` stops at the next
+log step naming the rank and step), and fp16's gradient scaler (bf16-mixed works through ``st.autocast()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from scaletrain import __version__, runtime
+from scaletrain.batch import to_device
+from scaletrain.checkpoint import rng
+from scaletrain.config import Config, load
+from scaletrain.data import ShardedLoader
+from scaletrain.errors import CheckpointError, ConfigError, TrainingFailed, UserError, install_excepthook
+from scaletrain.observe.console import Console
+from scaletrain.observe.metrics import MetricsWriter, write_json
+from scaletrain.observe.stragglers import StragglerDetector, phase_fractions
+from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook
+from scaletrain.parallel import parallelize
+from scaletrain.runtime import Runtime
+from scaletrain.train.chaos import Chaos
+from scaletrain.train.checkpointing import (
+    FORMAT_FULL,
+    OPTIMIZER,
+    Checkpointer,
+    Resume,
+    describe_versions,
+    find_resume,
+    rank_file,
+    read_model,
+    read_trainer,
+    read_tree,
+)
+from scaletrain.train.precision import autocast
+from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, StepAgreement, restart_line
+from scaletrain.train.resume import truncate_metrics
+from scaletrain.train.rundir import agree_run_dir
+from scaletrain.train.state import (
+    dedupe,
+    load_model_tensors,
+    load_optimizer_tree,
+    optimizer_tree,
+    with_aliases,
+)
+
+OptimizerArg = Optimizer | Callable[[list[nn.Parameter]], Optimizer]
+
+
+@dataclasses.dataclass
+class _Model:
+    name: str
+    module: nn.Module  # the bare model: saving and restoring
+    wrapped: nn.Module  # what the user calls: DDP-wrapped when the world is larger than 1
+    optimizers: list[Optimizer]
+
+
+class Loader:
+    """One rank's shard of a data set for a loop of one's own: ``for batch in loader`` is the rest of the
+    current epoch (then the next epoch begins), every batch on the session's device. Resumable: its position is
+    in the session's checkpoints, and a resumed run continues mid-epoch with the next unseen batch."""
+
+    def __init__(self, session: Session, inner: ShardedLoader) -> None:
+        self._session, self.inner = session, inner
+        self.waited = 0.0  # seconds this rank waited for batches since the last step began
+        self.drawn = 0  # batches handed out since the last step began
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from (0-based)."""
+        return self.inner.epoch
+
+    def __len__(self) -> int:
+        return self.inner.steps_per_epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = self.inner.epoch_batches()
+        while True:
+            self._session._start_training()  # the RNG is restored before anything can draw from it
+            started = time.perf_counter()
+            self._session.chaos.delay("data")
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.waited += time.perf_counter() - started
+            self.drawn += 1
+            if self._session._trace is not None:
+                self._session._trace.batch(batch, self.inner.last_indices)
+            yield to_device(batch, self._session.device)
+
+
+class Session:
+    """See the module docstring. Use it as a context manager (or call close()): closing waits for the last
+    checkpoint, writes summary.json and the final weights, and ends the process group."""
+
+    def __init__(self, config: Config | Mapping[str, Any] | str | None = None, *,
+                 argv: list[str] | None = None) -> None:
+        from scaletrain.cli.options import parse_overrides
+
+        self.started = time.perf_counter()
+        cli = parse_overrides(argv or [])
+        if isinstance(config, Config):
+            cfg = load(None, overrides=_flat(config), cli_overrides=cli) if cli else config
+        elif isinstance(config, str):
+            cfg = load(config, cli_overrides=cli)
+        else:
+            cfg = load(None, overrides={"run.name": "session", **(config or {})}, cli_overrides=cli)
+        _check_supported(cfg)
+        self.rt: Runtime = runtime.init(cfg.dist)
+        # A stop (preemption, Ctrl-C) or one of our errors leaving the user's script ends it as the CLI does;
+        # installed after init_process_group, which wraps the hook it finds in one that buffers stderr.
+        install_excepthook()
+        self._closed, self._in_step, self._training, self._timing = False, False, False, False
+        self._models: list[_Model] = []
+        self._loaders: list[Loader] = []
+        self.preempt = PreemptFlag(f"[rank {self.rt.rank}] " if self.rt.world_size > 1 else "").install()
+        self.writer = MetricsWriter(None)
+        self.checkpointer: Checkpointer | None = None
+        try:
+            self._open(cfg)
+        except BaseException:
+            self._release()
+            raise
+
+    def _open(self, cfg: Config) -> None:
+        rt = self.rt
+        runtime.set_deterministic(cfg.train.deterministic)
+        runtime.seed_all(cfg.run.seed)  # the models built next get the same initial weights on every rank
+        self.cfg = cfg = agree_run_dir(cfg, rt)
+        self.console = Console(rt.is_main, progress=False)
+        self.resume: Resume | None = find_resume(cfg.checkpoint, cfg.run_dir, rt,
+                                                 lambda m: self.console.print(f"warning: {m}"))
+        self._trainer = read_trainer(self.resume) if self.resume else {}
+        self._rank_state = self._read_rank_state()
+        self.steps = int(self._trainer.get("step", 0))  # optimizer steps completed (st.step() blocks)
+        self.train_time = float(self._trainer.get("train_time_s", 0.0))
+        run_dir = cfg.run_dir
+        if rt.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+            if self.resume is not None:
+                truncate_metrics(run_dir / "metrics.jsonl", self.resume.step)
+            self.writer = MetricsWriter(run_dir / "metrics.jsonl", append=self.resume is not None)
+        self.checkpointer = Checkpointer(cfg.checkpoint, run_dir, rt)
+        if self.resume is not None:
+            self.checkpointer.last_step = self.resume.step
+        self.timer: StepTimer = StepTimer(rt.device) if cfg.log.phase_times else NullTimer(rt.device)
+        self.hosts = _hosts(rt)
+        self.stragglers = StragglerDetector(rt.world_size, self.hosts, min_fraction=cfg.log.straggler_min_frac)
+        self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(rt.world_size)]
+        self.chaos = Chaos(cfg.chaos, rt.rank)
+        self.agreement = StepAgreement(cfg.dist.timeout_s) \
+            if cfg.checkpoint.preempt_check == "step" and rt.distributed else None
+        self._sums: dict[str, torch.Tensor] = {}  # this rank's logged values since the last log step
+        self._since = 0  # steps since the last log step (restored on resume: the logged sums span them)
+        self._ran = 0  # of those, the steps this process ran (what the interval's time measures)
+        self._samples = 0  # samples this rank drew from its loaders since the last log step
+        self._bad_step = torch.full((), -1.0, device=rt.device)  # first step with a non-finite loss, this rank
+        self._interval_started = time.perf_counter()
+        self._trace = _Trace(run_dir, rt.rank) if cfg.debug.trace else None
+        self.last_metrics: dict[str, float] = {}
+        self.saves: list[Any] = []
+        where = f"{rt.backend} on {rt.device}" if rt.distributed else f"single process on {rt.device}"
+        self.console.print(f"scaletrain {__version__} session | world {rt.world_size} ({where}) | run dir {run_dir}")
+        restarted = restart_line(rt, self.resume.step if self.resume else None)
+        if restarted is not None:
+            self.console.print(restarted)  # torchrun restarted the group: which worker failed, how, where
+        if self.resume is not None:
+            self.console.print(f"resumed from {self.resume.path}: step {self.steps}")
+            self.writer.write({"kind": "resume", "step": self.steps, "path": str(self.resume.path),
+                               "world_size_was": self.resume.meta["world_size"], "world_size": rt.world_size})
+
+    # -- what the user sets up ---------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.rt.device
+
+    @property
+    def rank(self) -> int:
+        return self.rt.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.rt.world_size
+
+    @property
+    def done(self) -> bool:
+        """True once train.max_steps steps ran (never when max_steps is 0: the loop decides)."""
+        return 0 < self.cfg.train.max_steps <= self.steps
+
+    def setup(self, model: nn.Module, *optimizers: OptimizerArg, name: str = "") -> tuple[Any, ...]:
+        """Move ``model`` to the device, wrap it for the layout (DDP when the world is larger than 1), build or
+        adopt its optimizers, and on resume restore both. Returns (the model to call, *the optimizers)."""
+        self._usable("setup")
+        if self._training:
+            raise UserError("session.setup() after the first step; fix: set up every model and optimizer before "
+                            "the loop starts")
+        if not isinstance(model, nn.Module):
+            raise UserError(f"session.setup(): the model is a {type(model).__name__}; fix: pass a torch.nn.Module")
+        if any(m.module is model for m in self._models):
+            raise UserError(f"session.setup(): this {type(model).__name__} is set up already; fix: call setup() "
+                            "once per model, with all of its optimizers")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise UserError(f"session.setup(): {type(model).__name__} has no parameter that requires grad; fix: "
+                            "set up the models you train")
+        name = name or f"model{len(self._models)}"
+        if any(m.name == name for m in self._models) or "." in name:
+            raise UserError(f"session.setup(name={name!r}): names must be unique and without dots; fix: name="
+                            f"'model{len(self._models)}'")
+        model.to(self.device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        built = [opt(params) if not isinstance(opt, Optimizer) else opt for opt in optimizers]
+        for opt in built:
+            _check_optimizer(opt, model)
+        cfg = self.cfg
+        wrapped = parallelize(model, self.device, self.world_size, cfg.parallel, compile=cfg.train.compile,
+                              precision=cfg.train.precision, memory=cfg.memory,
+                              nnodes=max(1, self.world_size // self.rt.local_world_size), optimizer=cfg.optim.name)
+        attach_comm_hook(wrapped, self.timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap)
+        entry = _Model(name, model, wrapped, built)
+        if self.resume is not None:
+            self._restore(entry)
+        self._models.append(entry)
+        return (wrapped, *built)
+
+    def loader(self, dataset: Any, *, batch_size: int = 0, shuffle: bool | None = None) -> Loader:
+        """This rank's shard of ``dataset`` (a torch Dataset, or (inputs, targets) tensors), ``batch_size`` per
+        rank (0 = data.batch_size), reshuffled every epoch from run.seed, in the same order at any world size."""
+        from scaletrain.data import in_memory
+
+        self._usable("loader")
+        data = in_memory(dataset, eval_data=dataset).train if not isinstance(dataset, torch.utils.data.Dataset) \
+            else dataset
+        b = batch_size or self.cfg.data.batch_size
+        if len(data) < b * self.world_size:  # type: ignore[arg-type]
+            raise UserError(f"session.loader(): {len(data)} samples cannot give every one of {self.world_size} "  # type: ignore[arg-type]
+                            f"rank(s) a batch of {b}; fix: a smaller batch_size or more data")
+        inner = ShardedLoader(data, batch_size=b, rank=self.rank, world=self.world_size, accum=1,
+                              seed=self.cfg.run.seed, shuffle=self.cfg.data.shuffle if shuffle is None else shuffle,
+                              num_workers=self.cfg.data.num_workers, pin_memory=self.device.type == "cuda")
+        saved = self._trainer.get("loaders", [])
+        if len(saved) > len(self._loaders):
+            inner.load_state_dict(saved[len(self._loaders)])
+        inner.track_indices = self._trace is not None
+        loader = Loader(self, inner)
+        self._loaders.append(loader)
+        return loader
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The run's compute precision (train.precision) for the forward passes inside it."""
+        return autocast(self.cfg.train.precision, self.device)
+
+    # -- inside the loop -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One optimizer step of the user's loop (several models and backward passes may be in it)."""
+        self._usable("step")
+        if self._in_step:
+            raise UserError("session.step() inside another session.step(); fix: one `with st.step():` per step")
+        if not self._models:
+            raise UserError("session.step() before session.setup(); fix: set up the model(s) first")
+        self._start_training()
+        step = self.steps + 1
+        self.chaos.before_step(step)
+        self._in_step = True
+        if not self._timing:  # later steps start where the previous one ended: the batch wait is in them
+            self.timer.start()
+            self._timing = True
+        self.timer.host("data", sum(loader.waited for loader in self._loaders))
+        for loader in self._loaders:
+            self._samples += loader.drawn * loader.inner.micro_samples // self.world_size
+            loader.waited, loader.drawn = 0.0, 0
+        try:
+            yield
+            self.timer.mark("optim")
+            self.timer.end()
+            self.steps = step
+            self._since += 1
+            self._ran += 1
+            self.preempt.tick()
+            self._after_step()
+        except RuntimeError as err:  # a peer died or hung in a collective: one line naming it
+            raise runtime.collective_failure(err, self.rt, step, self.cfg.dist.timeout_s) from err
+        finally:
+            self._in_step = False
+        self.timer.start()  # the next step begins now: waiting for its batch is part of it
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, timed (compute and the exposed gradient communication), its value watched for
+        NaN or infinity (named with the rank and step at the next log step)."""
+        if not self._in_step:
+            raise UserError("session.backward() outside `with st.step():`; fix: call it inside the step")
+        self.chaos.delay("compute")
+        loss = self.chaos.poison(self.steps + 1, loss)
+        bad = ~torch.isfinite(loss.detach())
+        self._bad_step = torch.where((self._bad_step < 0) & bad, float(self.steps + 1), self._bad_step)
+        loss.backward()
+        self.timer.backward_done()
+
+    def log(self, **metrics: torch.Tensor | float) -> None:
+        """Values of this step (tensors stay on the device: nothing waits for them); the log line and
+        metrics.jsonl show their mean over the interval's steps and over the ranks. Every rank logs the same
+        names."""
+        self._usable("log")
+        for key, value in metrics.items():
+            v = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else \
+                torch.tensor(float(value), device=self.device)
+            self._sums[key] = self._sums.get(key, torch.zeros((), device=self.device)) + v.to(self.device)
+
+    def save(self) -> None:
+        """A checkpoint now, at the last completed step (every rank calls it)."""
+        self._usable("save")
+        self._save(final=True)
+
+    # -- step boundaries -----------------------------------------------------------------------------------
+
+    def _start_training(self) -> None:
+        if self._training:
+            return
+        self._training = True
+        if self._rank_state is not None and "rng" in self._rank_state:
+            rng.restore(self._rank_state["rng"], self.device)
+        elif self.resume is None:
+            torch.manual_seed(self.cfg.run.seed + self.rank)  # dropout and noise differ between ranks
+        if self._trace is not None and self.resume is not None:
+            self._trace.resumed(self)
+        self._interval_started = time.perf_counter()
+
+    def _after_step(self) -> None:
+        cfg = self.cfg
+        log_step = self.steps % cfg.log.every == 0 or self.done
+        stop = 0
+        if log_step:
+            stop = self._log()
+        elif not self.rt.distributed:
+            stop = self.preempt.signum
+        elif self.agreement is not None:
+            stop = self.agreement.poll(self.preempt.signum)
+        if self._trace is not None:
+            self._trace.step(self)
+        interrupt = self.chaos.interrupt_after(self.steps)  # the same on every rank: no agreement needed
+        ckpt = self.checkpointer
+        assert ckpt is not None
+        if stop or interrupt or ckpt.due(self.steps, cfg.train.max_steps or -1):
+            self._save(final=bool(stop or interrupt))
+        self._log_saves()
+        if stop or interrupt:
+            self._stopped(PreemptFlag.name(stop) if stop else "chaos.interrupt_step")
+
+    def _gather(self) -> list[list[float]]:
+        """Every rank's row: its logged sums (names sorted), the names' fingerprint, the first non-finite
+        loss step, the preemption signal, phase times. One all_gather, one host sync."""
+        names = sorted(self._sums)
+        fingerprint = int(hashlib.sha256(",".join(names).encode()).hexdigest()[:12], 16)
+        times = self.timer.collect()
+        device_part = torch.stack([*(self._sums[n] for n in names), self._bad_step]).double() if names else \
+            self._bad_step.double().reshape(1)
+        host = torch.tensor([float(fingerprint), float(self.preempt.signum), float(self._samples), *times],
+                            dtype=torch.float64)
+        mine = torch.cat([device_part.reshape(-1), host.to(self.device)])
+        if not self.rt.distributed:
+            return [mine.tolist()]
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(rows, mine)
+        except RuntimeError as err:
+            raise UserError("session.log(): the ranks logged different names (or numbers of them) in this "
+                            f"interval ({type(err).__name__}); fix: log the same names on every rank") from err
+        return torch.stack(rows).tolist()  # host-device sync
+
+    def _log(self) -> int:
+        names = sorted(self._sums)
+        rows = self._gather()
+        n = len(names)
+        if len({r[n + 1] for r in rows}) > 1:
+            raise UserError("session.log(): the ranks logged different names in this interval; fix: log the same "
+                            "names on every rank")
+        bad = [(int(r[n]), rank) for rank, r in enumerate(rows) if r[n] >= 0]
+        if bad:
+            step, rank = min(bad)
+            raise TrainingFailed(f"non-finite loss on rank {rank} at step {step}; fix: lower the learning rate, "
+                                 "clip gradients, or more warmup")
+        elapsed = time.perf_counter() - self._interval_started
+        self.train_time += elapsed
+        steps, ran = max(self._since, 1), max(self._ran, 1)
+        means = {name: sum(r[i] for r in rows) / (len(rows) * steps) for i, name in enumerate(names)}
+        samples = sum(r[n + 3] for r in rows)
+        phases = [dict(zip(PHASES, r[n + 4:])) for r in rows]
+        for totals, p in zip(self.phase_totals, phases):
+            for phase, seconds in p.items():
+                totals[phase] += seconds * ran
+        record: dict[str, Any] = {"kind": "train", "step": self.steps, **means,
+                                  "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
+                                  "step_time_s": elapsed / ran}
+        if self.cfg.log.phase_times:
+            record["phase_s"] = {p: [r[p] for r in phases] for p in PHASES}
+            straggler = self.stragglers.update(phases)
+            if straggler is not None:
+                if straggler.pop("new"):
+                    self.console.print(
+                        f"straggler: rank {straggler['rank']} (host {straggler['host']}) is "
+                        f"{1000 * straggler['slower_by_s']:.1f} ms per step "
+                        f"({100 * straggler['slower_by_frac']:.0f}%) slower than the other ranks before the "
+                        f"all-reduce, in phase {straggler['phase']}; the others wait for it")
+                record["straggler"] = straggler
+        self.writer.write(record)
+        text = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
+        self.console.print(f"step {self.steps:>6} | {text + ' | ' if text else ''}"
+                           f"{record['samples_per_s']:,.0f} samples/s | {record['step_time_s']:.4f} s/step")
+        self.last_metrics = means
+        for value in self._sums.values():
+            value.zero_()
+        self._since, self._ran, self._samples = 0, 0, 0
+        self._interval_started = time.perf_counter()
+        return next((int(r[n + 2]) for r in rows if r[n + 2]), 0)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+
+    def _save(self, *, final: bool) -> None:
+        ckpt = self.checkpointer
+        assert ckpt is not None
+        if not self._models or self.steps == 0:
+            return
+        models: dict[str, torch.Tensor] = {}
+        optims: dict[str, Any] = {}
+        for m in self._models:
+            models.update({f"{m.name}.{k}": v for k, v in m.module.state_dict().items()})
+            for i, opt in enumerate(m.optimizers):
+                optims[f"{m.name}/{i}"] = optimizer_tree(m.module, opt)
+        trainer = {"step": self.steps, "loaders": [loader.inner.state_dict() for loader in self._loaders],
+                   "train_time_s": self.train_time, "models": [m.name for m in self._models]}
+        rank_state = {"rng": rng.capture(self.device), "since": self._since,
+                      "sums": {k: float(v.item()) for k, v in self._sums.items()}}
+        meta = {"format": FORMAT_FULL, "session": True, "step": self.steps, "world_size": self.world_size,
+                "global_batch": 0, "batch_size": 0, "accum_steps": 1,
+                "loader": self._loaders[0].inner.state_dict() if self._loaders else {},
+                "config_digest": self.cfg.digest(), "config": self.cfg.to_toml(), **describe_versions()}
+        with self.preempt.saving():
+            blocked = ckpt.save(self.steps, dedupe(models), optims, trainer, rank_state, meta, background=not final)
+            if final:
+                ckpt.wait()
+        self.timer.add("ckpt", blocked)
+
+    def _log_saves(self) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        for result in ckpt.poll():
+            self.saves.append(result)
+            self.writer.write({"kind": "checkpoint", "step": result.step, "path": str(result.path),
+                               "bytes": result.bytes, "blocked_s": result.blocked_s, "save_s": result.save_s,
+                               "async": result.background})
+        for warning in ckpt.warnings:
+            self.console.print(f"warning: {warning}")
+        ckpt.warnings.clear()
+
+    def _read_rank_state(self) -> dict[str, Any] | None:
+        if self.resume is None:
+            return None
+        name = rank_file(self.rt.rank)
+        if name not in self.resume.manifest["files"]:
+            return None
+        return read_tree(self.resume, name)
+
+    def _restore(self, entry: _Model) -> None:
+        resume = self.resume
+        assert resume is not None
+        if not resume.meta.get("session"):
+            raise CheckpointError(resume.path, "it was made by scaletrain train / fit(), not by a session",
+                                  "resume it with the command that made it, or start a new --run.dir")
+        saved_names = self._trainer.get("models", [])
+        if entry.name not in saved_names:
+            raise CheckpointError(resume.path, f"it holds the models {saved_names}, not {entry.name!r}",
+                                  "set up the same models, in the same order (or with the same name=)")
+        tensors, aliases = read_model(resume)
+        prefix = f"{entry.name}."
+        full = with_aliases(tensors, aliases)
+        mine = {k[len(prefix):]: v.to(self.device) for k, v in full.items() if k.startswith(prefix)}
+        load_model_tensors(entry.module, mine, {}, str(resume.path))
+        trees = read_tree(resume, OPTIMIZER)
+        for i, opt in enumerate(entry.optimizers):
+            key = f"{entry.name}/{i}"
+            if key not in trees:
+                raise CheckpointError(resume.path, f"no optimizer {i} for {entry.name!r}",
+                                      "set up the same optimizers for each model")
+            load_optimizer_tree(entry.module, opt, trees[key], str(resume.path / OPTIMIZER))
+        if self._rank_state is not None and entry is not None:
+            self._since = int(self._rank_state.get("since", 0))
+            for k, v in self._rank_state.get("sums", {}).items():
+                self._sums[k] = torch.tensor(float(v), device=self.device)
+
+    def _stopped(self, reason: str) -> None:
+        last = self.saves[-1].path if self.saves else None
+        record = {"kind": "stopped", "step": self.steps, "reason": reason, "checkpoint": str(last) if last else None}
+        self.writer.write(record)
+        self.console.print(f"stopped ({reason}) at step {self.steps}: checkpoint {last} saved; run the same command "
+                           "again to resume")
+        self.close(finished=False)
+        raise (Interrupted if reason == "SIGINT" else Preempted)(record)
+
+    # -- the end -------------------------------------------------------------------------------------------
+
+    def close(self, *, finished: bool = True) -> dict[str, Any]:
+        """Wait for the last checkpoint; when ``finished``, save one at the end (checkpoint.every > 0), write
+        summary.json and model.safetensors; end the process group. Returns the summary."""
+        if self._closed:
+            return {}
+        summary: dict[str, Any] = {}
+        try:
+            if finished and self.steps:
+                ckpt = self.checkpointer
+                if ckpt is not None and self.cfg.checkpoint.every > 0 and ckpt.last_step != self.steps:
+                    self._save(final=True)
+                if self._ran:
+                    self._log()
+                summary = self._summary()
+                self._write_weights()
+                if self.rt.is_main:
+                    write_json(self.cfg.run_dir / "summary.json", summary)
+            if self.checkpointer is not None:
+                with self.preempt.saving():
+                    self.checkpointer.close()
+            self.preempt.finished()
+            self._log_saves()
+        finally:
+            self._release()
+        return summary
+
+    def _summary(self) -> dict[str, Any]:
+        peak = torch.tensor([float(_peak(self.device))], device=self.device)
+        if self.rt.distributed:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return {"steps": self.steps, "world_size": self.world_size, "wall_s": time.perf_counter() - self.started,
+                "train_s": self.train_time, "metrics": self.last_metrics, "phase_frac": phase_fractions(self.phase_totals),
+                "stragglers": self.stragglers.summary(), "peak_mem_bytes": int(peak.item()),
+                "models": [m.name for m in self._models], "device": str(self.device), "backend": self.rt.backend,
+                "config_digest": self.cfg.digest(), "torch": torch.__version__, "scaletrain": __version__}
+
+    def _write_weights(self) -> None:
+        import safetensors.torch
+
+        if not self.rt.is_main:
+            return
+        tensors, aliases = dedupe({f"{m.name}.{k}": v.detach().cpu().contiguous()
+                                   for m in self._models for k, v in m.module.state_dict().items()})
+        path = self.cfg.run_dir / "model.safetensors"
+        tmp = path.with_name(path.name + ".tmp")
+        safetensors.torch.save_file(tensors, str(tmp), metadata={"config_digest": self.cfg.digest(),
+                                                                  "step": str(self.steps),
+                                                                  "aliases": _json(aliases)})
+        tmp.replace(path)
+
+    def _release(self) -> None:
+        self._closed = True
+        self.preempt.uninstall()
+        agreement = getattr(self, "agreement", None)
+        if agreement is not None:
+            agreement.close()
+        self.writer.close()
+        if getattr(self, "_trace", None) is not None:
+            self._trace.close()
+        for m in self._models:
+            m.wrapped = m.module  # drop the DDP wrapper: it holds the process group
+        runtime.close(self.rt)
+
+    def _usable(self, what: str) -> None:
+        if self._closed:
+            raise UserError(f"session.{what}() after the session closed; fix: call it inside `with "
+                            "scaletrain.session(...) as st:`")
+
+    def __enter__(self) -> Session:  # noqa: PYI034 -- typing.Self is 3.11+; we support 3.10
+        return self
+
+    def __exit__(self, kind: object, err: object, tb: object) -> None:
+        self.close(finished=kind is None)
+
+
+class _Trace:
+    """debug.trace for a session: per step, digests of the batches drawn and of the state after the step
+    (every model and optimizer, RNG, every loader), in train/trace.py's format, which verify-resume compares."""
+
+    def __init__(self, run_dir: Any, rank: int) -> None:
+        folder = run_dir / "trace"
+        folder.mkdir(parents=True, exist_ok=True)
+        self._file = open(folder / f"rank-{rank:05d}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._data = hashlib.sha256()
+        self._indices: list[int] = []
+
+    def batch(self, batch: Any, indices: list[int]) -> None:
+        from scaletrain.batch import leaves
+
+        for t in leaves(batch):
+            self._data.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        self._indices += indices
+
+    def _state(self, st: Session) -> dict[str, str]:
+        from scaletrain.train.state import IMPLEMENTATION
+        from scaletrain.train.trace import digest
+
+        skip = ("lr", "initial_lr", *IMPLEMENTATION)
+        optims = {}
+        for m in st._models:
+            for i, opt in enumerate(m.optimizers):
+                tree = optimizer_tree(m.module, opt)
+                groups = [{k: v for k, v in g.items() if k not in skip} for g in tree["param_groups"]]
+                optims[f"{m.name}/{i}"] = {"state": tree["state"], "param_groups": groups}
+        return {"weights": digest({m.name: m.module.state_dict() for m in st._models}),
+                "optimizer": digest(optims), "rng": digest(rng.capture(st.device)),
+                "scheduler": digest([g["lr"] for m in st._models for o in m.optimizers for g in o.param_groups]),
+                "loader": digest([loader.inner.state_dict() for loader in st._loaders])}
+
+    def step(self, st: Session) -> None:
+        lr = next((g["lr"] for m in st._models for o in m.optimizers for g in o.param_groups), 0.0)
+        from scaletrain.train.trace import digest
+
+        logged = {k: float(v.item()) for k, v in st._sums.items()}  # host sync: debug.trace only
+        self._write({"step": st.steps, "lr": lr, "loss": digest(logged), "data": self._data.hexdigest()[:16],
+                     "indices": self._indices, **self._state(st)})
+        self._data, self._indices = hashlib.sha256(), []
+
+    def resumed(self, st: Session) -> None:
+        self._write({"step": st.steps, "event": "resume", **self._state(st)})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        import json
+
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def session(config: Config | Mapping[str, Any] | str | None = None, *, argv: list[str] | None = None) -> Session:
+    """A Session for a loop of one's own (see scaletrain.train.session). ``config``: a Config, a mapping of
+    dotted keys, or a recipe/TOML path; ``argv``: ``--section.key=value`` strings on top (e.g. sys.argv[1:])."""
+    from scaletrain.errors import Reported, Stopped, install_excepthook
+
+    try:
+        return Session(config, argv=argv)
+    except (Reported, Stopped):
+        install_excepthook()
+        raise
+
+
+def _check_supported(cfg: Config) -> None:
+    if cfg.parallel.strategy in ("fsdp", "hsdp"):
+        raise ConfigError("parallel.strategy", cfg.parallel.strategy, "ddp or auto in a session (FSDP's sharded "
+                          "checkpoint holds one model; scaletrain train and fit() shard)", "--parallel.strategy=ddp")
+    if cfg.train.precision == "fp16-mixed":
+        raise ConfigError("train.precision", "fp16-mixed", "fp32 or bf16-mixed in a session (no gradient scaler "
+                          "around your optimizers)", "--train.precision=bf16-mixed")
+    if cfg.train.nonfinite == "skip":
+        raise ConfigError("train.nonfinite", "skip", "raise in a session (your loop calls the optimizers)",
+                          "--train.nonfinite=raise")
+
+
+def _check_optimizer(opt: Any, model: nn.Module) -> None:
+    if not isinstance(opt, Optimizer):
+        raise UserError(f"session.setup(): an optimizer argument gave a {type(opt).__name__}; fix: pass a torch "
+                        "optimizer or a function of the parameters returning one")
+    mine = {id(p) for p in model.parameters()}
+    if any(id(p) not in mine for g in opt.param_groups for p in g["params"]):
+        raise UserError("session.setup(): the optimizer holds parameters of another model; fix: set up each model "
+                        "with its own optimizers")
+    if opt.state:
+        raise UserError("session.setup(): the optimizer has taken steps already; fix: set up before training")
+
+
+def _hosts(rt: Runtime) -> list[str]:
+    import socket
+
+    mine = socket.gethostname()
+    if not rt.distributed:
+        return [mine]
+    hosts: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(hosts, mine)
+    return [str(h) for h in hosts]
+
+
+def _peak(device: torch.device) -> int:
+    from scaletrain.observe.memory import peak_bytes
+
+    return peak_bytes(device)
+
+
+def _flat(cfg: Config) -> dict[str, Any]:
+    return {f"{sec}.{k}": v for sec, values in cfg.to_dict().items() for k, v in values.items()}
+
+
+def _json(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj)
+
+
+__all__ = ["Loader", "Session", "session"]
