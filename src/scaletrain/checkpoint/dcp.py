@@ -3,7 +3,9 @@
 FSDP runs save the model and the optimizer's per-parameter state as DCP shards: every rank writes its own
 part in parallel into the staging directory of the commit protocol (checkpoint/commit.py), and DCP can
 load them at any other world size (it reshards). The optimizer's param groups, which are not tensors, go
-into a separate safetensors/JSON tree, so the shards hold tensors only.
+into a separate safetensors/JSON tree, so the shards hold tensors only. Buffers are not sharded: ``model.*``
+holds rank 0's, and the buffers that differ between ranks (FSDP does not synchronize BatchNorm statistics)
+are saved by every other rank under ``rank_buffers.R.*`` (train/checkpointing.py).
 
 DCP keeps its index (``.metadata``) as a pickle, and reads non-tensor items with
 ``torch.load(weights_only=False)``: a tampered checkpoint would run code. Here the index is read by an
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from scaletrain.errors import CheckpointError
@@ -99,9 +101,11 @@ class SafePlanner(DefaultLoadPlanner):
 
 
 def save(state: dict[str, Any], directory: Path, process_group: Any = None) -> None:
-    """Every rank writes its shards of ``state`` (tensors, DTensors) into directory (a shared path)."""
+    """Every rank writes its shards of ``state`` (tensors, DTensors) into directory (a shared path). A plain
+    tensor that every rank holds under the same key (a buffer) is written once, by the lowest rank holding
+    it, so that it is rank 0's copy, not whichever rank DCP's load balancing would pick."""
     dcp.save(state, storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True),
-             process_group=process_group)
+             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=process_group)
 
 
 def load(state: dict[str, Any], directory: Path, process_group: Any = None, *, no_dist: bool = False) -> None:

@@ -95,15 +95,16 @@ def read_header(data: bytes, where: str) -> dict[str, Any]:
 
 
 def load_tensors(data: bytes, where: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) from the bytes of a safetensors file; a malformed file is a CheckpointError."""
+    """(tensors, metadata) from the bytes of a safetensors file; a malformed file is a CheckpointError. The
+    tensors come in name order: safetensors returns them in an order that differs from process to process."""
     header = read_header(data, where)
     try:
-        tensors = safetensors.torch.load(data)
+        loaded = safetensors.torch.load(data)
     except (safetensors.SafetensorError, ValueError, RuntimeError) as err:
         raise CheckpointError(where, f"not a valid safetensors file ({err})", "the file was replaced or damaged") \
             from None
     meta = header.get("__metadata__") or {}
-    return tensors, {str(k): str(v) for k, v in meta.items()}
+    return {name: loaded[name] for name in sorted(loaded)}, {str(k): str(v) for k, v in meta.items()}
 
 
 def decode(data: bytes, where: str) -> tuple[Any, dict[str, str]]:

@@ -12,6 +12,11 @@ everything is safetensors or JSON, so loading never unpickles anything):
 Model and optimizer are written once (rank 0; DDP keeps replicas identical); per-rank state comes from every
 rank through one gather. The commit protocol is checkpoint/commit.py's.
 
+The sharded format (FSDP runs) has ``dcp/`` (every rank's shards of model and optimizer state, and
+``rank_buffers.R.*``: rank R's own copy of each buffer that differs between ranks, as BatchNorm statistics
+do under FSDP, which does not synchronize buffers) and ``optimizer-groups.safetensors`` in place of the
+first two.
+
 Saving blocks the loop only while the state is copied into reusable host buffers; a background thread then
 writes, fsyncs, hashes and commits (``checkpoint.async_save``). A new save first waits for the previous one.
 """
@@ -38,10 +43,12 @@ from scaletrain.config import CheckpointConfig
 from scaletrain.errors import CheckpointError, ConfigError, TrainingFailed
 from scaletrain.observe.memory import local_shard
 from scaletrain.runtime import Runtime, rank0_decides
+from scaletrain.train.state import dedupe, differing, plain_digests
 
 FORMAT_FULL, FORMAT_DCP = "full", "dcp"
 MODEL, OPTIMIZER, TRAINER = "model.safetensors", "optimizer.safetensors", "trainer.json"
 OPTIMIZER_GROUPS = "optimizer-groups.safetensors"  # dcp format: the param groups (the shards hold tensors only)
+RANK_BUFFERS = "rank_buffers"  # dcp format: each rank's own buffers (their names in the manifest's meta)
 
 
 class NonFiniteState(TrainingFailed):
@@ -123,6 +130,18 @@ def _finite(tensors: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
+def _rank_buffers(model: dict[str, torch.Tensor], ranks: list[Any],
+                  rank: int) -> tuple[list[str], dict[str, Any]]:
+    """(the names of the buffers that differ between ranks, what this rank saves of them). Every rank's
+    digests came in ``ranks`` (and are taken out of what goes to the rank files). DCP writes rank 0's copy of
+    a buffer under ``model.``; every other rank writes its own under ``rank_buffers.R.``, so that a rank gets
+    back exactly what it saved (train/resume.py)."""
+    own = differing([state.pop(RANK_BUFFERS) for state in ranks])
+    if not own or rank == 0:
+        return own, {}
+    return own, {RANK_BUFFERS: {str(rank): {name: model[name] for name in own}}}
+
+
 class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, rt: Runtime) -> None:
         self.cfg, self.rt = cfg, rt
@@ -182,7 +201,6 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         from scaletrain.checkpoint import dcp
-        from scaletrain.train.state import dedupe
 
         started = time.perf_counter()
         self.wait()
@@ -194,7 +212,7 @@ class Checkpointer:
         optim = get_optimizer_state_dict(module, optimizer)
         local = {**{f"model.{k}": local_shard(v) for k, v in model.items()},
                  **{f"optim.{k}": local_shard(v) for k, v in tree.split(optim["state"])[0].items()}}
-        mine = {**rank_state, "nonfinite": _finite(local) or ""}
+        mine = {**rank_state, "nonfinite": _finite(local) or "", RANK_BUFFERS: plain_digests(model)}
         ranks: list[Any] = [mine]
         if self.rt.distributed:  # every rank learns of a non-finite shard anywhere, and then none writes
             ranks = [None] * self.rt.world_size
@@ -206,9 +224,10 @@ class Checkpointer:
                 shutil.rmtree(stage, ignore_errors=True)
             raise NonFiniteState(f"refusing to checkpoint step {step}: {bad} is not finite; fix: "
                                  "--train.nonfinite=skip, a lower --optim.lr, or --optim.grad_clip=1.0")
-        rest = _ShardedRest(step, stage, optim["param_groups"], trainer, ranks, {**meta, "aliases": aliases},
-                            started)
-        state = {"model": model, "optim": optim["state"]}
+        own, mine_only = _rank_buffers(model, ranks, self.rt.rank)
+        rest = _ShardedRest(step, stage, optim["param_groups"], trainer, ranks,
+                            {**meta, "aliases": aliases, RANK_BUFFERS: own}, started)
+        state = {"model": model, "optim": optim["state"], **mine_only}
         if self._pool is not None and background:
             staged = self._stage("dcp/", state)
             if self.rt.device.type == "cuda":

@@ -155,6 +155,7 @@ class Loop:
         self.loss_sum = torch.zeros((), device=job.rt.device)  # this rank's finite losses since the last log
         self.loss_count = torch.zeros((), device=job.rt.device)  # how many there were
         self.since = 0  # steps since the last log step
+        self.interval_s = 0.0  # at a save: seconds trained since the last log step (in train_time_s too)
         self.skipped_seen = 0.0
         self.stopped_by = 0  # the signal that stopped the run, if any
         self.saves: list[SaveResult] = []
@@ -207,6 +208,7 @@ class Loop:
                 if stop or (ckpt is not None and ckpt.due(job.step, plan.total_steps)):
                     if not log_step:  # the log step's gather already brought the counters
                         stop = self._check(self._gather(phases=False)) or stop
+                    self.interval_s = time.perf_counter() - t0
                     blocked = self._save(final=bool(stop))
                     job.timer.add("ckpt", blocked)
                     t0 += blocked
@@ -379,7 +381,7 @@ class Loop:
             return
         self.loss_sum.fill_(state["loss_sum"])
         self.loss_count.fill_(state["loss_count"])
-        self.since = int(state["since"])
+        # not self.since: the first interval after a resume times only the steps this process ran
         self.job.guard.load_state_dict(state["guard"])
         self.skipped_seen = float(state["guard"]["skipped"])
         if "rng" in state:
@@ -389,7 +391,7 @@ class Loop:
         job = self.job
         return {"step": job.step, "loader": job.loader.state_dict(), "scheduler": scheduler_tree(job.scheduler),
                 "scaler": job.scaler.state_dict() if job.scaler.is_enabled() else {},
-                "train_time_s": self.train_time, "last_loss": self.last_loss}
+                "train_time_s": self.train_time + self.interval_s, "last_loss": self.last_loss}
 
     def checkpoint_meta(self) -> dict[str, Any]:
         job = self.job

@@ -23,6 +23,7 @@ from scaletrain.train.checkpointing import (
     FORMAT_FULL,
     OPTIMIZER,
     OPTIMIZER_GROUPS,
+    RANK_BUFFERS,
     Resume,
     rank_file,
     read_model,
@@ -36,6 +37,7 @@ from scaletrain.train.state import (
     load_model_tensors,
     load_optimizer_tree,
     load_scheduler_tree,
+    sorted_by_name,
     with_aliases,
 )
 
@@ -124,6 +126,7 @@ def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
     state: dict[str, Any] = {}
     if "weights" not in skip:
         state["model"] = model
+        state.update(_own_buffers(model, resume, job.rt.rank))  # moved out of model: each is read once
     if "optimizer" not in skip:
         state["optim"] = optim["state"]
     if not state:
@@ -135,19 +138,34 @@ def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
                               f"{str(err).splitlines()[0][:200]})", "resume with the model configuration the "
                               "checkpoint was made with") from None
     if "model" in state:
-        set_model_state_dict(module, with_aliases(state["model"], aliases))
+        own = state.get(RANK_BUFFERS, {}).get(str(job.rt.rank), {})
+        set_model_state_dict(module, with_aliases({**state["model"], **own}, aliases))
     if "optim" in state:
         groups = keep_implementation(read_tree(resume, OPTIMIZER_GROUPS), optimizer)
         set_optimizer_state_dict(module, optimizer, {"state": state["optim"], "param_groups": groups})
 
 
+def _own_buffers(model: dict[str, Any], resume: Resume, rank: int) -> dict[str, Any]:
+    """The part of a DCP load that gives rank R back its own copy of the buffers that differed between
+    ranks (``rank_buffers.R.*``, taken out of ``model``); rank 0's are the model's own. A rank the checkpoint
+    did not have (it was made with fewer ranks) gets rank 0's, as every rank of a new run starts with the
+    same ones."""
+    names = [name for name in resume.meta.get(RANK_BUFFERS, []) if name in model]
+    if not names or not 0 < rank < int(resume.meta["world_size"]):
+        return {}
+    return {RANK_BUFFERS: {str(rank): {name: model.pop(name) for name in names}}}
+
+
 def _load_full_into_sharded(job: Job, resume: Resume, skip: set[str]) -> None:
     """A consolidated checkpoint (from a DDP or single-process run) into an FSDP job: every rank reads the
-    whole tensors and keeps its shard."""
+    whole tensors and keeps its shard. torch distributes them one collective per tensor, in the order of the
+    dict it is given, so every rank must give the same order: sorted by name (safetensors returns a file's
+    tensors in an order that differs from process to process)."""
     options = StateDictOptions(full_state_dict=True)
     if "weights" not in skip:
-        set_model_state_dict(job.module, with_aliases(*read_model(resume)), options=options)
+        set_model_state_dict(job.module, sorted_by_name(with_aliases(*read_model(resume))), options=options)
     if "optimizer" not in skip:
         saved = read_tree(resume, OPTIMIZER)
-        saved["param_groups"] = keep_implementation(saved["param_groups"], job.optimizer)
+        saved = {"state": sorted_by_name(saved["state"]),
+                 "param_groups": keep_implementation(saved["param_groups"], job.optimizer)}
         set_optimizer_state_dict(job.module, job.optimizer, saved, options=options)

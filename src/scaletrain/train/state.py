@@ -8,6 +8,7 @@ reference to live tensors: the checkpointer copies what it keeps.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -39,6 +40,33 @@ def dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dic
             seen[k] = name
         unique[name] = tensor
     return unique, aliases
+
+
+def sorted_by_name(tree: dict[str, Any]) -> dict[str, Any]:
+    """The same dict in sorted key order: the one order every process agrees on, whatever order a file or a
+    gather produced (collectives issued per key must be issued in the same order on every rank)."""
+    return {key: tree[key] for key in sorted(tree)}
+
+
+def plain_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """A digest of every tensor of a sharded model's state that is not sharded: its buffers. FSDP does not
+    synchronize buffers, so a rank's BatchNorm statistics are its own; compared across ranks, the digests
+    say which buffers each rank must get back as it saved them."""
+    digests = {}
+    for name, tensor in state.items():
+        if isinstance(tensor, DTensor):
+            continue
+        t = tensor.detach().cpu().contiguous()
+        h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())  # the bytes, not a copy of them
+        digests[name] = h.hexdigest()
+    return digests
+
+
+def differing(digests: list[dict[str, str]]) -> list[str]:
+    """The names (sorted) whose digest is not the same on every rank."""
+    return sorted(name for name in digests[0] if any(d.get(name) != digests[0][name] for d in digests[1:]))
 
 
 def model_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
