@@ -156,3 +156,21 @@ def test_errors_survive_pickling_between_ranks(err: Exception) -> None:
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is type(err) and str(back) == str(err) and back.agreed is True
     assert back.__dict__ == err.__dict__
+
+
+def test_a_batchnorm1d_model_is_counted_though_it_refuses_a_batch_of_one() -> None:
+    """A training-mode BatchNorm1d raises on a single sample; the counter runs two and halves."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    assert flops_per_sample(model, Batch((X[:1],), {}, None)) == 48.0
+    assert model[1].running_mean.abs().sum() == 0  # counting leaves the statistics as they were
+
+
+def test_tied_weights_are_found_from_the_module() -> None:
+    """A gathered FSDP state dict holds a copy per name; the tie comes from the module's own registrations."""
+    from scaletrain.train.state import tied
+
+    emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    assert tied(model) == {"head.weight": "emb.weight"}
+    assert tied(Plain()) == {}

@@ -36,14 +36,15 @@ def device_peak(device: torch.device, precision: str, *, tf32: bool) -> tuple[st
 def flops_per_sample(model: nn.Module, one: Batch | torch.Tensor) -> float:
     """Training FLOPs (forward + backward) of one sample: the model's own count if it states one, else
     counted once with torch.utils.flop_counter on ``one``, a batch of one sample (or one input tensor without
-    its batch dimension). The model may return a tensor, a tuple, a dict or a ModelOutput: backward runs from
+    its batch dimension), run as two. The model may return a tensor, a tuple, a dict or a ModelOutput: backward runs from
     its own loss if it computed one, else from the sum of every differentiable tensor it returned."""
     stated = getattr(model, "flops_per_sample", None)
     if callable(stated):
         return float(stated())
     from torch.utils.flop_counter import FlopCounterMode
 
-    batch = one if isinstance(one, Batch) else Batch((one.unsqueeze(0),), {}, None)
+    # Two copies of the sample, counted and halved: a training-mode BatchNorm1d refuses a batch of one.
+    batch = (one if isinstance(one, Batch) else Batch((one.unsqueeze(0),), {}, None)).repeat(2)
     device = next(batch.tensors()).device
     buffers = [b.detach().clone() for b in model.buffers()]  # a train-mode forward may update them (BN)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -55,7 +56,7 @@ def flops_per_sample(model: nn.Module, one: Batch | torch.Tensor) -> float:
     with torch.no_grad():
         for b, saved in zip(model.buffers(), buffers):
             b.copy_(saved)
-    return float(counter.get_total_flops())
+    return counter.get_total_flops() / 2
 
 
 def throughput(samples_per_s: float, *, flops: float, tokens_per_sample: int, world_size: int,

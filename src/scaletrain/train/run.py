@@ -40,7 +40,7 @@ from scaletrain.train.loop import DONE, PREEMPTED, Loop, TrainingFailed
 from scaletrain.train.preempt import Interrupted, PreemptFlag, restart_line
 from scaletrain.train.resume import config_changes, restore, truncate_metrics
 from scaletrain.train.rundir import agree_run_dir
-from scaletrain.train.state import dedupe, full_model_state
+from scaletrain.train.state import dedupe, full_model_state, tied
 from scaletrain.train.trace import Tracer
 
 
@@ -117,6 +117,10 @@ def save_weights(job: Job, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     if job.sharded:
         tensors, aliases = dedupe(full)
+        for alias, name in tied(job.module).items():  # the gathered copies of a tied weight: store it once
+            if alias in tensors and name in tensors:
+                del tensors[alias]
+                aliases[alias] = name
         safetensors.torch.save_file(tensors, str(tmp), metadata={**meta, "aliases": json.dumps(aliases)})
     else:
         safetensors.torch.save_model(job.module, str(tmp), metadata=meta)

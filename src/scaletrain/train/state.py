@@ -42,6 +42,19 @@ def dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dic
     return unique, aliases
 
 
+def tied(module: nn.Module) -> dict[str, str]:
+    """{alias: name} for parameters registered under several names (weight tying), from the module itself:
+    a gathered full state dict (FSDP) holds a separate copy per name, which dedupe() cannot tell apart."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
 def sorted_by_name(tree: dict[str, Any]) -> dict[str, Any]:
     """The same dict in sorted key order: the one order every process agrees on, whatever order a file or a
     gather produced (collectives issued per key must be issued in the same order on every rank)."""
