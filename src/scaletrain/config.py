@@ -1,9 +1,10 @@
 """The config tree: typed sections, TOML recipes, command-line overrides, validation.
 
 Precedence is defaults < recipe/TOML file < command line. Every field carries a one-line docstring that
-becomes its ``--help`` text. Parsing is a pure function of its inputs; every mistake raises
-:class:`~scaletrain.errors.ConfigError` naming the key, the value, what is allowed and the fix.
-Sections are frozen once built: validated once, then read-only.
+becomes its ``--help`` text, and its allowed values in its annotation: ``Annotated[int, Range(...)]`` for a
+number, ``Annotated[str, Text(...)]`` for a string; a bool's or a Literal's type is its choice set. Parsing is a
+pure function of its inputs; every mistake raises :class:`~scaletrain.errors.ConfigError` naming the key, the
+value, what is allowed and the fix. Sections are frozen once built: validated once, then read-only.
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ import hashlib
 import inspect
 import itertools
 import json
+import math
+import os
 import re
 import sys
 import textwrap
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 import tomli_w
 
@@ -40,82 +43,166 @@ def _check(ok: bool, key: str, value: Any, expected: str, fix: str) -> None:
         raise ConfigError(key, value, expected, fix)
 
 
+# Ceilings of the open-ended ranges: what the code a value reaches can take.
+I32 = 2**31 - 1  # a C int: sizes, counts and ranks that torch and c10d keep in an int
+I64 = 2**63 - 1  # int64_t: step counters
+SEED_MAX = 2**32 - 1  # the loader seeds its generator with seed x 1_000_003 + epoch, which must fit in 64 bits
+PROCESSES = 1024  # processes one machine starts for one job (workers, data loader workers per rank)
+YEAR_S = 365 * 24 * 3600  # seconds: waits and sleeps, far inside timedelta's, c10d's and time.sleep's limits
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else repr(x)
+
+
+def _finite(x: float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond a float's range
+        return False
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number field allows, declared in its annotation: ``Annotated[int, Range(1, most=I32)]``.
+
+    ``low`` .. ``high`` is the documented domain (an ``*_open`` end excludes its bound); ``most`` caps a field
+    whose domain is open-ended at what the code downstream takes (a C type, a sleep); ``special`` values lie
+    outside the range and mean something of their own (-1 = off). NaN and inf are never allowed."""
+
+    low: float
+    high: float | None = None
+    most: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    special: tuple[tuple[int, str], ...] = ()
+    what: str = ""  # the noun, e.g. "a rank", "seconds" (default: an integer / a number)
+    fix: str = ""  # default: --key=<the default value>
+
+    def allows(self, value: float) -> bool:
+        if any(value == v for v, _ in self.special):
+            return True
+        top = self.high if self.high is not None else self.most
+        return (_finite(value) and (value > self.low if self.low_open else value >= self.low)
+                and (top is None or (value < top if self.high_open else value <= top)))
+
+    def describe(self, tp: Any) -> str:
+        bounded = self.high is not None or self.most is not None
+        what = self.what or ("an integer" if tp is int else "a number" if bounded else "a finite number")
+        if self.high is not None:
+            text = (f"{what} in {'(' if self.low_open else '['}{_num(self.low)}, "
+                    f"{_num(self.high)}{')' if self.high_open else ']'}")
+        else:
+            text = f"{what} {'>' if self.low_open else '>='} {_num(self.low)}"
+        if self.most is not None:
+            text += f" (at most {_num(self.most)})"
+        named = [f"{_num(v)} ({meaning})" for v, meaning in self.special]
+        if len(named) == 1:
+            text += f", or {named[0]}"
+        elif named:
+            text += ", " + ", ".join(named[:-1]) + f" or {named[-1]}"
+        return text
+
+
+@dataclass(frozen=True)
+class Text:
+    """The values a string field allows, declared in its annotation: printable text (one line, no control
+    characters) that ``ok`` accepts."""
+
+    what: str
+    ok: Callable[[str], bool] = str.isprintable
+    fix: str = ""
+
+    def allows(self, value: str) -> bool:
+        return value.isprintable() and self.ok(value)
+
+
+def _nonempty(text: str) -> bool:
+    return bool(text.strip())
+
+
+def _device(text: str) -> bool:
+    # torch keeps a device index in an int8 (cuda:128 would wrap around to cuda:-128) and refuses cuda:01
+    return text in ("auto", "cpu", "cuda") or (re.fullmatch(r"cuda:(0|[1-9][0-9]{0,2})", text) is not None
+                                                and int(text[5:]) <= 127)
+
+
+def _endpoint(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return not text or (bool(host) and re.fullmatch(r"[0-9]{1,5}", port) is not None and 1 <= int(port) <= 65535)
+
+
+def _class_names(text: str) -> bool:
+    return not text.strip() or all(n.strip().isidentifier() for n in text.split(","))
+
+
+def _restorable(text: str) -> bool:
+    return all(p.strip() in RESTORABLE for p in text.split(",") if p.strip())
+
+
+OFF = ((-1, "off"),)
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    name: str = "run"
+    name: Annotated[str, Text("a non-empty name", _nonempty, "--run.name=myrun")] = "run"
     """Run name; the default run directory is runs/<name>."""
-    dir: str = ""
-    """Run directory for config.toml, metrics.jsonl, summary.json, model.safetensors ('' = runs/<name>)."""
-    seed: int = 0
-    """Seed for model init and data order; dropout on rank r draws from seed + r."""
+    dir: Annotated[str, Text("a path ('' = runs/<run.name>)", fix="--run.dir=runs/myrun")] = ""
+    """Run directory for config.toml, metrics.jsonl, summary.json, model.safetensors ('' = runs/<name>); it must be writable, which is checked before any worker starts."""
+    seed: Annotated[int, Range(0, most=SEED_MAX)] = 0
+    """Seed for model init and data order; dropout on rank r draws from seed + r (at most 2**32 - 1: the loader derives 64-bit seeds from it)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.name.strip()), "run.name", self.name, "a non-empty name", "--run.name=myrun")
-        _check(self.seed >= 0, "run.seed", self.seed, "an integer >= 0", "--run.seed=0")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class DistConfig:
-    device: str = "auto"
+    device: Annotated[str, Text("auto, cpu, cuda or cuda:N (N <= 127)", _device, "--device=auto")] = "auto"
     """Device: auto (cuda:LOCAL_RANK if CUDA is present, else cpu), cpu, cuda, or cuda:N."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
-    nproc: int = 1
+    nproc: Annotated[int, Range(1, most=PROCESSES, fix="--nproc 2")] = 1
     """Worker processes to start on this machine (through torchrun) when not already under torchrun."""
-    timeout_s: int = 600
-    """Seconds a collective may wait for the other ranks before the job fails."""
-    nnodes: int = 1
+    timeout_s: Annotated[int, Range(1, most=YEAR_S, what="seconds")] = 600
+    """Seconds a collective may wait for the other ranks before the job fails (at most a year)."""
+    nnodes: Annotated[int, Range(1, most=65536, fix="--nnodes 2")] = 1
     """Machines in the job (each runs the same command; they meet at rdzv_endpoint)."""
-    rdzv_endpoint: str = ""
+    rdzv_endpoint: Annotated[str, Text("HOST:PORT with a port in [1, 65535]", _endpoint,
+                                       "--rdzv-endpoint=node0:29500")] = ""
     """HOST:PORT where the machines of a multi-node job meet ('' = this machine, a free port)."""
-    rdzv_id: str = ""
+    rdzv_id: Annotated[str, Text("a job id", fix="--dist.rdzv_id=myjob")] = ""
     """Job id shared by all machines of one job ('' = scaletrain-<run.name>; under 'launch': scaletrain-<SCRIPT>)."""
-    max_restarts: int = 0
+    max_restarts: Annotated[int, Range(0, most=I32, fix="--max-restarts 3")] = 0
     """Times torchrun restarts the worker group after a worker fails."""
 
     def __post_init__(self) -> None:
-        dev = self.device
-        ok = dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())
-        _check(ok, "dist.device", dev, "auto, cpu, cuda or cuda:N", "--device=auto")
-        _check(self.nproc >= 1, "dist.nproc", self.nproc, "an integer >= 1", "--nproc 2")
-        _check(self.timeout_s >= 1, "dist.timeout_s", self.timeout_s, "an integer >= 1", "--dist.timeout_s=600")
-        _check(self.nnodes >= 1, "dist.nnodes", self.nnodes, "an integer >= 1", "--nnodes 2")
+        check_fields(self)
         _check(self.nnodes == 1 or bool(self.rdzv_endpoint), "dist.rdzv_endpoint", self.rdzv_endpoint,
-               "HOST:PORT of the first machine when nnodes > 1", "--rdzv-endpoint=node0:29500")
-        host, _, port = self.rdzv_endpoint.rpartition(":")
-        _check(not self.rdzv_endpoint or (bool(host) and port.isdigit()), "dist.rdzv_endpoint",
-               self.rdzv_endpoint, "HOST:PORT", "--rdzv-endpoint=node0:29500")
-        _check(self.max_restarts >= 0, "dist.max_restarts", self.max_restarts, "an integer >= 0",
-               "--max-restarts 3")
+               "HOST:PORT of the first machine when dist.nnodes > 1", "--rdzv-endpoint=node0:29500")
 
 
 @dataclass(frozen=True)
 class DataConfig:
     source: Literal["digits", "stdlib", "bin", "memory"] = "digits"
     """Data: digits (sklearn's 8x8 digits), stdlib (bytes of Python's own stdlib .py files), bin (token .bin memmaps), memory (tensors/arrays passed to fit())."""
-    path: str = ""
+    path: Annotated[str, Text("a directory path", fix="--data.path=data/mycorpus")] = ""
     """For source=bin: a directory holding train.bin and val.bin (uint16 tokens, the nanoGPT layout)."""
-    batch_size: int = 32
+    batch_size: Annotated[int, Range(1, most=I32)] = 32
     """Samples per rank per micro-step; global batch = batch_size x world size x accumulation."""
-    eval_batch_size: int = 0
+    eval_batch_size: Annotated[int, Range(0, most=I32, fix="--data.eval_batch_size=0 (same as batch_size)")] = 0
     """Samples per rank per eval step (0 = batch_size)."""
-    seq_len: int = 128
+    seq_len: Annotated[int, Range(1, most=I32)] = 128
     """Tokens per sample for text sources (stdlib, bin)."""
-    val_fraction: float = 0.2
+    val_fraction: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.2
     """Held-out fraction for sources without their own split (digits, memory without eval data)."""
     shuffle: bool = True
     """Reshuffle the training set every epoch from the seed (the order is independent of world size)."""
-    num_workers: int = 0
+    num_workers: Annotated[int, Range(0, most=PROCESSES)] = 0
     """DataLoader worker processes per rank (0 = load in the training process)."""
 
     def __post_init__(self) -> None:
-        _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1", "--data.batch_size=32")
-        _check(self.eval_batch_size >= 0, "data.eval_batch_size", self.eval_batch_size, "an integer >= 0",
-               "--data.eval_batch_size=0 (same as batch_size)")
-        _check(self.seq_len >= 1, "data.seq_len", self.seq_len, "an integer >= 1", "--data.seq_len=128")
-        _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a number in (0, 1)",
-               "--data.val_fraction=0.2")
-        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0", "--data.num_workers=0")
+        check_fields(self)
         _check(self.source != "bin" or bool(self.path), "data.path", self.path,
                "a directory with train.bin and val.bin when data.source=bin", "--data.path=data/mycorpus")
 
@@ -124,105 +211,84 @@ class DataConfig:
 class ModelConfig:
     name: Literal["mlp", "cnn", "gpt"] = "cnn"
     """Built-in model: mlp, cnn (for 8x8 images) or gpt (causal transformer over tokens)."""
-    hidden: int = 128
+    hidden: Annotated[int, Range(1, most=I32)] = 128
     """mlp and cnn: width of the hidden dense layer."""
-    channels: int = 32
+    channels: Annotated[int, Range(1, most=I32)] = 32
     """cnn: channels of the first convolution (the second has twice as many)."""
-    n_layer: int = 4
+    n_layer: Annotated[int, Range(1, most=I32)] = 4
     """gpt: transformer blocks."""
-    n_head: int = 4
+    n_head: Annotated[int, Range(1, most=I32)] = 4
     """gpt: attention heads (must divide n_embd)."""
-    n_embd: int = 128
+    n_embd: Annotated[int, Range(1, most=I32)] = 128
     """gpt: embedding width."""
-    dropout: float = 0.0
+    dropout: Annotated[float, Range(0, 1, high_open=True, fix="--model.dropout=0.1")] = 0.0
     """Dropout probability (0 disables it)."""
-    vocab_size: int = 0
+    vocab_size: Annotated[int, Range(0, most=I32)] = 0
     """gpt: vocabulary size (0 = taken from the data)."""
 
     def __post_init__(self) -> None:
-        for key in ("hidden", "channels", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, key)
-            _check(value >= 1, f"model.{key}", value, "an integer >= 1", f"--model.{key}=4")
+        check_fields(self)
         _check(self.n_embd % self.n_head == 0, "model.n_head", self.n_head,
                f"a divisor of model.n_embd={self.n_embd}", "choose n_head so that n_embd % n_head == 0")
-        _check(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "a number in [0, 1)", "--model.dropout=0.1")
-        _check(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "an integer >= 0 (0 = from the data)",
-               "--model.vocab_size=0")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     name: Literal["sgd", "adamw"] = "adamw"
     """Optimizer: sgd (with momentum) or adamw."""
-    lr: float = 1e-3
+    lr: Annotated[float, Range(0, low_open=True)] = 1e-3
     """Base learning rate (the peak after warmup, before scaling by the linear rule)."""
     scale_lr: bool = False
     """Linear scaling rule: peak lr = lr x global_batch / base_batch (Goyal et al. 2017)."""
-    base_batch: int = 256
+    base_batch: Annotated[int, Range(1, most=I32)] = 256
     """The global batch at which lr was tuned (used by scale_lr)."""
-    momentum: float = 0.9
+    momentum: Annotated[float, Range(0, 1, high_open=True)] = 0.9
     """sgd: momentum."""
     nesterov: bool = False
     """sgd: Nesterov momentum."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Range(0, fix="--optim.weight_decay=0.01")] = 0.0
     """Decoupled weight decay (adamw) or L2 penalty (sgd)."""
-    beta1: float = 0.9
+    beta1: Annotated[float, Range(0, 1, high_open=True)] = 0.9
     """adamw: first-moment decay."""
-    beta2: float = 0.999
+    beta2: Annotated[float, Range(0, 1, high_open=True)] = 0.999
     """adamw: second-moment decay."""
-    grad_clip: float = 0.0
+    grad_clip: Annotated[float, Range(0, fix="--optim.grad_clip=1.0")] = 0.0
     """Clip the global gradient norm to this value (0 = no clipping)."""
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "optim.lr", self.lr, "a number > 0", "--optim.lr=1e-3")
-        _check(self.base_batch >= 1, "optim.base_batch", self.base_batch, "an integer >= 1", "--optim.base_batch=256")
-        _check(0.0 <= self.momentum < 1.0, "optim.momentum", self.momentum, "a number in [0, 1)", "--optim.momentum=0.9")
-        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0",
-               "--optim.weight_decay=0.01")
-        for key in ("beta1", "beta2"):
-            value = getattr(self, key)
-            _check(0.0 <= value < 1.0, f"optim.{key}", value, "a number in [0, 1)", f"--optim.{key}=0.9")
+        check_fields(self)
         _check(not self.nesterov or self.momentum > 0, "optim.nesterov", True, "false when optim.momentum = 0",
                "--optim.momentum=0.9 or --optim.nesterov=false")
-        _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "a number >= 0 (0 = off)", "--optim.grad_clip=1.0")
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, Range(0, most=I64, fix="--schedule.warmup_steps=100")] = 0
     """Steps of linear warmup from warmup_start x peak lr up to the peak lr."""
-    warmup_start: float = 0.0
+    warmup_start: Annotated[float, Range(0, 1)] = 0.0
     """LR at step 0 as a fraction of the peak (Goyal et al. start from the unscaled lr: 1/k)."""
     decay: Literal["cosine", "linear", "step", "constant"] = "cosine"
     """After warmup: cosine or linear decay to min_lr_ratio x peak, step decay, or constant."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Annotated[float, Range(0, 1, fix="--schedule.min_lr_ratio=0.1")] = 0.0
     """cosine/linear: final lr as a fraction of the peak."""
-    step_every: int = 0
+    step_every: Annotated[int, Range(0, most=I64, fix="--schedule.step_every=1000")] = 0
     """step decay: multiply the lr by gamma every this many steps after warmup (0 = a third of them)."""
-    gamma: float = 0.1
+    gamma: Annotated[float, Range(0, 1, low_open=True)] = 0.1
     """step decay: the factor applied at each step."""
 
     def __post_init__(self) -> None:
-        _check(self.warmup_steps >= 0, "schedule.warmup_steps", self.warmup_steps, "an integer >= 0",
-               "--schedule.warmup_steps=100")
-        _check(0.0 <= self.warmup_start <= 1.0, "schedule.warmup_start", self.warmup_start, "a number in [0, 1]",
-               "--schedule.warmup_start=0")
-        _check(0.0 <= self.min_lr_ratio <= 1.0, "schedule.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]",
-               "--schedule.min_lr_ratio=0.1")
-        _check(self.step_every >= 0, "schedule.step_every", self.step_every, "an integer >= 0",
-               "--schedule.step_every=1000")
-        _check(0.0 < self.gamma <= 1.0, "schedule.gamma", self.gamma, "a number in (0, 1]", "--schedule.gamma=0.1")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: int = 1
+    epochs: Annotated[int, Range(1, most=I32, fix="--train.epochs=10")] = 1
     """Passes over the training set (ignored when max_steps > 0)."""
-    max_steps: int = 0
+    max_steps: Annotated[int, Range(0, most=I64, fix="--train.max_steps=1000")] = 0
     """Optimizer steps to run; > 0 overrides epochs."""
-    accum_steps: int = 1
+    accum_steps: Annotated[int, Range(1, most=I32)] = 1
     """Micro-steps accumulated per optimizer step (gradients are all-reduced on the last one only)."""
-    global_batch: int = 0
+    global_batch: Annotated[int, Range(0, most=I64, fix="--train.global_batch=256")] = 0
     """Samples per optimizer step across all ranks; > 0 derives accum_steps from it (0 = use accum_steps)."""
     precision: Literal["fp32", "bf16-mixed", "fp16-mixed"] = "fp32"
     """Compute precision: fp32, or bf16/fp16 compute with fp32 master weights (autocast; FSDP's MixedPrecisionPolicy under fsdp/hsdp); fp16 adds a gradient scaler (CUDA only)."""
@@ -230,9 +296,9 @@ class TrainConfig:
     """CUDA: let fp32 matmuls and convolutions use TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32, cudnn.allow_tf32), as PyTorch recommends on Ampere and newer; false = full fp32."""
     compile: bool = False
     """Compile the model with torch.compile before wrapping it for data parallelism."""
-    eval_every: int = 0
+    eval_every: Annotated[int, Range(0, most=I64)] = 0
     """Evaluate every this many optimizer steps (0 = at the end of every epoch, and at the end)."""
-    eval_batches: int = 100
+    eval_batches: Annotated[int, Range(0, most=I64)] = 100
     """Eval batches per rank per evaluation, spread evenly over the held-out split (0 = the whole split)."""
     progress: bool = True
     """Show a progress bar on rank 0 when the console is a terminal."""
@@ -242,42 +308,31 @@ class TrainConfig:
     """A non-finite loss or gradient on any rank: raise (stop, naming rank and step) or skip the step and count it."""
 
     def __post_init__(self) -> None:
-        _check(self.epochs >= 1, "train.epochs", self.epochs, "an integer >= 1", "--train.epochs=10")
-        _check(self.max_steps >= 0, "train.max_steps", self.max_steps, "an integer >= 0 (0 = use epochs)",
-               "--train.max_steps=1000")
-        _check(self.accum_steps >= 1, "train.accum_steps", self.accum_steps, "an integer >= 1",
-               "--train.accum_steps=1")
-        _check(self.global_batch >= 0, "train.global_batch", self.global_batch, "an integer >= 0 (0 = derived)",
-               "--train.global_batch=256")
-        _check(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0", "--train.eval_every=0")
-        _check(self.eval_batches >= 0, "train.eval_batches", self.eval_batches,
-               "an integer >= 0 (0 = the whole held-out split)", "--train.eval_batches=100")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class LogConfig:
-    every: int = 10
+    every: Annotated[int, Range(1, most=I64)] = 10
     """Gather loss, phase times and memory from every rank and log them every this many optimizer steps (the loop's only sync point)."""
     tensorboard: bool = False
     """Also write the metrics as TensorBoard events to RUN_DIR/tensorboard (needs the tensorboard package)."""
     phase_times: bool = True
     """Time each step's phases per rank (data, h2d, compute, exposed comm, optim): stragglers and the bottleneck verdict need them."""
-    straggler_min_frac: float = 0.25
+    straggler_min_frac: Annotated[float, Range(0, most=1, low_open=True, what="a fraction of the step time")] = 0.25
     """Name a rank a straggler only when it is persistently slower than the others by at least this fraction of the step time (ranks sharing CPUs trade about a tenth of it back and forth; lower it on dedicated hardware)."""
 
     def __post_init__(self) -> None:
-        _check(self.every >= 1, "log.every", self.every, "an integer >= 1", "--log.every=10")
-        _check(0 < self.straggler_min_frac, "log.straggler_min_frac", self.straggler_min_frac,
-               "a fraction of the step time > 0", "--log.straggler_min_frac=0.25")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 0
+    every: Annotated[int, Range(0, most=I64, fix="--checkpoint.every=500")] = 0
     """Save a checkpoint every this many optimizer steps, and at the end (0 = only when preempted)."""
-    keep: int = 3
+    keep: Annotated[int, Range(0, most=I32)] = 3
     """Complete checkpoints kept; older ones are deleted once a newer one is committed (0 = keep all)."""
-    resume: str = "auto"
+    resume: Annotated[str, Text("auto, never or a checkpoint path", _nonempty, "--checkpoint.resume=auto")] = "auto"
     """auto (the latest complete checkpoint in the run directory, if any), never, or the path of a checkpoint."""
     preempt_check: Literal["log", "step"] = "log"
     """When the ranks agree on a preemption signal: at the next log step (inside its one gather, no extra collective), or at every step boundary (one non-blocking all-reduce of the flag per step on a Gloo group of its own: the save starts within two steps of the signal)."""
@@ -285,58 +340,58 @@ class CheckpointConfig:
     """Write checkpoints on a background thread (every rank's, for the DCP shards of FSDP runs); the loop is blocked only while the state is copied to host memory."""
 
     def __post_init__(self) -> None:
-        _check(self.every >= 0, "checkpoint.every", self.every, "an integer >= 0 (0 = off)",
-               "--checkpoint.every=500")
-        _check(self.keep >= 0, "checkpoint.keep", self.keep, "an integer >= 0 (0 = keep all)", "--checkpoint.keep=3")
-        _check(bool(self.resume.strip()), "checkpoint.resume", self.resume, "auto, never or a checkpoint path",
-               "--checkpoint.resume=auto")
+        check_fields(self)
+
+
+CHAOS_RANKS = ("kill", "nan", "hang", "delay", "signal")  # chaos.<name>_rank
 
 
 @dataclass(frozen=True)
 class ChaosConfig:
     """Fault injection, off by default: rehearse failures on purpose. Kills, hangs and signals fire on a job's
-    first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT = 0), so a restarted job gets past them."""
+    first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT = 0), so a restarted job gets past them. A rank
+    named here must be below the world size, checked once the world size is known."""
 
-    kill_rank: int = -1
+    kill_rank: Annotated[int, Range(0, most=I32, special=OFF, what="a rank", fix="--chaos.kill_rank=1")] = -1
     """SIGKILL this rank at the start of step kill_step (-1 = off)."""
-    kill_step: int = 0
+    kill_step: Annotated[int, Range(0, most=I64, what="a step", fix="--chaos.kill_step=10")] = 0
     """The step (1-based optimizer step) at whose start kill_rank dies."""
-    nan_rank: int = -1
+    nan_rank: Annotated[int, Range(0, most=I32, special=OFF, what="a rank", fix="--chaos.nan_rank=1")] = -1
     """Make this rank's loss NaN at step nan_step (-1 = off)."""
-    nan_step: int = 0
+    nan_step: Annotated[int, Range(0, most=I64, what="a step", fix="--chaos.nan_step=10")] = 0
     """The step whose loss becomes NaN on nan_rank."""
-    hang_rank: int = -1
+    hang_rank: Annotated[int, Range(0, most=I32, special=OFF, what="a rank", fix="--chaos.hang_rank=1")] = -1
     """Hang this rank (sleep hang_s) at the start of step hang_step (-1 = off)."""
-    hang_step: int = 0
+    hang_step: Annotated[int, Range(0, most=I64, what="a step", fix="--chaos.hang_step=10")] = 0
     """The step at whose start hang_rank hangs."""
-    hang_s: float = 3600.0
-    """Seconds hang_rank sleeps."""
-    delay_rank: int = -1
+    hang_s: Annotated[float, Range(0, most=YEAR_S, what="seconds", fix="--chaos.hang_s=60")] = 3600.0
+    """Seconds hang_rank sleeps (at most a year)."""
+    delay_rank: Annotated[int, Range(0, most=I32, special=OFF, what="a rank", fix="--chaos.delay_rank=1")] = -1
     """Slow this rank down by delay_ms on every step, in delay_phase (-1 = off)."""
     delay_phase: Literal["data", "compute"] = "data"
     """Where the delay goes: data (before the batch arrives) or compute (between forward and backward)."""
-    delay_ms: float = 0.0
-    """Milliseconds of delay per step on delay_rank."""
-    interrupt_step: int = 0
+    delay_ms: Annotated[float, Range(0, most=3_600_000, what="milliseconds", fix="--chaos.delay_ms=30")] = 0.0
+    """Milliseconds of delay per step on delay_rank (at most an hour)."""
+    interrupt_step: Annotated[int, Range(0, most=I64, what="a step", fix="--chaos.interrupt_step=10")] = 0
     """Act as if preempted at the end of this step: save a checkpoint and exit 0 (0 = off)."""
-    signal_rank: int = -1
+    signal_rank: Annotated[int, Range(0, most=I32, special=OFF, what="a rank", fix="--chaos.signal_rank=0")] = -1
     """Send signal_name at the start of signal_step from this rank: rehearses preemption (or Ctrl-C) end to end (-1 = off)."""
-    signal_step: int = 0
+    signal_step: Annotated[int, Range(0, most=I64, what="a step", fix="--chaos.signal_step=10")] = 0
     """The step at whose start signal_rank is signalled."""
     signal_name: Literal["SIGUSR1", "SIGTERM", "SIGINT"] = "SIGUSR1"
     """SIGUSR1 (as Slurm's --signal) or SIGTERM go to signal_rank's own process; SIGINT goes where a terminal's Ctrl-C goes, to the launcher's whole process group (this process's group without a launcher)."""
 
     def __post_init__(self) -> None:
-        for key in ("kill", "nan", "hang", "delay", "signal"):
-            rank = getattr(self, f"{key}_rank")
-            _check(rank >= -1, f"chaos.{key}_rank", rank, "a rank >= 0, or -1 for off", f"--chaos.{key}_rank=1")
-        for key in ("kill_step", "nan_step", "hang_step", "interrupt_step", "signal_step"):
-            value = getattr(self, key)
-            _check(value >= 0, f"chaos.{key}", value, "a step >= 0", f"--chaos.{key}=10")
-        _check(self.hang_s >= 0, "chaos.hang_s", self.hang_s, "seconds >= 0", "--chaos.hang_s=60")
-        _check(self.delay_ms >= 0, "chaos.delay_ms", self.delay_ms, "milliseconds >= 0", "--chaos.delay_ms=30")
-        _check(self.signal_name in ("SIGUSR1", "SIGTERM", "SIGINT"), "chaos.signal_name", self.signal_name,
-               "SIGUSR1, SIGTERM or SIGINT", "--chaos.signal_name=SIGINT")
+        check_fields(self)
+
+    def check_world(self, world: int) -> None:
+        """Every rank named here exists in a job of ``world`` ranks: called where the world size is known (the
+        launcher before it starts workers, each worker once it has joined)."""
+        for name in CHAOS_RANKS:
+            rank = getattr(self, f"{name}_rank")
+            _check(rank < world, f"chaos.{name}_rank", rank,
+                   f"a rank below the world size {world} (0 to {world - 1}), or -1 (off)",
+                   f"--chaos.{name}_rank={world - 1}, or more workers (--nproc {rank + 1})")
 
 
 RESTORABLE = ("weights", "optimizer", "rng", "data", "scheduler")
@@ -346,46 +401,43 @@ RESTORABLE = ("weights", "optimizer", "rng", "data", "scheduler")
 class DebugConfig:
     trace: bool = False
     """Write per-step fingerprints (weights, optimizer, RNG, data, LR) to RUN_DIR/trace/ (a host sync and hashing every step; used by verify-resume)."""
-    skip_restore: str = ""
+    skip_restore: Annotated[str, Text(f"a comma-separated subset of {', '.join(RESTORABLE)}", _restorable,
+                                      "--debug.skip_restore=rng")] = ""
     """Parts of a checkpoint NOT to restore on resume, comma-separated (weights, optimizer, rng, data, scheduler): shows what each part is for."""
 
     def __post_init__(self) -> None:
-        for part in self.skipped():
-            _check(part in RESTORABLE, "debug.skip_restore", self.skip_restore,
-                   f"a comma-separated subset of {', '.join(RESTORABLE)}", "--debug.skip_restore=rng")
+        check_fields(self)
 
     def skipped(self) -> set[str]:
         return {p.strip() for p in self.skip_restore.split(",") if p.strip()}
+
+
+DEGREE = ((-1, "the remaining ranks"), (0, "from parallel.strategy"))
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     strategy: Literal["ddp", "fsdp", "hsdp", "auto"] = "ddp"
     """Data parallelism: ddp (full replicas), fsdp (shard params/grads/optimizer over all ranks), hsdp (shard within a machine, replicate across machines), auto (ddp if it fits the device, else fsdp/hsdp)."""
-    dp_replicate: int = 0
+    dp_replicate: Annotated[int, Range(1, most=I32, special=DEGREE, what="a degree",
+                                       fix="--parallel.dp_replicate=-1")] = 0
     """Ranks holding replicas of each shard, the mesh's dp_replicate degree (0 = from strategy, -1 = the remaining ranks)."""
-    dp_shard: int = 0
+    dp_shard: Annotated[int, Range(1, most=I32, special=DEGREE, what="a degree", fix="--parallel.dp_shard=-1")] = 0
     """Ranks each replica is sharded over, the mesh's dp_shard degree (0 = from strategy, -1 = the remaining ranks)."""
     reshard_after_forward: bool = True
     """fsdp/hsdp: free gathered parameters after each block's forward and gather again in backward (less memory, more communication)."""
-    bucket_mb: float = 25.0
-    """ddp: gradient bucket size in MB; smaller buckets start communication earlier in backward."""
+    bucket_mb: Annotated[float, Range(0.001, most=1_048_576, what="megabytes")] = 25.0
+    """ddp: gradient bucket size in MB, from 0.001 (about a KB) to 1048576 (a TB); smaller buckets start communication earlier in backward."""
     overlap: bool = True
     """ddp: all-reduce each gradient bucket as soon as it is ready, during backward (false: all at the end, to see what overlap buys)."""
     find_unused: bool = False
     """ddp: tolerate parameters that get no gradient in a step (costs a graph traversal every step)."""
-    fsdp_units: str = ""
+    fsdp_units: Annotated[str, Text("class names separated by commas, e.g. GPT2Block or Block,MoEBlock", _class_names,
+                                    "--parallel.fsdp_units=MyBlock")] = ""
     """Class names of the model's repeated blocks, comma-separated: FSDP's units, what checkpointing and compile wrap ('' = found, docs/fsdp.md)."""
 
     def __post_init__(self) -> None:
-        names = [n.strip() for n in self.fsdp_units.split(",")] if self.fsdp_units.strip() else []
-        _check(all(n.isidentifier() for n in names), "parallel.fsdp_units", self.fsdp_units,
-               "class names separated by commas, e.g. GPT2Block or Block,MoEBlock", "--parallel.fsdp_units=MyBlock")
-        _check(self.bucket_mb > 0, "parallel.bucket_mb", self.bucket_mb, "a number > 0", "--parallel.bucket_mb=25")
-        for key in ("dp_replicate", "dp_shard"):
-            value = getattr(self, key)
-            _check(value >= -1, f"parallel.{key}", value, "a degree >= 1, -1 (the remaining ranks) or 0 (from "
-                   "parallel.strategy)", f"--parallel.{key}=-1")
+        check_fields(self)
         _check(not (self.dp_replicate == -1 and self.dp_shard == -1), "parallel.dp_shard", -1,
                "at most one degree of -1 (the remaining ranks), since parallel.dp_replicate is -1 too",
                "give one as a number, e.g. --parallel.dp_replicate=2 --parallel.dp_shard=-1")
@@ -397,6 +449,9 @@ class MemoryConfig:
     """Per block: none, full (keep block inputs, recompute the rest in backward) or selective (keep attention and every other matmul output)."""
     cpu_offload: bool = False
     """fsdp/hsdp: keep sharded parameters, gradients and optimizer state in host memory; the optimizer step runs on the CPU."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -451,10 +506,15 @@ ALIASES = {"nproc": "dist.nproc", "device": "dist.device", "nnodes": "dist.nnode
            "train.log_every": "log.every"}  # the last: the name log.every had before the [log] section
 
 
-def sections() -> dict[str, type]:
-    """Section name -> its dataclass, in declaration order."""
+@cache
+def _sections() -> dict[str, type]:
     hints = get_type_hints(Config)
     return {f.name: hints[f.name] for f in fields(Config)}
+
+
+def sections() -> dict[str, type]:
+    """Section name -> its dataclass, in declaration order."""
+    return dict(_sections())
 
 
 @cache
@@ -471,15 +531,101 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+@cache
+def _fields_of(cls: type) -> tuple[tuple[str, Any, Range | Text | None, Any], ...]:
+    """(name, type, the Range or Text declared on it, default) for each field of a section."""
+    hints = get_type_hints(cls, include_extras=True)
+    found = []
+    for f in fields(cls):
+        tp, spec = hints[f.name], None
+        if get_origin(tp) is Annotated:
+            tp, spec = get_args(tp)[:2]
+        found.append((f.name, tp, spec, f.default if f.default is not MISSING else None))
+    return tuple(found)
+
+
+@cache
+def _schema() -> dict[str, tuple[Any, Range | Text | None, Any]]:
+    """'section.key' -> (type, declared Range or Text, default)."""
+    return {f"{sec}.{name}": (tp, spec, default)
+            for sec, cls in _sections().items() for name, tp, spec, default in _fields_of(cls)}
+
+
+@cache
+def _all_keys() -> dict[str, tuple[type, str]]:
+    docs = {sec: field_docs(cls) for sec, cls in _sections().items()}
+    return {key: (tp, docs[key.split(".")[0]].get(key.split(".", 1)[1], "")) for key, (tp, _, _) in _schema().items()}
+
+
 def all_keys() -> dict[str, tuple[type, str]]:
     """'section.key' -> (its type, its help line), for every field of the tree."""
-    keys = {}
-    for sec, cls in sections().items():
-        hints = get_type_hints(cls)
-        docs = field_docs(cls)
-        for f in fields(cls):
-            keys[f"{sec}.{f.name}"] = (hints[f.name], docs.get(f.name, ""))
-    return keys
+    return dict(_all_keys())
+
+
+def spec(key: str) -> Range | Text | None:
+    """The Range or Text declared on a field; None for a bool or a Literal, whose type is its choice set."""
+    return _schema()[key][1]
+
+
+def allowed(key: str) -> str:
+    """What a field allows, in words: its declared range, choices or text."""
+    tp, declared, _ = _schema()[key]
+    if isinstance(declared, Range):
+        return declared.describe(tp)
+    if isinstance(declared, Text):
+        return declared.what
+    return describe_type(tp)
+
+
+def _fix(key: str) -> str:
+    tp, declared, default = _schema()[key]
+    if declared is not None and declared.fix:
+        return declared.fix
+    shown = str(default).lower() if tp is bool else _num(default) if tp in (int, float) else default
+    return f"--{key}={shown}"
+
+
+def _in_range(tp: Any, declared: Range | Text | None, value: Any) -> bool:
+    """``value`` has the field's type and lies in its declared range (a field declaring none allows nothing)."""
+    if get_origin(tp) is Literal:
+        return value in get_args(tp)
+    if tp is bool or isinstance(value, bool):
+        return tp is bool and isinstance(value, bool)
+    if isinstance(declared, Range):
+        return isinstance(value, int if tp is int else (int, float)) and declared.allows(value)
+    return isinstance(declared, Text) and isinstance(value, str) and declared.allows(value)
+
+
+def check_fields(section: Any) -> None:
+    """Every field of a section against its type and declared range, in order: the one place ranges are
+    checked, for sections that load() builds and sections built by hand alike. A section's __post_init__
+    calls it first, then checks what its fields must satisfy together."""
+    name = {cls: sec for sec, cls in _sections().items()}[type(section)]
+    for field_name, tp, declared, _ in _fields_of(type(section)):
+        key, value = f"{name}.{field_name}", getattr(section, field_name)
+        if not _in_range(tp, declared, value):
+            unprintable = isinstance(value, str) and not value.isprintable()
+            expected = allowed(key) + (" (printable characters on one line)" if unprintable else "")
+            raise ConfigError(key, _shown(value), expected, _fix(key))
+
+
+class _Huge(int):
+    """An integer too long for Python to print (str() refuses beyond 4300 digits), shown by its size."""
+
+    def __repr__(self) -> str:
+        return f"<an integer of about {int(self.bit_length() * math.log10(2)) + 1} digits>"
+
+    __str__ = __repr__
+
+
+def _shown(value: Any) -> Any:
+    """``value`` as an error message can print it."""
+    if isinstance(value, int) and not isinstance(value, (bool, _Huge)):
+        try:
+            repr(value)
+        except ValueError:
+            return _Huge(value)
+    return value
 
 
 def describe_type(tp: Any) -> str:
@@ -492,7 +638,7 @@ def coerce(key: str, value: Any, tp: Any, origin: str, from_text: bool = False) 
     """Check a TOML/Python value against the field's type, or parse a command-line string (from_text), or
     raise ConfigError. A TOML string is not parsed: ``epochs = "3"`` is a type error in a file."""
     from_text = from_text and isinstance(value, str)
-    example = f"--{key}=..."
+    value = _shown(value)
     if get_origin(tp) is Literal:
         choices = get_args(tp)
         if value in choices:
@@ -517,16 +663,16 @@ def coerce(key: str, value: Any, tp: Any, origin: str, from_text: bool = False) 
                 return int(value.replace("_", ""))
             except ValueError:
                 pass
-        raise ConfigError(key, value, "an integer", example.replace("...", "10"), origin)
+        raise ConfigError(key, value, allowed(key), _fix(key), origin)
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if from_text:
-            try:
+        try:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
                 return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(key, value, "a number", example.replace("...", "0.1"), origin)
+            if from_text:
+                return float(value)
+        except (ValueError, OverflowError):  # not a number; an integer beyond a float's range
+            pass
+        raise ConfigError(key, value, allowed(key), _fix(key), origin)
     if tp is str:
         if isinstance(value, str):
             return value
@@ -538,14 +684,15 @@ def unknown_key(key: str, value: Any, origin: str) -> ConfigError:
     known = list(all_keys()) + list(ALIASES) + list(sections())
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     fix = f"did you mean --{close[0]}?" if close else "run 'scaletrain train --help' for every key"
-    return ConfigError(key, value, f"a key listed by 'scaletrain train --help' ({key} is not one)", fix, origin)
+    return ConfigError(key, _shown(value), f"a key listed by 'scaletrain train --help' ({key} is not one)", fix,
+                       origin)
 
 
 def flatten(tree: Mapping[str, Any], origin: str) -> dict[str, Any]:
     """{'optim': {'lr': 0.1}} -> {'optim.lr': 0.1}; dotted keys are accepted as they are."""
     flat: dict[str, Any] = {}
     for name, value in tree.items():
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and ALIASES.get(name, name) not in _schema():  # for a key: coerce refuses it
             if name not in sections():
                 raise unknown_key(name, f"[{name}] table", origin)
             for key, v in value.items():
@@ -621,7 +768,7 @@ def read_source(source: str) -> tuple[str, dict[str, Any], str]:
         text, origin, name = path.read_text(), str(path), path.stem
     try:
         tree = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
+    except ValueError as err:  # TOMLDecodeError, or an integer too long for Python to read
         raise ConfigError("config", source, f"valid TOML ({err})", "correct the file at that line",
                           origin) from None
     flat = flatten(tree, origin)
@@ -641,3 +788,23 @@ def load(source: str | None = None, overrides: Mapping[str, Any] | None = None,
     if cli_overrides:
         layers.append((CLI, dict(cli_overrides)))
     return build(layers)
+
+
+def check_run_dir(path: Path, origin: str = "") -> None:
+    """``path`` is, or can be created as, a directory this process can write: checked before any worker starts,
+    so that an unwritable run directory is one line naming it, not a crash on rank 0 after start-up. Nothing
+    is created here."""
+    problem = ""
+    try:
+        existing = path.absolute()
+        while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            problem = f"{existing} is not a directory"
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            problem = f"{existing} is not writable"
+    except OSError as err:  # a name too long, a loop of symbolic links
+        problem = err.strerror or str(err)
+    if problem:
+        raise ConfigError("run.dir", str(path), f"a directory this process can create and write ({problem})",
+                          "--run.dir=PATH in a writable place", origin)

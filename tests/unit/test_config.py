@@ -57,7 +57,7 @@ def test_aliases_map_to_their_keys():
 @pytest.mark.parametrize("overrides, key, words", [
     ({"optim.lrr": "0.1"}, "optim.lrr", ["= '0.1'", "(optim.lrr is not one)", "did you mean --optim.lr"]),
     ({"train.epochs": "ten"}, "train.epochs", ["'ten'", "expected an integer", "fix:"]),
-    ({"optim.lr": "fast"}, "optim.lr", ["'fast'", "expected a number"]),
+    ({"optim.lr": "fast"}, "optim.lr", ["'fast'", "expected a finite number > 0"]),
     ({"train.compile": "maybe"}, "train.compile", ["expected true or false"]),
     ({"model.name": "cnnn"}, "model.name", ["one of mlp, cnn, gpt", "--model.name=cnn"]),
     ({"dist.nproc": "0"}, "dist.nproc", ["= 0", "an integer >= 1", "--nproc 2"]),

@@ -6,7 +6,17 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Literal, get_args, get_origin
 
-from scaletrain.config import ALIASES, CLI, all_keys, coerce, recipe_names, sections, unknown_key
+from scaletrain.config import (
+    ALIASES,
+    CLI,
+    all_keys,
+    allowed,
+    coerce,
+    recipe_names,
+    sections,
+    spec,
+    unknown_key,
+)
 from scaletrain.errors import UserError
 
 
@@ -30,7 +40,8 @@ def add_config_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
-    """--section.key VALUE for every config field, grouped by section; --nproc etc. as short aliases."""
+    """--section.key VALUE for every config field, grouped by section; --nproc etc. as short aliases. The help
+    of a number or a string field ends with its declared range (a Literal's choices are in its metavar)."""
     keys = all_keys()
     for sec, cls in sections().items():
         group = parser.add_argument_group(f"[{sec}]")
@@ -40,8 +51,9 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
             default = f.default if f.default is not MISSING else None
             names = [f"--{key}"] + [f"--{alias}" for alias, target in ALIASES.items() if target == key]
             extra = {"nargs": "?", "const": "true"} if tp is bool else {}
+            allows = f"{allowed(key)}; " if spec(key) is not None else ""
             group.add_argument(*names, dest=key, metavar=_metavar(tp), default=argparse.SUPPRESS,
-                               help=f"{doc} [default: {default!r}]", **extra)
+                               help=f"{doc} [{allows}default: {default!r}]", **extra)
 
 
 def config_overrides(namespace: argparse.Namespace, leftovers: list[str]) -> dict[str, str]:

@@ -37,6 +37,7 @@ def preflight(cfg: Config, world: int) -> None:
 
     check_precision(cfg.train.precision, pick_device(cfg.dist, 0), cfg.parallel.strategy)
     check_layout(cfg.parallel, cfg.memory, world, max(1, cfg.dist.nnodes))
+    cfg.chaos.check_world(world)
     if cfg.log.tensorboard:
         check_tensorboard()
     splits = build_splits(cfg.data, cfg.model)

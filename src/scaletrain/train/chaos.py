@@ -20,7 +20,8 @@ from scaletrain.env import under_launcher
 
 
 class Chaos:
-    def __init__(self, cfg: ChaosConfig, rank: int) -> None:
+    def __init__(self, cfg: ChaosConfig, rank: int, world: int) -> None:
+        cfg.check_world(world)  # a rank beyond the world would silently never fire
         self.cfg, self.rank = cfg, rank
         self.first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         self.delay_s = cfg.delay_ms / 1000 if cfg.delay_rank == rank else 0.0

@@ -129,5 +129,6 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     attach_comm_hook(wrapped, timed, overlap=cfg.parallel.overlap)
     attach_fsdp_mark(wrapped, timed)
     return Job(cfg, rt, plan, module, wrapped, optimizer, build_scheduler(optimizer, cfg.schedule, plan.total_steps),
-               scaler, loader, splits.eval, loss_fn or default_loss, batcher, guard, Chaos(cfg.chaos, rt.rank),
-               strategy, reason, timer=timer, flops=flops, tokens_per_sample=one.tokens_per_sample())
+               scaler, loader, splits.eval, loss_fn or default_loss, batcher, guard,
+               Chaos(cfg.chaos, rt.rank, rt.world_size), strategy, reason, timer=timer, flops=flops,
+               tokens_per_sample=one.tokens_per_sample())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from scaletrain.config import Config
+from scaletrain.config import Config, check_run_dir
 from scaletrain.errors import ConfigError
 from scaletrain.runtime import Runtime, rank0_decides
 
@@ -31,10 +31,12 @@ def choose_run_dir(cfg: Config) -> Config:
     """The config with run.dir set to the directory this run will write."""
     if cfg.run.dir:
         path = Path(cfg.run.dir)
+        check_run_dir(path)
         if finished(path):
             raise ConfigError("run.dir", cfg.run.dir, f"a new or unfinished run directory ({path / 'summary.json'} "
                               "says this one finished)", f"--run.dir={_next_free(path)}, or remove {path} first")
         return cfg
+    check_run_dir(Path("runs") / cfg.run.name, "default: runs/<run.name>")
     path = _next_free(Path("runs") / cfg.run.name)
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(path)))
 
