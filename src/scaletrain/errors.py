@@ -6,9 +6,12 @@ a file) raises one of these with what was wrong, what is allowed and how to fix 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
 import sys
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
@@ -37,6 +40,47 @@ class Reported(Exception):
 
 class TrainingFailed(Reported):
     """Training cannot go on (exit code 1): a non-finite loss, a failed collective, out of memory."""
+
+
+class DiskFull(TrainingFailed):
+    """A write that found its disk full (ENOSPC, or a quota): the path, the bytes it was going to write and
+    the bytes free. ``outcome`` says what stays on disk (the latest checkpoint, what else was written)."""
+
+    def __init__(self, path: Any, needed: int, free: int, outcome: str = "") -> None:
+        said = f"; {outcome}" if outcome else ""
+        super().__init__(f"disk full: {path} needs {needed:,} bytes, {free:,} free{said}; fix: free space on "
+                         "that disk, or point --run.dir at a larger one")
+        self.path, self.needed, self.free, self.outcome = path, needed, free, outcome
+
+    @classmethod
+    def at(cls, path: Path, needed: int, outcome: str = "") -> DiskFull:
+        """The error for ``path``, with the bytes free there now (after the failed write was cleaned up)."""
+        return cls(path, needed, free_bytes(path), outcome)
+
+    def then(self, outcome: str) -> DiskFull:
+        """The same error, saying what stays on disk."""
+        return DiskFull(self.path, self.needed, self.free, outcome)
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes this process may still write on the filesystem of ``path`` (or of its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """ENOSPC or EDQUOT: an OSError, one that caused ``err``, or one a library wrapped in its own error's
+    message (safetensors says "... (os error 28)", DCP quotes each rank's "[Errno 28] ...")."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    if err is None or isinstance(err, DiskFull):
+        return err is not None
+    if isinstance(err, OSError) and err.errno in codes:
+        return True
+    said = str(err)
+    if any(f"(os error {code})" in said or f"[Errno {code}]" in said for code in codes):
+        return True
+    return is_disk_full(err.__cause__ or err.__context__)
 
 
 class Stopped(KeyboardInterrupt):

@@ -52,7 +52,7 @@ def test_resume_at_another_world_size_keeps_the_global_batch_or_says_why_not():
     changed = plan_batches(cfg48, 1, 1437, _resume_meta(2, 64))
     assert changed.global_batch == 48
     assert changed.note == ("world size 2 -> 1: the global batch changes 64 -> 48 (64 is not a multiple of "
-                            "batch_size x world = 48); set --train.global_batch to fix it")
+                            "batch_size x world = 48); --data.batch_size=32 keeps it at 64 (accumulation 2)")
     # the rest of the interrupted epoch at the new step size, then whole epochs of 1437 // 48 = 29 steps
     assert changed.total_steps == 10 + (1437 - 640) // 48 + (cfg48.train.epochs - 1) * 29
 

@@ -8,7 +8,8 @@ Saving step s:
 
 A process killed at any instant leaves either no ``step-<s>`` at all (only a staging directory, removed at
 the next start) or a complete one. An existing checkpoint is never written to: saving a step that already
-exists is refused. Old checkpoints are deleted by first renaming them out of the ``step-*`` namespace. A
+exists is refused. Old checkpoints are deleted by first renaming them out of the ``step-*`` namespace, after
+a save, or before it when the disk has no room for it otherwise (``make_room``; never the newest valid one). A
 ``step-*`` directory whose manifest is missing or does not match its files (tampering, a damaged disk) is
 moved aside to ``corrupt-step-<s>-<n>`` with a warning, never deleted: nothing already saved is lost.
 
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scaletrain.errors import CheckpointError
+from scaletrain.errors import CheckpointError, free_bytes
 
 MANIFEST = "manifest.json"
 FORMAT = "scaletrain-checkpoint"
@@ -224,8 +225,51 @@ def prune(root: Path, keep: int, protect: Path | None = None) -> list[Path]:
     if keep <= 0:
         return []
     doomed = [p for _, p in committed(root)[:-keep] if p != protect]
-    for path in doomed:
+    _delete(doomed)
+    return doomed
+
+
+def _delete(paths: list[Path]) -> None:
+    for path in paths:
         trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
         os.rename(path, trash)  # out of the step-* namespace at once; the slow delete can be interrupted
         shutil.rmtree(trash, ignore_errors=True)
-    return doomed
+
+
+def size_of(path: Path) -> int:
+    """Bytes of the files under ``path`` (a checkpoint directory), as they are on disk now."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def newest_valid(root: Path) -> Path | None:
+    """The newest checkpoint whose files are all there at their manifest's sizes (no hashing: cheap)."""
+    for _, path in reversed(committed(root)):
+        try:
+            verify(path, hashes=False)
+            return path
+        except CheckpointError:
+            continue
+    return None
+
+
+def make_room(root: Path, needed: int, keep: int) -> tuple[list[Path], int]:
+    """Before writing a checkpoint of ``needed`` bytes into ``root``: if the disk is short, delete the oldest
+    checkpoints that keeping ``keep`` (with the new one) deletes after the save anyway, so that the save can
+    fit, but only if that makes room, and never the newest valid checkpoint. Returns (what was deleted, the
+    bytes free afterwards)."""
+    free = free_bytes(root)
+    if free >= needed or keep <= 0:
+        return [], free
+    newest = newest_valid(root)
+    olds = [p for _, p in committed(root)]
+    doomed, freed = [], 0
+    for path in olds[: max(0, len(olds) - (keep - 1))]:  # the newest keep - 1 stay beside the new one
+        if free + freed >= needed:
+            break
+        if path != newest:
+            doomed.append(path)
+            freed += size_of(path)
+    if free + freed < needed:
+        return [], free  # not enough even so: keep them, the save is tried (and fails) as it is
+    _delete(doomed)
+    return doomed, free_bytes(root)

@@ -56,8 +56,8 @@ class _IndexUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointError(self.where, f"its DCP index refers to {module}.{name}, which a checkpoint index "
-                              "never holds (a planted payload?); nothing was executed",
+        raise CheckpointError(self.where, f"its DCP index refers to {module}.{name}, which no checkpoint index "
+                              "holds (a planted payload?); nothing was executed",
                               "do not load this checkpoint; resume from another one")
 
 

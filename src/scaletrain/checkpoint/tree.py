@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 from typing import Any
 
 import safetensors
@@ -117,3 +118,35 @@ def decode(data: bytes, where: str) -> tuple[Any, dict[str, str]]:
     except json.JSONDecodeError as err:
         raise CheckpointError(where, f"its structure is not JSON ({err})", "the file is damaged") from None
     return _join(skeleton, tensors, where), meta
+
+
+def header_shapes(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(each tensor's shape by name, metadata) of a safetensors file, read from its header alone: no tensor is
+    loaded, and a header that does not describe the file exactly is a CheckpointError."""
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names}
+            meta = f.metadata() or {}
+    except (safetensors.SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(path, f"not a valid safetensors file ({err})",
+                              "the file was replaced or damaged") from None
+    return shapes, {str(k): str(v) for k, v in meta.items()}
+
+
+def outline(path: Path) -> Any:
+    """The tree a file written by ``encode`` holds, a torch.Size in place of each tensor (header only)."""
+    shapes, meta = header_shapes(path)
+    if SKELETON_KEY not in meta:
+        raise CheckpointError(path, "a safetensors file without scaletrain's structure",
+                              "the file was replaced")
+    try:
+        skeleton = json.loads(meta[SKELETON_KEY])
+    except json.JSONDecodeError as err:
+        raise CheckpointError(path, f"its structure is not JSON ({err})", "the file is damaged") from None
+    sizes = {name: torch.Size(shape) for name, shape in shapes.items()}  # never taken for a tuple value
+    try:
+        return _join(skeleton, sizes, str(path))  # type: ignore[arg-type]  # sizes stand in for the tensors
+    except (TypeError, ValueError, AttributeError) as err:  # a skeleton of the wrong shape
+        raise CheckpointError(path, f"its structure is malformed ({type(err).__name__}: {err})",
+                              "the file is damaged") from None

@@ -46,18 +46,27 @@ def _checkpoints(path: Path) -> list[Path]:
 
 
 def _describe(path: Path, hashes: bool) -> dict[str, Any]:
+    """What inspect says of one checkpoint. status: verified (or "sizes ok" without hashes), BAD (its files do
+    not match the manifest) or damaged (they do, but do not load: train/checkpointing.py check_contents);
+    problem: why, for the last two."""
     from scaletrain.checkpoint import commit
+    from scaletrain.train.checkpointing import Resume, check_contents
 
     info: dict[str, Any] = {"path": str(path), "step": commit.step_of(path)}
     try:
         manifest = commit.verify(path, hashes=hashes)
-        info["status"] = "verified" if hashes else "sizes ok"
     except CheckpointError as err:
-        info["status"] = f"BAD: {err}"
+        info.update(status="BAD", problem=str(err))
         try:
             manifest = commit.read_manifest(path)
         except CheckpointError:
             return info
+    else:
+        try:
+            check_contents(Resume(path, manifest))
+            info["status"] = "verified" if hashes else "sizes ok"
+        except CheckpointError as err:
+            info.update(status="damaged", problem=str(err))
     meta = manifest.get("meta", {})
     info.update(step=manifest["step"], created=manifest.get("created"), files=manifest["files"],
                 bytes=sum(f["bytes"] for f in manifest["files"].values()),
@@ -66,33 +75,46 @@ def _describe(path: Path, hashes: bool) -> dict[str, Any]:
     return info
 
 
+def _table(title: str, columns: dict[str, str]) -> Any:
+    """A table that fits 80 columns: no outer edge, and a cell too wide wraps instead of being cut."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for name, justify in columns.items():
+        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    return table
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
+
+    from scaletrain.observe.memory import fmt_bytes
 
     infos = [_describe(p, not args.no_hashes) for p in _checkpoints(Path(args.path))]
     if args.json:
         print(json.dumps(infos, indent=1))
-    else:
-        console = Console(highlight=False)
-        table = Table(title=f"checkpoints in {args.path}", title_justify="left")
-        for col in ("step", "epoch", "world", "global batch", "config digest", "size", "created", "status"):
-            table.add_column(col, justify="right" if col in ("step", "epoch", "world", "global batch", "size") else "left")
-        for info in infos:
-            created = info.get("created")
-            when = datetime.datetime.fromtimestamp(created).strftime("%m-%d %H:%M") if created else "?"
-            table.add_row(str(info.get("step")), str(info.get("epoch", "?")), str(info.get("world_size", "?")),
-                          str(info.get("global_batch", "?")), str(info.get("config_digest", "?")),
-                          f"{info.get('bytes', 0) / 2**20:,.1f} MiB", when, info["status"])
-        console.print(table)
-        if len(infos) == 1 and "files" in infos[0]:
-            files = Table(title="files", title_justify="left")
-            for col in ("file", "bytes", "sha256"):
-                files.add_column(col, justify="right" if col == "bytes" else "left")
-            for name, rec in infos[0]["files"].items():
-                files.add_row(name, f"{rec['bytes']:,}", rec["sha256"][:16] + "...")
-            console.print(files)
-    return 0 if all(not i["status"].startswith("BAD") for i in infos) else 1
+        return 0 if all("problem" not in i for i in infos) else 1
+    console = Console(highlight=False)
+    table = _table(f"checkpoints in {args.path}", {"step": "right", "epoch": "right", "world": "right",
+                                                   "batch": "right", "config": "left", "size": "right",
+                                                   "created": "left", "status": "left"})
+    for info in infos:
+        created = info.get("created")
+        when = datetime.datetime.fromtimestamp(created).strftime("%m-%d %H:%M") if created else "?"
+        table.add_row(str(info.get("step")), str(info.get("epoch", "?")), str(info.get("world_size", "?")),
+                      str(info.get("global_batch", "?")), str(info.get("config_digest", "?"))[:8],
+                      fmt_bytes(info.get("bytes", 0)), when, info["status"])
+    console.print(table)
+    for info in infos:  # below the table, whole: a reason is never cut to a column's width
+        if "problem" in info:
+            console.print(f"step {info['step']} {info['status']}: {info['problem']}")
+    if len(infos) == 1 and "files" in infos[0]:
+        files = _table("files", {"file": "left", "bytes": "right", "sha256": "left"})
+        for name, rec in infos[0]["files"].items():
+            files.add_row(name, f"{rec['bytes']:,}", rec["sha256"][:16] + "...")
+        console.print(files)
+    return 0 if all("problem" not in i for i in infos) else 1
 
 
 def _export(args: argparse.Namespace) -> int:

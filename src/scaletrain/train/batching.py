@@ -60,8 +60,22 @@ def _accumulation(cfg: Config, world_size: int, resume: dict[str, Any] | None) -
     now = per_micro * train.accum_steps
     why = "train.accum_steps is set" if train.accum_steps != 1 else \
         f"{was_global} is not a multiple of batch_size x world = {per_micro}"
+    keep = _keeping(was_global, b, world_size, accum_set=train.accum_steps != 1)
     return train.accum_steps, (f"world size {was_world} -> {world_size}: the global batch changes {was_global} -> "
-                               f"{now} ({why}); set --train.global_batch to fix it")
+                               f"{now} ({why}); {keep}")
+
+
+def _keeping(global_batch: int, batch_size: int, world_size: int, *, accum_set: bool) -> str:
+    """The settings that keep ``global_batch`` on ``world_size`` ranks (a per-rank batch no larger than
+    ``batch_size``, so that it still fits in memory), or that none can: it must be a multiple of the world."""
+    if global_batch % world_size:
+        return (f"no setting keeps {global_batch} on {world_size} ranks ({global_batch} is not a multiple of "
+                f"{world_size})")
+    per_rank = global_batch // world_size
+    fits = max(d for d in range(1, min(batch_size, per_rank) + 1) if per_rank % d == 0)
+    flags = [f"--data.batch_size={fits}"] if fits != batch_size else []
+    flags += ["no --train.accum_steps"] if accum_set else []
+    return f"{' and '.join(flags)} keeps it at {global_batch} (accumulation {per_rank // fits})"
 
 
 def _total_steps(cfg: Config, steps_per_epoch: int, step_samples: int, train_size: int,

@@ -19,6 +19,13 @@ first two.
 
 Saving blocks the loop only while the state is copied into reusable host buffers; a background thread then
 writes, fsyncs, hashes and commits (``checkpoint.async_save``). A new save first waits for the previous one.
+
+A full disk: before each save rank 0 compares the bytes it will write with the bytes free; if they do not fit,
+retention deletes first the old checkpoints it would delete after the save (never the newest valid one), and
+if even that is not enough a warning says so ahead. A periodic save that fails (a full disk or anything else)
+leaves no stage behind, becomes a warning that names what stays the latest checkpoint, and training goes on;
+``failed`` keeps why, so that the end of the run can say that its last checkpoint was not saved. A final
+save (a stop) that fails raises: DiskFull, one line, for a full disk.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from scaletrain import __version__
 from scaletrain.checkpoint import commit, tree
 from scaletrain.config import CheckpointConfig
-from scaletrain.errors import CheckpointError, ConfigError, TrainingFailed
+from scaletrain.errors import CheckpointError, ConfigError, DiskFull, TrainingFailed, is_disk_full
 from scaletrain.observe.memory import local_shard
 from scaletrain.runtime import Runtime, rank0_decides
 from scaletrain.train.state import dedupe, differing, plain_digests
@@ -99,6 +107,7 @@ class _ShardedRest:
     ranks: list[Any]
     meta: dict[str, Any]
     started: float
+    needed: int  # bytes, every rank's shards (estimated)
 
 
 @dataclass
@@ -114,6 +123,11 @@ class Snapshot:
     ranks: list[Any]
     meta: dict[str, Any]
     started: float = field(default_factory=time.perf_counter)
+    needed: int = 0  # bytes the save will write
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors.values())
 
 
 def _finite(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -154,18 +168,31 @@ class Checkpointer:
         self._buffers: dict[str, torch.Tensor] = {}
         self.finished: list[SaveResult] = []  # committed saves the loop has not logged yet
         self.warnings: list[str] = []
+        self.failed: Exception | None = None  # why the latest save did not commit; None once one does
         self.last_step = -1  # the last step saved or being saved
 
     def due(self, step: int, total: int) -> bool:
         every = self.cfg.every
         return every > 0 and step != self.last_step and (step % every == 0 or step == total)
 
+    def latest(self) -> Path | None:
+        """The newest checkpoint of this run directory; None before the first."""
+        done = commit.committed(self.root)
+        return done[-1][1] if done else None
+
+    def unchanged(self) -> str:
+        """What a write that failed leaves to resume from, in words."""
+        latest = self.latest()
+        return f"{latest} stays the latest checkpoint" if latest else "no checkpoint saved yet"
+
     # -- saving -------------------------------------------------------------------------------------------
 
     def save(self, step: int, model: tuple[dict[str, torch.Tensor], dict[str, str]], optim: dict[str, Any],
              trainer: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any], *,
              background: bool = True) -> float:
-        """Save the state of ``step`` (every rank calls this). Returns the seconds the loop was blocked."""
+        """Save the state of ``step`` (every rank calls this). Returns the seconds the loop was blocked.
+        ``background``: a periodic save, whose failure is a warning (written on the checkpoint thread with
+        ``checkpoint.async_save``); otherwise it is the final one, written now, and its failure is raised."""
         started = time.perf_counter()
         ranks: list[Any] = [None] * self.rt.world_size
         if self.rt.distributed:
@@ -175,18 +202,19 @@ class Checkpointer:
         self.last_step = step
         if not self.rt.is_main:
             return time.perf_counter() - started
-        self.wait()  # the buffers are reused: the previous write must be done with them
+        self._settle()  # the buffers are reused: the previous write must be done with them
         tensors, aliases = model
         optim_tensors, optim_meta = tree.split(optim)
+        needed = self._make_room(step, _nbytes(tensors) + _nbytes(optim_tensors))
         snap = Snapshot(step, self._stage("model/", tensors), {"aliases": json.dumps(aliases)},
-                        self._stage("optim/", optim_tensors), optim_meta, trainer, ranks, meta, started)
+                        self._stage("optim/", optim_tensors), optim_meta, trainer, ranks, meta, started, needed)
         if self.rt.device.type == "cuda":
             torch.cuda.current_stream(self.rt.device).synchronize()  # the copies above were non-blocking
         blocked = time.perf_counter() - started
         if self._pool is not None and background:
             self._pending = self._pool.submit(self._write, snap, blocked, True)
         else:
-            self.finished.append(self._write(snap, blocked, False))
+            self._now(lambda: self._write(snap, blocked, False), periodic=background)
         return blocked
 
     def save_sharded(self, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -203,15 +231,21 @@ class Checkpointer:
         from scaletrain.checkpoint import dcp
 
         started = time.perf_counter()
-        self.wait()
-        where: list[Any] = [str(commit.new_stage(self.root, step)) if self.rt.is_main else None]
-        if self.rt.distributed:
-            dist.broadcast_object_list(where, src=0)
-        stage = Path(where[0])
+        self._settle()
         model, aliases = dedupe(get_model_state_dict(module))
         optim = get_optimizer_state_dict(module, optimizer)
         local = {**{f"model.{k}": local_shard(v) for k, v in model.items()},
                  **{f"optim.{k}": local_shard(v) for k, v in tree.split(optim["state"])[0].items()}}
+        needed = _nbytes(local) * self.rt.world_size  # every rank's shards, about
+        if self.rt.is_main:
+            needed = self._make_room(step, needed)
+            with self._cleaning(None, step, needed):
+                where: list[Any] = [str(commit.new_stage(self.root, step))]
+        else:
+            where = [None]
+        if self.rt.distributed:
+            dist.broadcast_object_list(where, src=0)
+        stage = Path(where[0])
         mine = {**rank_state, "nonfinite": _finite(local) or "", RANK_BUFFERS: plain_digests(model)}
         ranks: list[Any] = [mine]
         if self.rt.distributed:  # every rank learns of a non-finite shard anywhere, and then none writes
@@ -226,7 +260,7 @@ class Checkpointer:
                                  "--train.nonfinite=skip, a lower --optim.lr, or --optim.grad_clip=1.0")
         own, mine_only = _rank_buffers(model, ranks, self.rt.rank)
         rest = _ShardedRest(step, stage, optim["param_groups"], trainer, ranks,
-                            {**meta, "aliases": aliases, RANK_BUFFERS: own}, started)
+                            {**meta, "aliases": aliases, RANK_BUFFERS: own}, started, needed)
         state = {"model": model, "optim": optim["state"], **mine_only}
         if self._pool is not None and background:
             staged = self._stage("dcp/", state)
@@ -236,9 +270,13 @@ class Checkpointer:
             blocked = time.perf_counter() - started
             self._pending = self._pool.submit(self._write_sharded, staged, rest, group, blocked)
             return blocked
-        dcp.save(state, stage / dcp.DCP_DIR)
-        if self.rt.is_main:
-            self.finished.append(self._commit_sharded(rest, None))
+
+        def write_now() -> SaveResult | None:
+            with self._cleaning(stage, step, needed):
+                dcp.save(state, stage / dcp.DCP_DIR)
+            return self._commit_sharded(rest, None) if self.rt.is_main else None
+
+        self._now(write_now, periodic=background)
         return time.perf_counter() - started
 
     def _cpu_group(self) -> Any:
@@ -248,41 +286,67 @@ class Checkpointer:
             self._dcp_group = dist.new_group(backend="gloo")
         return self._dcp_group
 
+    def _make_room(self, step: int, tensor_bytes: int) -> int:
+        """Rank 0, before saving ``step``: the bytes the save will write (its tensors', or the newest
+        checkpoint's size if that is more: headers and per-rank files count too). When they do not fit,
+        retention deletes now what it would delete after the save; when even that is not enough, a warning
+        says so ahead. Returns those bytes."""
+        latest = self.latest()
+        needed = max(tensor_bytes, commit.size_of(latest) if latest else 0)
+        deleted, free = commit.make_room(self.root, needed, self.cfg.keep)
+        if deleted:
+            self.warnings.append(f"{self.root} is short of space for step {step} ({needed:,} bytes): deleted "
+                                 f"{', '.join(p.name for p in deleted)} before the save rather than after it "
+                                 f"(checkpoint.keep = {self.cfg.keep})")
+        if free < needed:
+            self.warnings.append(f"disk nearly full: {self.root.parent} has {free:,} bytes free and the checkpoint "
+                                 f"of step {step} needs {needed:,}; the save will likely fail and {self.unchanged()}; "
+                                 "fix: free space on that disk, a lower --checkpoint.keep, or a --run.dir on a "
+                                 "larger one")
+        return needed
+
+    @contextmanager
+    def _cleaning(self, stage: Path | None, step: int, needed: int) -> Iterator[None]:
+        """A save that fails leaves no stage behind (rank 0 removes it), and a full disk is said as DiskFull:
+        the checkpoint, the bytes it needed, the bytes free, what stays the latest."""
+        try:
+            yield
+        except BaseException as err:
+            if stage is not None and self.rt.is_main:
+                shutil.rmtree(stage, ignore_errors=True)
+            # not only Exceptions: DCP's CheckpointException, which wraps each rank's error, is a BaseException
+            if not isinstance(err, (DiskFull, KeyboardInterrupt, SystemExit)) and is_disk_full(err):
+                raise DiskFull.at(self.root / commit.step_name(step), needed, self.unchanged()) from None
+            raise
+
     def _write_sharded(self, staged: dict[str, Any], rest: _ShardedRest, group: Any,
                        blocked: float) -> SaveResult | None:
         from scaletrain.checkpoint import dcp
 
-        try:
+        with self._cleaning(rest.stage, rest.step, rest.needed):
             dcp.save(staged, rest.stage / dcp.DCP_DIR, process_group=group)  # returns once every rank wrote
-        except BaseException:
-            if self.rt.is_main:
-                shutil.rmtree(rest.stage, ignore_errors=True)
-            raise
         return self._commit_sharded(rest, blocked) if self.rt.is_main else None
 
     def _commit_sharded(self, rest: _ShardedRest, blocked: float | None) -> SaveResult:
         """Rank 0, once every rank's shards are written: the param groups, then the common files and the
         manifest. ``blocked`` is None for a synchronous save (the loop waited for all of it)."""
-        final, size = self._finish(rest.stage, rest.step, lambda stage: {
+        final, size = self._finish(rest.stage, rest.step, rest.needed, lambda stage: {
             OPTIMIZER_GROUPS: commit.write_bytes(stage / OPTIMIZER_GROUPS, tree.encode(rest.groups))},
             rest.trainer, rest.ranks, rest.meta)
         took = time.perf_counter() - rest.started
         return SaveResult(rest.step, final, size, took if blocked is None else blocked, took, blocked is not None)
 
-    def _finish(self, stage: Path, step: int, write: Callable[[Path], dict[str, commit.FileRecord]],
+    def _finish(self, stage: Path, step: int, needed: int, write: Callable[[Path], dict[str, commit.FileRecord]],
                 trainer: dict[str, Any], ranks: list[Any], meta: dict[str, Any]) -> tuple[Path, int]:
         """What both formats end with: ``write(stage)`` (the format's own files, their records), the trainer
         state and every rank's file, the manifest and the rename, then pruning. A failure removes the stage.
         Returns (the checkpoint, its bytes as the manifest counts them, other ranks' shards included)."""
-        try:
+        with self._cleaning(stage, step, needed):
             records = write(stage)
             records[TRAINER] = commit.write_bytes(stage / TRAINER, json.dumps(trainer, indent=1).encode())
             for rank, state in enumerate(ranks):
                 records[rank_file(rank)] = commit.write_bytes(stage / rank_file(rank), tree.encode(state))
             final = commit.commit(stage, step, records, meta)
-        except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
-            raise
         commit.prune(self.root, self.cfg.keep, protect=final)
         return final, sum(r["bytes"] for r in commit.read_manifest(final)["files"].values())
 
@@ -313,16 +377,30 @@ class Checkpointer:
         if bad:
             raise NonFiniteState(f"refusing to checkpoint step {snap.step}: {bad} is not finite; fix: "
                                  "--train.nonfinite=skip, a lower --optim.lr, or --optim.grad_clip=1.0")
-        final, size = self._finish(commit.new_stage(self.root, snap.step), snap.step, lambda stage: {
+        with self._cleaning(None, snap.step, snap.needed):
+            stage = commit.new_stage(self.root, snap.step)
+        final, size = self._finish(stage, snap.step, snap.needed, lambda stage: {
             MODEL: _save_file(stage / MODEL, snap.model, snap.model_meta),
             OPTIMIZER: _save_file(stage / OPTIMIZER, snap.optim, snap.optim_meta)},
             snap.trainer, snap.ranks, snap.meta)
         return SaveResult(snap.step, final, size, blocked, time.perf_counter() - snap.started, background)
 
+    def _now(self, write: Callable[[], SaveResult | None], *, periodic: bool) -> None:
+        """A save written on the calling thread. A periodic one that fails is a warning, as a background
+        save's failure is; the final one's failure is raised."""
+        try:
+            result = write()
+        except Exception as err:
+            if not periodic or isinstance(err, NonFiniteState):
+                raise
+            self._lost(err)
+            return
+        self._committed(result)
+
     def poll(self) -> list[SaveResult]:
         """Saves committed since the last poll (a failed background save becomes a warning)."""
         if self._pending is not None and self._pending.done():
-            self._collect(raise_errors=False)
+            self._settle()
         done, self.finished = self.finished, []
         return done
 
@@ -331,22 +409,42 @@ class Checkpointer:
         if self._pending is not None:
             self._collect(raise_errors=True)
 
+    def _settle(self) -> None:
+        """Block until the save in flight is done; its failure becomes a warning (a NaN refusal is raised)."""
+        if self._pending is not None:
+            self._collect(raise_errors=False)
+
     def _collect(self, *, raise_errors: bool) -> None:
         pending, self._pending = self._pending, None
         assert pending is not None
         try:
             result = pending.result()
-            if result is not None:
-                self.finished.append(result)
         except Exception as err:
             if raise_errors or isinstance(err, NonFiniteState):
+                self.failed = err
                 raise
-            self.warnings.append(f"checkpoint save failed ({type(err).__name__}: {err}); training goes on and "
-                                 "the previous checkpoint stays the latest")
+            self._lost(err)
+            return
+        self._committed(result)
+
+    def _committed(self, result: SaveResult | None) -> None:
+        if result is not None:  # None: another rank's part of a sharded save, which rank 0 commits
+            self.finished.append(result)
+            self.failed = None
+
+    def _lost(self, err: Exception) -> None:
+        """A periodic save that failed: said as a warning, with the checkpoint that stays the latest."""
+        self.failed = err
+        if isinstance(err, DiskFull):
+            self.warnings.append(f"checkpoint not saved: {err}")
+        else:
+            self.warnings.append(f"checkpoint save failed ({type(err).__name__}: {err}); {self.unchanged()}")
 
     def close(self) -> None:
+        """Wait for the save in flight (its failure becomes a warning and ``failed``, as in ``poll``), then
+        stop the checkpoint thread."""
         try:
-            self.wait()
+            self._settle()
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
@@ -370,19 +468,58 @@ def _choose(cfg: CheckpointConfig, root: Path, warn: Any) -> Resume | None:
         return None
     commit.clean_stale(root)
     if cfg.resume == "auto":
-        found = commit.latest_valid(root, warn)
-        return Resume(*found) if found else None
+        return latest_usable(root, warn)
     path = Path(cfg.resume)
     if not path.is_dir():
         raise CheckpointError(path, "not a directory", "point --checkpoint.resume at a step-NNNNNNNN directory, "
                               "or use auto")
     if (path / commit.MANIFEST).is_file():
-        return Resume(path, commit.verify(path))
+        resume = Resume(path, commit.verify(path))
+        check_contents(resume)
+        return resume
     inner = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    found = commit.latest_valid(inner, warn)
+    found = latest_usable(inner, warn, fresh=False)
     if found is None:
         raise CheckpointError(path, "holds no complete checkpoint", "point at a step-NNNNNNNN directory")
-    return Resume(*found)
+    return found
+
+
+def fallback_allowed(cfg: CheckpointConfig) -> bool:
+    """Whether a damaged checkpoint may be replaced by an older one: not when checkpoint.resume names it."""
+    return cfg.resume == "auto" or not (Path(cfg.resume) / commit.MANIFEST).is_file()
+
+
+def set_aside(path: Path, err: CheckpointError) -> str:
+    """Move a damaged checkpoint out of the step-* namespace; returns what the warning says about it."""
+    aside = commit.set_aside(path)
+    return f"{err.args[0].split('; fix:')[0]}; moved aside to {aside.name}"
+
+
+def resuming_from(found: Resume | None, fresh: bool = True) -> str:
+    if found is not None:
+        return f"resuming from {found.path.name}"
+    return "no usable checkpoint is left" + (": training starts at step 0" if fresh else "")
+
+
+def latest_usable(root: Path, warn: Callable[[str], None], *, fresh: bool = True) -> Resume | None:
+    """The newest checkpoint whose files match the manifest and whose contents read (check_contents). Newer
+    ones that fail are moved aside, each with one warning naming the file, the reason and what is used
+    instead (``fresh``: a start from step 0 when none is left)."""
+    had = bool(commit.committed(root))
+    said: list[str] = []
+    found: Resume | None = None
+    while found is None and (valid := commit.latest_valid(root, warn)) is not None:
+        candidate = Resume(*valid)
+        try:
+            check_contents(candidate)
+            found = candidate
+        except CheckpointError as err:
+            said.append(set_aside(candidate.path, err))
+    for line in said:
+        warn(f"{line}; {resuming_from(found, fresh)}")
+    if found is None and had and not said and fresh:  # every one failed its hashes (latest_valid said which)
+        warn(f"{root}: {resuming_from(None)}")
+    return found
 
 
 def find_resume(cfg: CheckpointConfig, run_dir: Path, rt: Runtime, warn: Any) -> Resume | None:
@@ -390,30 +527,43 @@ def find_resume(cfg: CheckpointConfig, run_dir: Path, rt: Runtime, warn: Any) ->
     it sees the same checkpoint (a rank that would load another step is an error, not a drift)."""
     root = run_dir / "checkpoints"
     resume: Resume | None = rank0_decides(rt, lambda: _choose(cfg, root, warn))
-    if rt.distributed:
-        mine: Any = None
-        if resume is not None:
-            try:
-                mine = commit.read_manifest(resume.path)["step"]
-            except CheckpointError as err:
-                mine = str(err)
-        seen: list[Any] = [None] * rt.world_size
-        dist.all_gather_object(seen, mine)
-        want = resume.step if resume is not None else None
-        odd = [r for r, s in enumerate(seen) if s != want]
-        if odd:
-            raise CheckpointError(resume.path if resume else root, f"rank {odd[0]} sees {seen[odd[0]]!r} where rank 0 "
-                                  f"loads step {want}", "put the run directory on storage every machine shares")
+    same_everywhere(resume, rt, root)
     return resume
+
+
+def same_everywhere(resume: Resume | None, rt: Runtime, root: Path) -> None:
+    """Every rank reads the manifest of the checkpoint rank 0 chose and finds the same step (collective)."""
+    if not rt.distributed:
+        return
+    mine: Any = None
+    if resume is not None:
+        try:
+            mine = commit.read_manifest(resume.path)["step"]
+        except CheckpointError as err:
+            mine = str(err)
+    seen: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(seen, mine)
+    want = resume.step if resume is not None else None
+    odd = [r for r, s in enumerate(seen) if s != want]
+    if odd:
+        raise CheckpointError(resume.path if resume else root, f"rank {odd[0]} sees {seen[odd[0]]!r} where "
+                              f"rank 0 loads step {want}", "put the run directory on storage every machine "
+                              "shares")
 
 
 def read_model(resume: Resume) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors, meta = tree.load_tensors(resume.read(MODEL), str(resume.path / MODEL))
+    return tensors, aliases_of(meta, resume.path / MODEL)
+
+
+def aliases_of(meta: dict[str, str], where: Path) -> dict[str, str]:
     try:
         aliases = json.loads(meta.get("aliases", "{}"))
     except json.JSONDecodeError:
-        raise CheckpointError(resume.path / MODEL, "its alias table is not JSON", "the file is damaged") from None
-    return tensors, aliases
+        aliases = None
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise CheckpointError(where, "its alias table is not a JSON object of names", "the file is damaged")
+    return aliases
 
 
 def read_tree(resume: Resume, name: str) -> Any:
@@ -425,6 +575,47 @@ def read_trainer(resume: Resume) -> dict[str, Any]:
         return json.loads(resume.read(TRAINER))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(resume.path / TRAINER, f"not JSON ({err})", "the file is damaged") from None
+
+
+def _require(where: Path, obj: Any, keys: dict[str, type]) -> None:
+    """``obj`` is a dict holding each key with a value of its type: what loading indexes without a check."""
+    if not isinstance(obj, dict):
+        raise CheckpointError(where, f"holds a {type(obj).__name__} where a JSON object belongs",
+                              "the file is damaged")
+    for key, kind in keys.items():
+        if not isinstance(obj.get(key), kind) or isinstance(obj.get(key), bool):
+            raise CheckpointError(where, f"{key!r} is {obj.get(key)!r}, not a {kind.__name__}",
+                                  "the file is damaged")
+
+
+def check_contents(resume: Resume) -> None:
+    """Read every file of a checkpoint (verified against its manifest already) as loading will, without
+    loading a tensor: the DCP index (through the safe unpickler), the safetensors headers, the small trees and
+    the trainer state. Files can match a manifest and still not load (an index planted with its manifest
+    rewritten to match, a file damaged before the save hashed it); the CheckpointError names the file."""
+    from scaletrain.checkpoint import dcp
+
+    meta = resume.manifest.get("meta")
+    session = isinstance(meta, dict) and bool(meta.get("session"))
+    _require(resume.path / commit.MANIFEST, meta, {} if session else
+             {"world_size": int, "global_batch": int, "step": int, "loader": dict})
+    sharded = resume.meta.get("format", FORMAT_FULL) == FORMAT_DCP
+    for name in [f"{dcp.DCP_DIR}/.metadata"] if sharded else [MODEL, OPTIMIZER]:  # read below unhashed
+        if name not in resume.manifest["files"]:
+            raise CheckpointError(resume.path / name, "not listed in the manifest", "the checkpoint is incomplete "
+                                  "or altered")
+    if sharded:
+        dcp.read_index(resume.path / dcp.DCP_DIR)
+        read_tree(resume, OPTIMIZER_GROUPS)
+    else:
+        _, model_meta = tree.header_shapes(resume.path / MODEL)
+        aliases_of(model_meta, resume.path / MODEL)
+        tree.outline(resume.path / OPTIMIZER)
+    _require(resume.path / TRAINER, read_trainer(resume), {"step": int} if session else
+             {"step": int, "loader": dict, "scheduler": dict})
+    for name in resume.manifest["files"]:
+        if name.startswith("rank-") and name.endswith(".safetensors"):
+            read_tree(resume, name)
 
 
 def describe_versions() -> dict[str, str]:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -15,20 +19,28 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from scaletrain.checkpoint import dcp
-from scaletrain.config import Config, tomllib
-from scaletrain.errors import CheckpointError
+from scaletrain.checkpoint import commit, dcp, tree
+from scaletrain.config import CheckpointConfig, Config, tomllib
+from scaletrain.errors import CheckpointError, DiskFull, is_disk_full
+from scaletrain.runtime import rank0_decides
 from scaletrain.train.checkpointing import (
     FORMAT_DCP,
     FORMAT_FULL,
+    MODEL,
     OPTIMIZER,
     OPTIMIZER_GROUPS,
     RANK_BUFFERS,
     Resume,
+    aliases_of,
+    check_contents,
+    fallback_allowed,
     rank_file,
     read_model,
     read_trainer,
     read_tree,
+    resuming_from,
+    same_everywhere,
+    set_aside,
 )
 from scaletrain.train.job import Job
 from scaletrain.train.state import (
@@ -78,6 +90,130 @@ def restore(job: Job, resume: Resume, skip: set[str] = frozenset()) -> tuple[dic
     return trainer, state
 
 
+Shape = tuple[int, ...]
+
+
+def fitting(job: Job, resume: Resume, cfg: CheckpointConfig, warn: Callable[[str], None],
+            skip: set[str] = frozenset()) -> Resume:
+    """The checkpoint to load into the built ``job``: ``resume`` if its tensors fit the model and optimizer
+    (names and shapes, read from headers and the DCP index: nothing is loaded, nothing changes). One that does
+    not fit while an older one does is damaged: it is moved aside with a warning and the older one is used.
+    When none fits, the model changed: that is the error, and nothing is moved. Rank 0 decides; every rank
+    returns the same checkpoint (collective)."""
+    chosen: Resume = rank0_decides(job.rt, lambda: _fitting(job, resume, cfg, warn, skip))
+    if chosen.path != resume.path:
+        same_everywhere(chosen, job.rt, resume.path.parent)
+    return chosen
+
+
+def _fitting(job: Job, resume: Resume, cfg: CheckpointConfig, warn: Callable[[str], None],
+             skip: set[str]) -> Resume:
+    problem = misfit(job, resume, skip)
+    if problem is None:
+        return resume
+    if not fallback_allowed(cfg):
+        raise problem
+    bad: list[tuple[Path, CheckpointError]] = [(resume.path, problem)]
+    for step, path in reversed(commit.committed(resume.path.parent)):
+        if step >= resume.step:
+            continue
+        try:
+            candidate = Resume(path, commit.verify(path))
+            check_contents(candidate)
+        except CheckpointError as err:
+            bad.append((path, err))
+            continue
+        if (err := misfit(job, candidate, skip)) is not None:
+            bad.append((path, err))
+            continue
+        for line in [set_aside(p, e) for p, e in bad]:  # moved only now: an older one fits this model
+            warn(f"{line}; {resuming_from(candidate)}")
+        return candidate
+    raise problem  # none fits: the model changed, not the checkpoint
+
+
+def misfit(job: Job, resume: Resume, skip: set[str] = frozenset()) -> CheckpointError | None:
+    """Why the checkpoint's tensors do not fit ``job``'s model and optimizer (names and shapes), or None."""
+    dcp_format = resume.meta.get("format", FORMAT_FULL) == FORMAT_DCP
+    where = resume.path / (f"{dcp.DCP_DIR}/.metadata" if dcp_format else MODEL)
+    try:
+        model, state, groups = _saved_dcp(resume) if dcp_format else _saved_full(resume)
+    except (TypeError, ValueError, AttributeError, KeyError) as err:  # a tree of an unexpected structure
+        return CheckpointError(where, f"an unexpected structure ({type(err).__name__}: {err})",
+                               "the file is damaged")
+    except CheckpointError as err:
+        return err
+    problem = None
+    if "weights" not in skip:
+        want = {k: tuple(v.shape) for k, v in job.module.state_dict().items() if isinstance(v, torch.Tensor)}
+        problem = _model_misfit(want, model)
+    if problem is None and "optimizer" not in skip:
+        where = where if dcp_format else resume.path / OPTIMIZER
+        problem = _optimizer_misfit(job, state, groups) or _other_optimizer(job, resume)
+    if problem is None:
+        return None
+    return CheckpointError(where, problem, "resume with the model and optimizer configuration the checkpoint "
+                           "was made with")
+
+
+def _saved_full(resume: Resume) -> tuple[dict[str, Shape], dict[tuple[str, str], Shape], list[list[str]]]:
+    """(model tensor shapes, aliases included; optimizer state shapes by (parameter, field); the parameter
+    names of each param group) of a consolidated checkpoint, from the headers."""
+    shapes, meta = tree.header_shapes(resume.path / MODEL)
+    aliases = aliases_of(meta, resume.path / MODEL)
+    model = {**shapes, **{a: shapes[b] for a, b in aliases.items() if b in shapes}}
+    optim = tree.outline(resume.path / OPTIMIZER)
+    state = {(name, field): tuple(v) for name, fields in optim["state"].items() for field, v in fields.items()
+             if isinstance(v, torch.Size)}
+    return model, state, [list(g["params"]) for g in optim["param_groups"]]
+
+
+def _saved_dcp(resume: Resume) -> tuple[dict[str, Shape], dict[tuple[str, str], Shape], list[list[str]]]:
+    """The same of a DCP checkpoint, from its index (read by the safe unpickler) and its param groups."""
+    index = dcp.read_index(resume.path / dcp.DCP_DIR).state_dict_metadata
+    tensors = {k: tuple(md.size) for k, md in index.items() if isinstance(md, TensorStorageMetadata)}
+    model = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    model.update({a: model[b] for a, b in dict(resume.meta.get("aliases", {})).items() if b in model})
+    state = {tuple(k.removeprefix("optim.").rsplit(".", 1)): v for k, v in tensors.items()
+             if k.startswith("optim.") and "." in k.removeprefix("optim.")}  # optim.<parameter>.<field>
+    groups = [list(g["params"]) for g in read_tree(resume, OPTIMIZER_GROUPS)]
+    return model, state, groups  # type: ignore[return-value]
+
+
+def _model_misfit(want: dict[str, Shape], have: dict[str, Shape]) -> str | None:
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or extra:
+        return f"weights do not fit this model (missing {missing[:3]}, unexpected {extra[:3]})"
+    wrong = next((name for name in want if want[name] != have[name]), None)
+    if wrong is not None:
+        return f"{wrong} has shape {have[wrong]} in the checkpoint, {want[wrong]} in this model"
+    return None
+
+
+def _optimizer_misfit(job: Job, state: dict[tuple[str, str], Shape], groups: list[list[str]]) -> str | None:
+    params = dict(job.module.named_parameters())
+    names = {id(p): name for name, p in params.items()}
+    live = [sorted(names[id(p)] for p in g["params"]) for g in job.optimizer.param_groups]
+    if [sorted(g) for g in groups] != live:
+        return "optimizer state does not fit this model's parameter groups"
+    for (name, field), shape in state.items():
+        if name not in params:
+            return f"optimizer state for {name!r}, which this model does not have"
+        if shape not in ((), tuple(params[name].shape)):
+            return f"optimizer {field} of {name} has shape {shape}, the parameter {tuple(params[name].shape)}"
+    return None
+
+
+def _other_optimizer(job: Job, resume: Resume) -> str | None:
+    """The optimizer's name differs from the checkpoint's (its state then lacks fields this one reads)."""
+    try:
+        was = tomllib.loads(resume.meta.get("config", ""))["optim"]["name"]
+    except (tomllib.TOMLDecodeError, TypeError, KeyError):  # no config, or not one this can read
+        return None
+    now = job.cfg.optim.name
+    return f"the optimizer state is {was}'s, this run uses {now}" if was and was != now else None
+
+
 def config_changes(saved_toml: str, cfg: Config) -> list[str]:
     """The trajectory settings that differ between the checkpoint's config and this one, as 'key: a -> b'."""
     try:
@@ -97,24 +233,54 @@ def config_changes(saved_toml: str, cfg: Config) -> list[str]:
 
 def truncate_metrics(path: Path, step: int) -> int:
     """Drop the records a crashed attempt wrote after the checkpoint's step, so that the resumed run's
-    metrics.jsonl reads as if it had never stopped. Returns the number of records dropped."""
+    metrics.jsonl reads as if it had never stopped. Returns the number of records dropped.
+
+    A resume must work on a full disk, so this writes nothing it need not: nothing when nothing is dropped,
+    a truncation in place when only a tail is (the usual case). Otherwise the kept records go to a new file
+    renamed into place, or, when the disk has no room for that, over the old ones (fewer bytes than were
+    there: no new blocks)."""
     if not path.is_file():
         return 0
-    kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by the crash
-            dropped += 1
-            continue
-        if isinstance(record, dict) and int(record.get("step", 0)) > step:
-            dropped += 1
-            continue
-        kept.append(line)
+    lines = path.read_bytes().splitlines(keepends=True)
+    kept = [line if line.endswith(b"\n") else line + b"\n" for line in lines if _kept(line, step)]
+    if kept == lines[: len(kept)]:  # a prefix, unchanged
+        if len(kept) < len(lines):
+            os.truncate(path, sum(len(line) for line in kept))
+        return len(lines) - len(kept)
+    text = b"".join(kept)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
-    return dropped
+    try:
+        tmp.write_bytes(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if not is_disk_full(err):
+            raise
+        _overwrite(path, text)
+    return len(lines) - len(kept)
+
+
+def _kept(line: bytes, step: int) -> bool:
+    """Whether a line of metrics.jsonl stays: a whole record of a step at or before ``step``."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):  # a line cut short by the crash
+        return False
+    return not (isinstance(record, dict) and int(record.get("step", 0)) > step)
+
+
+def _overwrite(path: Path, text: bytes) -> None:
+    """Write ``text`` over the start of ``path`` and cut the rest: in place, for a disk without room for a copy."""
+    try:
+        with open(path, "r+b") as f:
+            f.write(text)
+            f.truncate()
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        if not is_disk_full(err):
+            raise
+        raise DiskFull.at(path, len(text)) from None
 
 
 def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
@@ -133,16 +299,28 @@ def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
         return
     try:
         dcp.load(state, resume.path / dcp.DCP_DIR)
-    except (RuntimeError, KeyError, AssertionError) as err:
-        raise CheckpointError(resume.path, f"its shards do not fit this model ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0][:200]})", "resume with the model configuration the "
-                              "checkpoint was made with") from None
+    except (RuntimeError, KeyError, AssertionError, CheckpointException) as err:  # the last: every rank's
+        raise _first_failure(err, resume) from None
     if "model" in state:
         own = state.get(RANK_BUFFERS, {}).get(str(job.rt.rank), {})
         set_model_state_dict(module, with_aliases({**state["model"], **own}, aliases))
     if "optim" in state:
         groups = keep_implementation(read_tree(resume, OPTIMIZER_GROUPS), optimizer)
         set_optimizer_state_dict(module, optimizer, {"state": state["optim"], "param_groups": groups})
+
+
+def _first_failure(err: BaseException, resume: Resume) -> CheckpointError:
+    """One line for a failed DCP load (a CheckpointException holds every rank's failure and traceback)."""
+    failures = getattr(err, "failures", {})
+    for failure in failures.values():
+        if isinstance(getattr(failure, "exception", None), CheckpointError):
+            return failure.exception
+    first = next(iter(failures.values()), err)
+    first = getattr(first, "exception", first)
+    said = (str(first).splitlines() or [""])[0][:200]
+    return CheckpointError(resume.path, f"its shards did not load ({type(first).__name__}: {said})",
+                           "resume with the model configuration the checkpoint was made with, or from another "
+                           "one")
 
 
 def _own_buffers(model: dict[str, Any], resume: Resume, rank: int) -> dict[str, Any]:

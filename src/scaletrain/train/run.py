@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -17,9 +17,10 @@ from torch import nn
 
 from scaletrain import __version__, runtime
 from scaletrain.batch import BatchFn
+from scaletrain.checkpoint import commit
 from scaletrain.config import Config, load
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory
-from scaletrain.errors import Reported, Stopped, install_excepthook
+from scaletrain.errors import DiskFull, Reported, Stopped, TrainingFailed, install_excepthook
 from scaletrain.observe.console import Console
 from scaletrain.observe.memory import (
     device_capacity_bytes,
@@ -28,20 +29,23 @@ from scaletrain.observe.memory import (
     oom_advice,
     peak_bytes,
 )
-from scaletrain.observe.metrics import MetricsWriter, peak_memory_bytes, write_json
+from scaletrain.observe.metrics import MetricsWriter, peak_memory_bytes, write_json, write_whole
 from scaletrain.observe.sinks import TensorBoardSink, check_tensorboard
 from scaletrain.observe.stragglers import bottleneck, phase_fractions
 from scaletrain.observe.throughput import throughput
 from scaletrain.parallel import units_line
 from scaletrain.runtime import Runtime
+from scaletrain.train.batching import plan_batches
 from scaletrain.train.checkpointing import Checkpointer, Resume, find_resume
 from scaletrain.train.job import Job, LossFn, ModelArg, build_job
-from scaletrain.train.loop import DONE, PREEMPTED, Loop, TrainingFailed
+from scaletrain.train.loop import DONE, PREEMPTED, Loop
 from scaletrain.train.preempt import Interrupted, PreemptFlag, restart_line
-from scaletrain.train.resume import config_changes, restore, truncate_metrics
+from scaletrain.train.resume import config_changes, fitting, restore, truncate_metrics
 from scaletrain.train.rundir import agree_run_dir
 from scaletrain.train.state import dedupe, full_model_state, tied
 from scaletrain.train.trace import Tracer
+
+WEIGHTS = "model.safetensors"  # the final weights, in the run directory
 
 
 def _header(job: Job, splits: Splits, console: Console) -> None:
@@ -114,17 +118,69 @@ def save_weights(job: Job, path: Path) -> None:
     full = full_model_state(job.module, sharded=job.sharded)  # collective under FSDP
     if not job.rt.is_main:
         return
-    tmp = path.with_name(path.name + ".tmp")
     if job.sharded:
         tensors, aliases = dedupe(full)
         for alias, name in tied(job.module).items():  # the gathered copies of a tied weight: store it once
             if alias in tensors and name in tensors:
                 del tensors[alias]
                 aliases[alias] = name
-        safetensors.torch.save_file(tensors, str(tmp), metadata={**meta, "aliases": json.dumps(aliases)})
+        write_whole(path, _nbytes(tensors), lambda tmp: safetensors.torch.save_file(
+            tensors, str(tmp), metadata={**meta, "aliases": json.dumps(aliases)}))
     else:
-        safetensors.torch.save_model(job.module, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+        write_whole(path, _nbytes(dedupe(job.module.state_dict())[0]),
+                    lambda tmp: safetensors.torch.save_model(job.module, str(tmp), metadata=meta))
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors.values())
+
+
+def write_outputs(step: int, checkpointer: Checkpointer | None, writes: list[tuple[str, Callable[[], None]]]) -> None:
+    """The end of a finished run: every one of ``writes`` (name, write) is tried, in order, even after the disk
+    filled up. Then, if the last checkpoint (``checkpointer.failed``) or any of them could not be written, one
+    error (DiskFull for a full disk): the first failure, the latest checkpoint, what was written."""
+    failed: list[tuple[str, Exception]] = []
+    if checkpointer is not None and checkpointer.failed is not None:
+        failed.append((f"the checkpoint of step {step}", checkpointer.failed))
+    written = []
+    for name, write in writes:
+        try:
+            write()
+            written.append(name)
+        except DiskFull as err:
+            failed.append((name, err))
+    if failed:
+        raise _unfinished(step, checkpointer, failed, written)
+
+
+def _unfinished(step: int, checkpointer: Checkpointer | None, failed: list[tuple[str, Exception]],
+                written: list[str]) -> TrainingFailed:
+    """What ``write_outputs`` raises: the first failure, then what is on disk instead."""
+    (what, first), others = failed[0], [name for name, _ in failed[1:]]
+    latest = checkpointer.latest() if checkpointer is not None else None
+    if checkpointer is not None and what.startswith("the checkpoint"):
+        notes = [checkpointer.unchanged()]
+    elif what == WEIGHTS and latest is not None and commit.step_of(latest) == step:
+        export = f"scaletrain checkpoint export {latest} {getattr(first, 'path', WEIGHTS)}"
+        notes = [f"{latest} holds the same weights (`{export}` writes them once there is room)"]
+    else:
+        notes = [f"{latest} is the latest checkpoint" if latest else "no checkpoint saved"]
+    if written:
+        notes.append(f"{' and '.join(written)} {'was' if len(written) == 1 else 'were'} written")
+    if others:
+        notes.append(f"{' and '.join(others)} {'was' if len(others) == 1 else 'were'} not written either")
+    if isinstance(first, DiskFull):
+        return first.then("; ".join(notes))
+    return TrainingFailed(f"the checkpoint of step {step} was not saved ({type(first).__name__}: {first}); "
+                          + "; ".join(notes))
+
+
+def _write_config(path: Path, text: str) -> None:
+    """config.toml, rewritten only when it changed: a resume on a full disk writes nothing before its first
+    step."""
+    data = text.encode()
+    if not (path.is_file() and path.read_bytes() == data):
+        write_whole(path, len(data), lambda tmp: tmp.write_bytes(data))
 
 
 def _memory_row(mem: dict[str, Any]) -> list[tuple[str, str]]:
@@ -193,6 +249,30 @@ def _resumed(job: Job, loop: Loop, resume: Resume, console: Console, writer: Met
         job.tracer.resumed(job)
 
 
+def _job_and_resume(cfg: Config, rt: Runtime, build: Callable[..., Job], train_size: int,
+                    console: Console) -> tuple[Job, Resume | None]:
+    """The checkpoint to continue from (its hashes and contents checked by rank 0), the job built for it
+    (``build(resume=its metadata)``), and the checkpoint checked against the job's model (train/resume.py
+    fitting): one whose tensors do not fit, while an older one's do, gives way to the older one, and the job
+    is built again if that changes its plan."""
+    def warn(message: str) -> None:
+        console.print(f"warning: {message}")
+
+    resume = find_resume(cfg.checkpoint, cfg.run_dir, rt, warn)
+    job = build(resume=resume.meta if resume else None)
+    if resume is None:
+        return job, None
+    try:
+        fits = fitting(job, resume, cfg.checkpoint, warn, cfg.debug.skipped())
+    except BaseException:
+        job.release()
+        raise
+    if fits.path != resume.path and plan_batches(cfg, rt.world_size, train_size, fits.meta) != job.plan:
+        job.release()
+        job = build(resume=fits.meta)
+    return job, fits
+
+
 def _out_of_memory(job: Job) -> TrainingFailed:
     """A CUDA out-of-memory on this rank, reported once: where the memory went and what to change."""
     rt, cfg = job.rt, job.cfg
@@ -236,12 +316,12 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         cfg = agree_run_dir(cfg, rt)
         console = Console(rt.is_main, cfg.train.progress)
         splits = splits or build_splits(cfg.data, cfg.model)
-        resume = find_resume(cfg.checkpoint, cfg.run_dir, rt, lambda m: console.print(f"warning: {m}"))
-        job = build_job(cfg, rt, splits, model, loss_fn, resume=resume.meta if resume else None, batch_fn=batch_fn)
+        build = functools.partial(build_job, cfg, rt, splits, model, loss_fn, batch_fn=batch_fn)
+        job, resume = _job_and_resume(cfg, rt, build, len(splits.train), console)  # type: ignore[arg-type]
         run_dir = cfg.run_dir
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+            _write_config(run_dir / "config.toml", cfg.to_toml())
             if resume is not None:
                 truncate_metrics(run_dir / "metrics.jsonl", resume.step)
             sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard else []
@@ -270,11 +350,16 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         if outcome != DONE:
             return _stopped(job, loop, outcome, console, writer)
         summary = _finish(job, loop, time.perf_counter() - started)
-        save_weights(job, run_dir / "model.safetensors")
-        if rt.is_main:
-            write_json(run_dir / "summary.json", summary)
+        write_outputs(job.step, checkpointer, [
+            (WEIGHTS, lambda: save_weights(job, run_dir / WEIGHTS)),
+            *([("summary.json", lambda: write_json(run_dir / "summary.json", summary))] if rt.is_main else [])])
         _summary_table(summary, run_dir, console)
         return summary
+    except DiskFull as err:  # metrics.jsonl, or a final save at a stop: say what stays the latest checkpoint
+        if err.outcome or checkpointer is None:
+            raise
+        checkpointer.close()  # a save in flight ends first, so that the line names the latest truly
+        raise err.then(checkpointer.unchanged()) from None
     finally:
         preempt.uninstall()
         try:

@@ -5,6 +5,7 @@ rest::
     with scaletrain.session({"train.max_steps": 2000, "checkpoint.every": 200}) as st:
         G, opt_g = st.setup(Generator(), make_opt_g)      # wrapped for the layout (DDP here), restored on resume
         D, opt_d = st.setup(Discriminator(), make_opt_d)
+        sched = st.track(LambdaLR(opt_g, warmup))          # anything with state_dict(): in the checkpoints too
         loader = st.loader(dataset, batch_size=64)         # this rank's shard, batches on the device, resumable
         while not st.done:
             for real in loader:
@@ -22,7 +23,9 @@ weights agree; at the first step each rank switches to seed + rank (dropout diff
 to its saved RNG. An optimizer is given as a function of the parameters (``lambda params: Adam(params)``) or
 as an optimizer built on the model's parameters. A checkpoint holds every model and optimizer set up, every
 loader's position, the step, every rank's RNG and the running metric sums: a resumed run continues bit for bit.
-The same file runs under ``python``, ``torchrun`` and ``scaletrain launch``.
+The same file runs under ``python``, ``torchrun`` and ``scaletrain launch``. ``st.cfg`` is the resolved config
+(defaults < the config given < argv), for the loop's own knobs; ``st.steps`` the steps completed;
+``st.last_metrics`` the last logged means.
 
 What it does not do (yet): FSDP (one DCP checkpoint holds one model; a session refuses strategy fsdp/hsdp and
 says so), skipping a non-finite step (the user calls the optimizers: ``train.nonfinite=raise`` stops at the next
@@ -48,9 +51,16 @@ from scaletrain.batch import to_device
 from scaletrain.checkpoint import rng
 from scaletrain.config import Config, load
 from scaletrain.data import ShardedLoader
-from scaletrain.errors import CheckpointError, ConfigError, TrainingFailed, UserError, install_excepthook
+from scaletrain.errors import (
+    CheckpointError,
+    ConfigError,
+    DiskFull,
+    TrainingFailed,
+    UserError,
+    install_excepthook,
+)
 from scaletrain.observe.console import Console
-from scaletrain.observe.metrics import MetricsWriter, write_json
+from scaletrain.observe.metrics import MetricsWriter, write_json, write_whole
 from scaletrain.observe.stragglers import StragglerDetector, phase_fractions
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook
 from scaletrain.parallel import parallelize
@@ -71,6 +81,7 @@ from scaletrain.train.checkpointing import (
 from scaletrain.train.precision import autocast
 from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, StepAgreement, restart_line
 from scaletrain.train.resume import truncate_metrics
+from scaletrain.train.run import WEIGHTS, write_outputs
 from scaletrain.train.rundir import agree_run_dir
 from scaletrain.train.state import (
     dedupe,
@@ -149,6 +160,7 @@ class Session:
         install_excepthook()
         self._closed, self._in_step, self._training, self._timing = False, False, False, False
         self._models: list[_Model] = []
+        self._tracked: dict[str, Any] = {}  # st.track(): name -> an object with state_dict()
         self._loaders: list[Loader] = []
         self.preempt = PreemptFlag(f"[rank {self.rt.rank}] " if self.rt.world_size > 1 else "").install()
         self.writer = MetricsWriter(None)
@@ -161,6 +173,7 @@ class Session:
 
     def _open(self, cfg: Config) -> None:
         rt = self.rt
+        self.chaos = Chaos(cfg.chaos, rt.rank, rt.world_size)  # first: a rank beyond the world writes nothing
         runtime.set_deterministic(cfg.train.deterministic)
         runtime.seed_all(cfg.run.seed)  # the models built next get the same initial weights on every rank
         self.cfg = cfg = agree_run_dir(cfg, rt)
@@ -185,7 +198,6 @@ class Session:
         self.hosts = _hosts(rt)
         self.stragglers = StragglerDetector(rt.world_size, self.hosts, min_fraction=cfg.log.straggler_min_frac)
         self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(rt.world_size)]
-        self.chaos = Chaos(cfg.chaos, rt.rank)
         self.agreement = StepAgreement(cfg.dist.timeout_s) \
             if cfg.checkpoint.preempt_check == "step" and rt.distributed else None
         self._sums: dict[str, torch.Tensor] = {}  # this rank's logged values since the last log step
@@ -283,6 +295,41 @@ class Session:
         loader = Loader(self, inner)
         self._loaders.append(loader)
         return loader
+
+    def track(self, obj: Any, *, name: str = "") -> Any:
+        """Anything else a resume needs (an LR scheduler, a GradScaler, an EMA of the weights): an object with
+        ``state_dict()`` and ``load_state_dict()``. Its state goes into every checkpoint and, on resume, is
+        restored here. Track in the same order (or with the same ``name=``) in every run. Returns ``obj``."""
+        from scaletrain.checkpoint.tree import split
+
+        self._usable("track")
+        if self._training:
+            raise UserError("session.track() after the first step; fix: track everything before the loop starts")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise UserError(f"session.track(): a {type(obj).__name__} has no state_dict()/load_state_dict(); fix: "
+                            "track an object that has both (an LR scheduler, a GradScaler, a module)")
+        name = name or f"{type(obj).__name__}{len(self._tracked)}"
+        if name in self._tracked or any(t is obj for t in self._tracked.values()):
+            raise UserError(f"session.track(name={name!r}): tracked already; fix: track each object once, each "
+                            "name once")
+        try:
+            split(obj.state_dict())
+        except TypeError as err:
+            raise UserError(f"session.track(): the state of a {type(obj).__name__} cannot be checkpointed ({err}); "
+                            "fix: keep tensors, numbers, strings, lists and dicts in its state_dict()") from None
+        if self.resume is not None:
+            saved = self._trainer.get("tracked", {})
+            if name not in saved:
+                raise CheckpointError(self.resume.path, f"it tracked {sorted(saved)}, not {name!r}",
+                                      "track the same objects, in the same order (or with the same name=)")
+            obj.load_state_dict(saved[name])
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                # Built after setup() restored its optimizer, the scheduler's constructor set the optimizer's
+                # lr to the schedule's start; the saved position's lr goes back.
+                for group, lr in zip(obj.optimizer.param_groups, obj.get_last_lr()):
+                    group["lr"] = lr
+        self._tracked[name] = obj
+        return obj
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The run's compute precision (train.precision) for the forward passes inside it."""
@@ -467,7 +514,8 @@ class Session:
             for i, opt in enumerate(m.optimizers):
                 optims[f"{m.name}/{i}"] = optimizer_tree(m.module, opt)
         trainer = {"step": self.steps, "loaders": [loader.inner.state_dict() for loader in self._loaders],
-                   "train_time_s": self.train_time, "models": [m.name for m in self._models]}
+                   "train_time_s": self.train_time, "models": [m.name for m in self._models],
+                   "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()}}
         rank_state = {"rng": rng.capture(self.device), "since": self._since,
                       "sums": {k: float(v.item()) for k, v in self._sums.items()}}
         meta = {"format": FORMAT_FULL, "session": True, "step": self.steps, "world_size": self.world_size,
@@ -541,26 +589,32 @@ class Session:
 
     def close(self, *, finished: bool = True) -> dict[str, Any]:
         """Wait for the last checkpoint; when ``finished``, save one at the end (checkpoint.every > 0), write
-        summary.json and model.safetensors; end the process group. Returns the summary."""
+        model.safetensors and summary.json (each tried even when the disk is full, as fit() does); end the
+        process group. Returns the summary."""
         if self._closed:
             return {}
         summary: dict[str, Any] = {}
+        ckpt = self.checkpointer
         try:
             if finished and self.steps:
-                ckpt = self.checkpointer
                 if ckpt is not None and self.cfg.checkpoint.every > 0 and ckpt.last_step != self.steps:
-                    self._save(final=True)
+                    self._save(final=False)  # as fit()'s last save: a failure is said once the outputs are written
                 if self._ran:
                     self._log()
                 summary = self._summary()
-                self._write_weights()
-                if self.rt.is_main:
-                    write_json(self.cfg.run_dir / "summary.json", summary)
-            if self.checkpointer is not None:
+            if ckpt is not None:
                 with self.preempt.saving():
-                    self.checkpointer.close()
+                    ckpt.close()
             self.preempt.finished()
             self._log_saves()
+            if finished and self.steps:
+                summary_file = self.cfg.run_dir / "summary.json"
+                write_outputs(self.steps, ckpt, [(WEIGHTS, self._write_weights), *(
+                    [("summary.json", lambda: write_json(summary_file, summary))] if self.rt.is_main else [])])
+        except DiskFull as err:  # metrics.jsonl: say what stays the latest checkpoint
+            if err.outcome or ckpt is None:
+                raise
+            raise err.then(ckpt.unchanged()) from None
         finally:
             self._release()
         return summary
@@ -582,12 +636,9 @@ class Session:
             return
         tensors, aliases = dedupe({f"{m.name}.{k}": v.detach().cpu().contiguous()
                                    for m in self._models for k, v in m.module.state_dict().items()})
-        path = self.cfg.run_dir / "model.safetensors"
-        tmp = path.with_name(path.name + ".tmp")
-        safetensors.torch.save_file(tensors, str(tmp), metadata={"config_digest": self.cfg.digest(),
-                                                                  "step": str(self.steps),
-                                                                  "aliases": _json(aliases)})
-        tmp.replace(path)
+        meta = {"config_digest": self.cfg.digest(), "step": str(self.steps), "aliases": _json(aliases)}
+        write_whole(self.cfg.run_dir / WEIGHTS, sum(t.nbytes for t in tensors.values()),
+                    lambda tmp: safetensors.torch.save_file(tensors, str(tmp), metadata=meta))
 
     def _release(self) -> None:
         self._closed = True
@@ -645,7 +696,8 @@ class _Trace:
                 optims[f"{m.name}/{i}"] = {"state": tree["state"], "param_groups": groups}
         return {"weights": digest({m.name: m.module.state_dict() for m in st._models}),
                 "optimizer": digest(optims), "rng": digest(rng.capture(st.device)),
-                "scheduler": digest([g["lr"] for m in st._models for o in m.optimizers for g in o.param_groups]),
+                "scheduler": digest([[g["lr"] for m in st._models for o in m.optimizers for g in o.param_groups],
+                                     {name: obj.state_dict() for name, obj in st._tracked.items()}]),
                 "loader": digest([loader.inner.state_dict() for loader in st._loaders])}
 
     def step(self, st: Session) -> None:
