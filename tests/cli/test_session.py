@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import scaletrain
-from scaletrain.errors import ConfigError, UserError
+from scaletrain.errors import CheckpointError, ConfigError, UserError
 
 REPO = Path(__file__).resolve().parents[2]
 GAN = REPO / "examples" / "gan.py"
@@ -86,8 +86,9 @@ class Net(nn.Module):
         return self.lin(self.drop(x))
 
 
-def _train(run_dir: Path, steps: int) -> dict[str, torch.Tensor]:
-    """Two models, two optimizers, a loop of one's own, on one process."""
+def _train(run_dir: Path, steps: int, *, track: bool = True) -> dict[str, torch.Tensor]:
+    """Two models, two optimizers, an LR scheduler (in the checkpoints when ``track``), a loop of one's own,
+    on one process."""
     x = torch.randn(96, 4, generator=torch.Generator().manual_seed(0))
     y = (x[:, 0] > 0).long()
     cfg = {"run.dir": str(run_dir), "train.max_steps": steps, "checkpoint.every": 5, "log.every": 5,
@@ -95,6 +96,9 @@ def _train(run_dir: Path, steps: int) -> dict[str, torch.Tensor]:
     with scaletrain.session(cfg) as st:
         a, opt_a = st.setup(Net(), lambda p: torch.optim.AdamW(p, lr=0.01), name="a")
         b, opt_b = st.setup(Net(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), name="b")
+        sched = torch.optim.lr_scheduler.LambdaLR(opt_b, lambda s: 1.0 / (1 + s))
+        if track:
+            st.track(sched)
         loader = st.loader((x, y))
         while not st.done:
             for xb, yb in loader:
@@ -104,10 +108,12 @@ def _train(run_dir: Path, steps: int) -> dict[str, torch.Tensor]:
                         opt.zero_grad()
                         st.backward(loss)
                         opt.step()
+                    sched.step()
                     st.log(loss=loss)
                 if st.done:
                     break
-        return {k: v.clone() for m in (a, b) for k, v in m.state_dict().items()}
+        return {"lr": torch.tensor(sched.get_last_lr()),
+                **{k: v.clone() for m in (a, b) for k, v in m.state_dict().items()}}
 
 
 def test_a_stopped_loop_resumes_mid_epoch_bit_identical(tmp_path: Path) -> None:
@@ -119,6 +125,19 @@ def test_a_stopped_loop_resumes_mid_epoch_bit_identical(tmp_path: Path) -> None:
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     records = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "resume"] == [17]
+
+
+def test_an_untracked_scheduler_restarts_and_a_tracked_one_goes_on(tmp_path: Path) -> None:
+    """What st.track() is for: without it the resumed scheduler starts again at step 0 (lr 1/1 instead of
+    1/18 at step 17), so the run differs from the straight one."""
+    straight = _train(tmp_path / "straight", 20)
+    _train(tmp_path / "parts", 17, track=False)
+    (tmp_path / "parts" / "summary.json").unlink()
+    resumed = _train(tmp_path / "parts", 20, track=False)
+    assert float(straight["lr"]) == pytest.approx(0.1 / 21) and float(resumed["lr"]) == pytest.approx(0.1 / 4)
+    (tmp_path / "parts" / "summary.json").unlink()
+    with pytest.raises(CheckpointError, match=r"it tracked \[\], not 'LambdaLR0'"):
+        _train(tmp_path / "parts", 20)  # the checkpoint of step 20 has no scheduler in it
 
 
 def test_bad_use_is_one_clear_error(tmp_path: Path) -> None:
@@ -135,6 +154,11 @@ def test_bad_use_is_one_clear_error(tmp_path: Path) -> None:
             st.backward(torch.zeros((), requires_grad=True))
         with pytest.raises(UserError, match="the optimizer holds parameters of another model"):
             st.setup(Net(), torch.optim.SGD(Net().parameters(), lr=0.1))
+        with pytest.raises(UserError, match=r"a list has no state_dict\(\)/load_state_dict\(\)"):
+            st.track([])
+        st.track(net)
+        with pytest.raises(UserError, match="tracked already"):
+            st.track(net, name="other")
     with pytest.raises(UserError, match=r"session.step\(\) after the session closed"), st.step():
         pass
     with pytest.raises(ConfigError, match="parallel.strategy = 'fsdp'.*ddp or auto in a session"):
