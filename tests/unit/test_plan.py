@@ -52,6 +52,16 @@ def test_activations_on_fake_tensors_are_the_bytes_of_a_real_step(precision):
     assert facts.units == 2 and facts.tokens_per_sample == 64
 
 
+def test_a_deep_gpt_measured_at_3_and_4_blocks_is_the_whole_models_measure_to_the_byte():
+    """measure_model extrapolates a GPT deeper than 8 blocks from 3 and 4 (its blocks are identical); under
+    bf16 autocast with full checkpointing 2 blocks keep more than 3, the case that sets the depths."""
+    from scaletrain.plan.estimate import _measure
+
+    cfg, splits, sample, facts = _facts({**SMALL, "model.n_layer": 9, "train.precision": "bf16-mixed"})
+    assert facts == _measure(cfg, splits.task, splits.info, sample)
+    assert facts.units == 9
+
+
 def test_model_state_is_what_a_real_model_holds_after_an_adamw_step():
     cfg, splits, _, facts = _facts(SMALL)
     model = build_model(cfg.model, splits.task, splits.info)
