@@ -47,3 +47,22 @@ def test_autocast_and_scaler_choices():
     with autocast("fp32", cpu):
         assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.float32
     assert not grad_scaler("bf16-mixed", cpu).is_enabled()
+
+
+@pytest.mark.parametrize(("avx512_bf16", "amx", "precision", "device", "warned"), [
+    (False, False, "bf16-mixed", "cpu", True),  # this VM: AVX2 only
+    (True, False, "bf16-mixed", "cpu", False),
+    (False, True, "bf16-mixed", "cpu", False),
+    (False, False, "fp32", "cpu", False),
+    (False, False, "bf16-mixed", "cuda", False),
+])
+def test_bf16_on_a_cpu_without_bf16_instructions_is_named_slow(monkeypatch, avx512_bf16, amx, precision, device,
+                                                                warned):
+    from scaletrain.train.precision import slow_here
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    said = slow_here(precision, torch.device(device))
+    assert bool(said) == warned
+    if warned:
+        assert said.endswith("fix: --train.precision=fp32 on this machine") and "\n" not in said

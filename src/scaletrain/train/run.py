@@ -39,6 +39,7 @@ from scaletrain.train.batching import plan_batches
 from scaletrain.train.checkpointing import Checkpointer, Resume, find_resume
 from scaletrain.train.job import Job, LossFn, ModelArg, build_job
 from scaletrain.train.loop import DONE, PREEMPTED, Loop
+from scaletrain.train.precision import slow_here
 from scaletrain.train.preempt import Interrupted, PreemptFlag, restart_line
 from scaletrain.train.resume import config_changes, fitting, restore, truncate_metrics
 from scaletrain.train.rundir import agree_run_dir
@@ -74,6 +75,9 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     sched = cfg.schedule
     console.print(f"{lr} | {cfg.optim.name} | warmup {sched.warmup_steps} steps, then {sched.decay} | "
                   f"precision {cfg.train.precision}")
+    slow = slow_here(cfg.train.precision, rt.device)
+    if slow:
+        console.print(f"warning: {slow}")
     if n_eval:
         batch = cfg.data.eval_batch_size or cfg.data.batch_size
         chosen = len(eval_indices(n_eval, batch_size=batch, world=rt.world_size, max_batches=cfg.train.eval_batches))

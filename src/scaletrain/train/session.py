@@ -78,7 +78,7 @@ from scaletrain.train.checkpointing import (
     read_trainer,
     read_tree,
 )
-from scaletrain.train.precision import autocast
+from scaletrain.train.precision import autocast, slow_here
 from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, StepAgreement, restart_line
 from scaletrain.train.resume import truncate_metrics
 from scaletrain.train.run import WEIGHTS, write_outputs
@@ -211,6 +211,9 @@ class Session:
         self.saves: list[Any] = []
         where = f"{rt.backend} on {rt.device}" if rt.distributed else f"single process on {rt.device}"
         self.console.print(f"scaletrain {__version__} session | world {rt.world_size} ({where}) | run dir {run_dir}")
+        slow = slow_here(cfg.train.precision, rt.device)
+        if slow:
+            self.console.print(f"warning: {slow}")
         restarted = restart_line(rt, self.resume.step if self.resume else None)
         if restarted is not None:
             self.console.print(restarted)  # torchrun restarted the group: which worker failed, how, where
