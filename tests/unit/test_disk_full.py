@@ -364,3 +364,16 @@ def test_a_sharded_save_on_a_full_disk_is_a_warning_and_leaves_no_stage(tmp_path
     assert warning.endswith(f" free; {ck.root / 'step-00000001'} stays the latest checkpoint{FIX}")
     assert [s for s, _ in commit.committed(ck.root)] == [1] and _stages(tmp_path) == []
     commit.verify(ck.root / "step-00000001")
+
+
+def test_an_export_to_a_full_disk_is_one_line_and_leaves_no_part_file(tmp_path, monkeypatch, capsys):
+    from scaletrain.cli import main
+
+    ck = _checkpointer(tmp_path, keep=2)
+    _save(ck, 1)
+    ck.close()
+    _full_for(monkeypatch, "out.safetensors")
+    assert main(["checkpoint", "export", str(tmp_path / "checkpoints"), str(tmp_path / "out.safetensors")]) == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"disk full: {tmp_path / 'out.safetensors'} needs 1,024 bytes" in line and "Traceback" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]

@@ -121,6 +121,7 @@ def _export(args: argparse.Namespace) -> int:
     import safetensors.torch
 
     from scaletrain.checkpoint import commit, dcp
+    from scaletrain.observe.metrics import write_whole
     from scaletrain.train.checkpointing import FORMAT_DCP, Resume, read_model
 
     out = Path(args.out)
@@ -135,11 +136,10 @@ def _export(args: argparse.Namespace) -> int:
         tensors, aliases = dcp.full_tensors(path / dcp.DCP_DIR, "model."), dict(meta.get("aliases", {}))
     else:
         tensors, aliases = read_model(resume)
-    tmp = out.with_name(out.name + ".tmp")
-    safetensors.torch.save_file(tensors, str(tmp), metadata={
-        "format": "pt", "step": str(resume.step), "config_digest": str(meta.get("config_digest", "")),
-        "aliases": json.dumps(aliases)})
-    tmp.replace(out)
+    header = {"format": "pt", "step": str(resume.step), "config_digest": str(meta.get("config_digest", "")),
+              "aliases": json.dumps(aliases)}
+    write_whole(out, sum(t.nbytes for t in tensors.values()),  # a full disk: one line, nothing half written
+                lambda tmp: safetensors.torch.save_file(tensors, str(tmp), metadata=header))
     n = sum(t.numel() for t in tensors.values())
     print(f"exported step {resume.step} of {path}: {len(tensors)} tensors, {n / 1e6:.3f}M parameters -> {out}"
           + (f" (tied: {', '.join(f'{a} = {b}' for a, b in aliases.items())})" if aliases else ""))

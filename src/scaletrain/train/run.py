@@ -179,7 +179,7 @@ def _unfinished(step: int, checkpointer: Checkpointer | None, failed: list[tuple
                           + "; ".join(notes))
 
 
-def _write_config(path: Path, text: str) -> None:
+def write_config(path: Path, text: str) -> None:
     """config.toml, rewritten only when it changed: a resume on a full disk writes nothing before its first
     step."""
     data = text.encode()
@@ -325,7 +325,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         run_dir = cfg.run_dir
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            _write_config(run_dir / "config.toml", cfg.to_toml())
+            write_config(run_dir / "config.toml", cfg.to_toml())
             if resume is not None:
                 truncate_metrics(run_dir / "metrics.jsonl", resume.step)
             sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard else []

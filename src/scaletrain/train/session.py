@@ -81,7 +81,7 @@ from scaletrain.train.checkpointing import (
 from scaletrain.train.precision import autocast, slow_here
 from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, StepAgreement, restart_line
 from scaletrain.train.resume import truncate_metrics
-from scaletrain.train.run import WEIGHTS, write_outputs
+from scaletrain.train.run import WEIGHTS, write_config, write_outputs
 from scaletrain.train.rundir import agree_run_dir
 from scaletrain.train.state import (
     dedupe,
@@ -187,7 +187,7 @@ class Session:
         run_dir = cfg.run_dir
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+            write_config(run_dir / "config.toml", cfg.to_toml())  # unchanged on resume: nothing written
             if self.resume is not None:
                 truncate_metrics(run_dir / "metrics.jsonl", self.resume.step)
             self.writer = MetricsWriter(run_dir / "metrics.jsonl", append=self.resume is not None)
