@@ -211,3 +211,36 @@ def test_launch_rendezvous_failure_is_one_line_and_exit_1(monkeypatch: pytest.Mo
         "scaletrain: rendezvous at node0.example:29500 failed (RendezvousConnectionError: The connection to the "
         "C10d store has failed. The client socket has timed out after 60000ms while trying to connect); fix: "
         "check that the endpoint is reachable from every machine and that all 2 machines run the same command")]
+
+
+def test_ctrl_c_inside_torchruns_metrics_wrapper_is_still_a_stop(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Seen once in a clean-clone run: the SignalException our SIGINT handler raises landed between two lines
+    of torchrun's metrics wrapper, whose finally turned it into an UnboundLocalError (exit 1 and a traceback
+    instead of 130). Any error after a stop signal is that stop; before one, an error stays an error."""
+    import signal
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from scaletrain.cluster.torchrun import launch
+    from scaletrain.config import DistConfig
+
+    def interrupted(args: object) -> None:
+        try:
+            signal.raise_signal(signal.SIGINT)  # launch()'s handler raises SignalException right here
+        except SignalException:
+            raise UnboundLocalError("cannot access local variable 'start' where it is not associated with a "
+                                    "value") from None
+
+    def broken(args: object) -> None:
+        raise UnboundLocalError("a bug of our own")
+
+    for name in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    monkeypatch.setattr(torchrun, "run", interrupted)
+    assert launch(DistConfig(nproc=2), ["train.py"], run_id="scaletrain-t") == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "scaletrain: stopped by SIGINT; the workers were stopped too"
+    monkeypatch.setattr(torchrun, "run", broken)
+    with pytest.raises(UnboundLocalError, match="a bug of our own"):
+        launch(DistConfig(nproc=2), ["train.py"], run_id="scaletrain-t")

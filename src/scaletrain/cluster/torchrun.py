@@ -143,10 +143,14 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
               "same command", file=sys.stderr)
         return 1
     except SignalException as err:
-        if not trainer:
-            how = "a second Ctrl-C killed the workers" if stop.killed else "the workers were stopped too"
-            print(f"scaletrain: stopped by {err.sigval.name}; {how}", file=sys.stderr)
-        return 128 + int(err.sigval)
+        return stop.stopped(int(err.sigval), say=not trainer)
+    except Exception:
+        # Our SignalException raised between two lines of torchrun's metrics wrapper comes out of it as an
+        # UnboundLocalError (its finally reads a name not yet assigned); the agent still shut the workers
+        # down on its way out, so it is the same stop.
+        if not stop.signum:
+            raise
+        return stop.stopped(stop.signum, say=not trainer)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -168,6 +172,13 @@ class _Stop:
         self._raise = SignalException
         self.signum = 0  # the first signal, 0 = none
         self.killed = False  # a second Ctrl-C killed the workers
+
+    def stopped(self, signum: int, *, say: bool) -> int:
+        """The launcher's exit code after the stop, 128 + the signal; ``say``: one line about the workers."""
+        if say:
+            how = "a second Ctrl-C killed the workers" if self.killed else "the workers were stopped too"
+            print(f"scaletrain: stopped by {signal.Signals(signum).name}; {how}", file=sys.stderr)
+        return 128 + signum
 
     def __call__(self, signum: int, frame: object) -> None:
         # Raw writes to stderr: a print here could re-enter a stream the interrupted code was writing.
