@@ -377,3 +377,27 @@ def test_an_export_to_a_full_disk_is_one_line_and_leaves_no_part_file(tmp_path, 
     [line] = capsys.readouterr().err.strip().splitlines()
     assert f"disk full: {tmp_path / 'out.safetensors'} needs 1,024 bytes" in line and "Traceback" not in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
+
+
+def test_a_sharded_save_failing_for_another_reason_is_a_warning_not_a_traceback(tmp_path, monkeypatch):
+    """DCP wraps every rank's error in a CheckpointException, a BaseException: any other failure than a full
+    disk must not escape the checkpoint thread either."""
+    from scaletrain.checkpoint import dcp
+
+    class BrokenWriter(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise ValueError("a storage plugin's own bug")
+
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "none")
+    ck = Checkpointer(CheckpointConfig(every=1, keep=2, async_save=True), tmp_path, rt)
+    ck.save_sharded(1, model, opt, {"step": 1}, {"x": 1}, {"format": "dcp"})
+    ck.wait()
+    monkeypatch.setattr(dcp, "FileSystemWriter", BrokenWriter)
+    ck.save_sharded(2, model, opt, {"step": 2}, {"x": 2}, {"format": "dcp"})
+    ck.close()
+    [warning] = ck.warnings
+    assert "ValueError: a storage plugin's own bug" in warning and "\n" not in warning
+    assert warning.endswith(f"{ck.root / 'step-00000001'} stays the latest checkpoint")
+    assert [s for s, _ in commit.committed(ck.root)] == [1] and _stages(tmp_path) == []

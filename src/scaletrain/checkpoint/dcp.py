@@ -100,6 +100,27 @@ class SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def rank_errors(err: BaseException) -> list[BaseException]:
+    """Each rank's own error inside DCP's CheckpointException (which holds every rank's, with its traceback,
+    and is a BaseException); any other error alone."""
+    found = []
+    for failure in getattr(err, "failures", {}).values() or [err]:
+        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
+            failure = failure[0]  # torch's (exception, stack summary) pair
+        found.append(getattr(failure, "exception", failure))
+    return found
+
+
+def first_failure(err: BaseException) -> BaseException:
+    """The first rank's own error (rank_errors)."""
+    return rank_errors(err)[0]
+
+
+def said(err: BaseException) -> str:
+    """``Type: first line`` of an error, for a one-line message."""
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+
+
 def save(state: dict[str, Any], directory: Path, process_group: Any = None) -> None:
     """Every rank writes its shards of ``state`` (tensors, DTensors) into directory (a shared path). A plain
     tensor that every rank holds under the same key (a buffer) is written once, by the lowest rank holding

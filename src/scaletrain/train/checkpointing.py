@@ -317,6 +317,11 @@ class Checkpointer:
             # not only Exceptions: DCP's CheckpointException, which wraps each rank's error, is a BaseException
             if not isinstance(err, (DiskFull, KeyboardInterrupt, SystemExit)) and is_disk_full(err):
                 raise DiskFull.at(self.root / commit.step_name(step), needed, self.unchanged()) from None
+            if not isinstance(err, (Exception, KeyboardInterrupt, SystemExit, GeneratorExit)):
+                from scaletrain.checkpoint import dcp  # DCP's CheckpointException: an error like any other
+
+                raise TrainingFailed(f"DCP could not save {self.root / commit.step_name(step)} "
+                                     f"({dcp.said(dcp.first_failure(err))})") from None
             raise
 
     def _write_sharded(self, staged: dict[str, Any], rest: _ShardedRest, group: Any,

@@ -311,14 +311,12 @@ def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
 
 def _first_failure(err: BaseException, resume: Resume) -> CheckpointError:
     """One line for a failed DCP load (a CheckpointException holds every rank's failure and traceback)."""
-    failures = getattr(err, "failures", {})
-    for failure in failures.values():
-        if isinstance(getattr(failure, "exception", None), CheckpointError):
-            return failure.exception
-    first = next(iter(failures.values()), err)
-    first = getattr(first, "exception", first)
-    said = (str(first).splitlines() or [""])[0][:200]
-    return CheckpointError(resume.path, f"its shards did not load ({type(first).__name__}: {said})",
+    from scaletrain.checkpoint import dcp
+
+    for failure in dcp.rank_errors(err):
+        if isinstance(failure, CheckpointError):
+            return failure
+    return CheckpointError(resume.path, f"its shards did not load ({dcp.said(dcp.first_failure(err))})",
                            "resume with the model configuration the checkpoint was made with, or from another "
                            "one")
 
