@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.data import build_splits
     from scaletrain.observe.console import Console
     from scaletrain.train.batching import plan_batches
-    from scaletrain.train.verify import compare, read_trace, run_train
+    from scaletrain.train.verify import run_train
 
     if args.config.endswith(".py"):
         return _verify_script(args, leftovers, argv)
@@ -86,18 +87,27 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     rest.remove(args.config)
     cli = _without_own_values(rest)
     env = dict(os.environ)
+    return _three_runs(console, work, n, k, lambda extra, run_dir: run_train(args.config, [*cli, *extra], run_dir, env),
+                       [f"--debug.skip_restore={drop}"], keep=bool(args.work_dir))
+
+
+def _three_runs(console: Any, work: Path, n: int, k: int, run_one: Callable[[list[str], Path], object],
+                resume_extra: list[str], *, keep: bool) -> int:
+    """Runs A (straight to step n), B (stopped after step k) and C (B resumed in a new process, to n), each
+    ``run_one(options, run_dir)``; every step's traced state compared. Exit code 0 when identical, else 1."""
+    from scaletrain.train.verify import compare, read_trace
+
     try:
         console.print(f"  run A: straight to step {n} ...")
-        run_train(args.config, [*cli, f"--chaos.interrupt_step={n}"], work / "straight", env)
+        run_one([f"--chaos.interrupt_step={n}"], work / "straight")
         console.print(f"  run B: to step {k}, then stop as if preempted ...")
-        run_train(args.config, [*cli, f"--chaos.interrupt_step={k}"], work / "resumed", env)
+        run_one([f"--chaos.interrupt_step={k}"], work / "resumed")
         console.print(f"  run C: a new process resumes B's checkpoint and runs to step {n} ...")
-        run_train(args.config, [*cli, f"--chaos.interrupt_step={n}", f"--debug.skip_restore={drop}"],
-                  work / "resumed", env)
+        run_one([f"--chaos.interrupt_step={n}", *resume_extra], work / "resumed")
         verdict = compare(read_trace(work / "straight"), _first(work / "resumed", k), _after(work / "resumed", k),
                           n, k)
     finally:
-        if not args.work_dir:
+        if not keep:
             shutil.rmtree(work, ignore_errors=True)
     console.print(verdict.text())
     if not verdict.identical:
@@ -110,7 +120,7 @@ def _verify_script(args: argparse.Namespace, leftovers: list[str], argv: list[st
     runs (straight, stopped after step K, resumed), each `python SCRIPT ARGS` (or `scaletrain launch --nproc N
     SCRIPT ARGS`) with the session's own --run.dir, --debug.trace and --chaos.interrupt_step added."""
     from scaletrain.observe.console import Console
-    from scaletrain.train.verify import compare, read_trace, run_script
+    from scaletrain.train.verify import run_script
 
     script = args.config
     if not Path(script).is_file():
@@ -119,14 +129,9 @@ def _verify_script(args: argparse.Namespace, leftovers: list[str], argv: list[st
     check_types(overrides)
     cfg = load(None, cli_overrides=overrides)
     world = cfg.dist.nproc * cfg.dist.nnodes
-    n = parse_count("--steps", args.steps, 0) or 20
-    if n < 2:
-        raise UserError(f"--steps {n}: at least 2 steps are needed (one before and one after the interruption); "
-                        "fix: --steps 20")
-    at = parse_count("--at", args.at, 0)
-    if at and not 1 <= at < n:
-        raise UserError(f"--at {at}: expected a step in [1, {n - 1}] (before the last compared step); fix: --at {n // 2}")
-    k = at or random.Random().randrange(1, n)
+    steps = parse_count("--steps", args.steps, 0)
+    # a script has no epochs we know of: every step is as good a place to stop
+    n, k = choose_steps(steps or 20, steps or 20, steps, parse_count("--at", args.at, 0), random.Random())
     drop = load(None, cli_overrides={"debug.skip_restore": args.drop}).debug.skip_restore
     if drop:
         raise UserError(f"--drop {drop}: a session restores every part; fix: leave --drop out for a script")
@@ -139,22 +144,9 @@ def _verify_script(args: argparse.Namespace, leftovers: list[str], argv: list[st
     rest.remove(args.config)
     cli = _without(_without_own_values(rest), ("--nproc", "--dist.nproc"))  # the world is the launcher's
     env = dict(os.environ)
-    try:
-        console.print(f"  run A: straight to step {n} ...")
-        run_script(script, [*cli, f"--chaos.interrupt_step={n}"], work / "straight", env, world)
-        console.print(f"  run B: to step {k}, then stop as if preempted ...")
-        run_script(script, [*cli, f"--chaos.interrupt_step={k}"], work / "resumed", env, world)
-        console.print(f"  run C: a new process resumes B's checkpoint and runs to step {n} ...")
-        run_script(script, [*cli, f"--chaos.interrupt_step={n}"], work / "resumed", env, world)
-        verdict = compare(read_trace(work / "straight"), _first(work / "resumed", k), _after(work / "resumed", k),
-                          n, k)
-    finally:
-        if not args.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
-    console.print(verdict.text())
-    if not verdict.identical:
-        console.print(f"  differing trace fields: {', '.join(verdict.fields)}")
-    return 0 if verdict.identical else 1
+    return _three_runs(console, work, n, k,
+                       lambda extra, run_dir: run_script(script, [*cli, *extra], run_dir, env, world), [],
+                       keep=bool(args.work_dir))
 
 
 _OWN = ("--steps", "--at", "--drop", "--work-dir")

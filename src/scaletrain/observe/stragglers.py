@@ -153,3 +153,24 @@ def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int,
     levers += [] if compiled else ["torch.compile (--train.compile=true)"]
     fix = "the device is busy computing: " + ", ".join([*levers, "or more devices (data parallelism scales it)"])
     return {"verdict": "compute-bound", "evidence": evidence, "fix": fix}
+
+
+def hosts(rt: Any) -> list[str]:
+    """Every rank's host name, gathered once (stragglers are named with their host)."""
+    import socket
+
+    import torch.distributed as dist
+
+    mine = socket.gethostname()
+    if not rt.distributed:
+        return [mine]
+    found: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(found, mine)
+    return [str(h) for h in found]
+
+
+def straggler_line(found: dict[str, Any]) -> str:
+    """The console's line for a newly named straggler (StragglerDetector.update's record)."""
+    return (f"straggler: rank {found['rank']} (host {found['host']}) is {1000 * found['slower_by_s']:.1f} ms per "
+            f"step ({100 * found['slower_by_frac']:.0f}%) slower than the other ranks before the all-reduce, in "
+            f"phase {found['phase']}; the others wait for it")

@@ -409,6 +409,18 @@ class Checkpointer:
         done, self.finished = self.finished, []
         return done
 
+    def report(self, writer: Any, say: Callable[[str], None]) -> list[SaveResult]:
+        """The saves finished since the last call (poll), each a ``checkpoint`` record in metrics.jsonl, and
+        the warnings gathered since, each said as a line. Returns the saves."""
+        done = self.poll()
+        for result in done:
+            writer.write({"kind": "checkpoint", "step": result.step, "path": str(result.path), "bytes": result.bytes,
+                          "blocked_s": result.blocked_s, "save_s": result.save_s, "async": result.background})
+        for warning in self.warnings:
+            say(f"warning: {warning}")
+        self.warnings.clear()
+        return done
+
     def wait(self) -> None:
         """Block until the save in flight is committed; its failure is raised here."""
         if self._pending is not None:

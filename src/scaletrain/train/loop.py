@@ -12,7 +12,6 @@ same numbers first: nothing is saved after a non-finite step under train.nonfini
 from __future__ import annotations
 
 import math
-import socket
 import statistics
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from scaletrain.errors import TrainingFailed
 from scaletrain.observe.console import Console
 from scaletrain.observe.memory import model_state_bytes, peak_bytes
 from scaletrain.observe.metrics import MetricsWriter
-from scaletrain.observe.stragglers import StragglerDetector
+from scaletrain.observe.stragglers import StragglerDetector, hosts, straggler_line
 from scaletrain.observe.throughput import device_peak, throughput
 from scaletrain.observe.timing import PHASES
 from scaletrain.parallel import gradient_sync
@@ -68,16 +67,6 @@ class RankReport:
         loss_sum, loss_count, skipped, first_skipped, first_bad, signal, peak, *rest = row
         return cls(loss_sum, loss_count, skipped, first_skipped, first_bad, int(signal), int(peak),
                    dict(zip(PHASES, rest)), rest[len(PHASES)])
-
-
-def _hosts(job: Job) -> list[str]:
-    """Every rank's host name, gathered once (stragglers are named with their host)."""
-    mine = socket.gethostname()
-    if not job.rt.distributed:
-        return [mine]
-    hosts: list[Any] = [None] * job.rt.world_size
-    dist.all_gather_object(hosts, mine)
-    return [str(h) for h in hosts]
 
 
 def _grad_norm(job: Job) -> torch.Tensor | None:
@@ -160,7 +149,7 @@ class Loop:
         self.stopped_by = 0  # the signal that stopped the run, if any
         self.saves: list[SaveResult] = []
         self.last_mem: dict[str, Any] = {}
-        self.hosts = _hosts(job)
+        self.hosts = hosts(job.rt)
         self.stragglers = StragglerDetector(job.rt.world_size, self.hosts,
                                             min_fraction=job.cfg.log.straggler_min_frac)
         self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(job.rt.world_size)]  # seconds, whole run
@@ -299,11 +288,7 @@ class Loop:
         straggler = self.stragglers.update([r.phases for r in rows]) if job.cfg.log.phase_times else None
         if straggler is not None:
             if straggler.pop("new"):
-                self.console.print(
-                    f"straggler: rank {straggler['rank']} (host {straggler['host']}) is "
-                    f"{1000 * straggler['slower_by_s']:.1f} ms per step ({100 * straggler['slower_by_frac']:.0f}%) "
-                    f"slower than the other ranks before the all-reduce, in phase {straggler['phase']}; the "
-                    "others wait for it")
+                self.console.print(straggler_line(straggler))
             record["straggler"] = straggler
         self.writer.write(record)
         self.console.status(f"loss {loss:.4f}")
@@ -419,16 +404,8 @@ class Loop:
         return blocked
 
     def _log_saves(self) -> None:
-        if self.checkpointer is None:
-            return
-        for result in self.checkpointer.poll():
-            self.saves.append(result)
-            self.writer.write({"kind": "checkpoint", "step": result.step, "path": str(result.path),
-                               "bytes": result.bytes, "blocked_s": result.blocked_s, "save_s": result.save_s,
-                               "async": result.background})
-        for warning in self.checkpointer.warnings:
-            self.console.print(f"warning: {warning}")
-        self.checkpointer.warnings.clear()
+        if self.checkpointer is not None:
+            self.saves += self.checkpointer.report(self.writer, self.console.print)
 
 
 __all__ = ["DONE", "INTERRUPTED", "PREEMPTED", "Loop", "Tracer", "TrainingFailed", "train_step"]

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -60,8 +61,9 @@ from scaletrain.errors import (
     install_excepthook,
 )
 from scaletrain.observe.console import Console
+from scaletrain.observe.memory import peak_bytes
 from scaletrain.observe.metrics import MetricsWriter, write_json, write_whole
-from scaletrain.observe.stragglers import StragglerDetector, phase_fractions
+from scaletrain.observe.stragglers import StragglerDetector, hosts, phase_fractions, straggler_line
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook
 from scaletrain.parallel import parallelize
 from scaletrain.runtime import Runtime
@@ -195,7 +197,7 @@ class Session:
         if self.resume is not None:
             self.checkpointer.last_step = self.resume.step
         self.timer: StepTimer = StepTimer(rt.device) if cfg.log.phase_times else NullTimer(rt.device)
-        self.hosts = _hosts(rt)
+        self.hosts = hosts(rt)
         self.stragglers = StragglerDetector(rt.world_size, self.hosts, min_fraction=cfg.log.straggler_min_frac)
         self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(rt.world_size)]
         self.agreement = StepAgreement(cfg.dist.timeout_s) \
@@ -486,11 +488,7 @@ class Session:
             straggler = self.stragglers.update(phases)
             if straggler is not None:
                 if straggler.pop("new"):
-                    self.console.print(
-                        f"straggler: rank {straggler['rank']} (host {straggler['host']}) is "
-                        f"{1000 * straggler['slower_by_s']:.1f} ms per step "
-                        f"({100 * straggler['slower_by_frac']:.0f}%) slower than the other ranks before the "
-                        f"all-reduce, in phase {straggler['phase']}; the others wait for it")
+                    self.console.print(straggler_line(straggler))
                 record["straggler"] = straggler
         self.writer.write(record)
         text = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
@@ -532,17 +530,8 @@ class Session:
         self.timer.add("ckpt", blocked)
 
     def _log_saves(self) -> None:
-        ckpt = self.checkpointer
-        if ckpt is None:
-            return
-        for result in ckpt.poll():
-            self.saves.append(result)
-            self.writer.write({"kind": "checkpoint", "step": result.step, "path": str(result.path),
-                               "bytes": result.bytes, "blocked_s": result.blocked_s, "save_s": result.save_s,
-                               "async": result.background})
-        for warning in ckpt.warnings:
-            self.console.print(f"warning: {warning}")
-        ckpt.warnings.clear()
+        if self.checkpointer is not None:
+            self.saves += self.checkpointer.report(self.writer, self.console.print)
 
     def _read_rank_state(self) -> dict[str, Any] | None:
         if self.resume is None:
@@ -623,7 +612,7 @@ class Session:
         return summary
 
     def _summary(self) -> dict[str, Any]:
-        peak = torch.tensor([float(_peak(self.device))], device=self.device)
+        peak = torch.tensor([float(peak_bytes(self.device))], device=self.device)
         if self.rt.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return {"steps": self.steps, "world_size": self.world_size, "wall_s": time.perf_counter() - self.started,
@@ -639,7 +628,7 @@ class Session:
             return
         tensors, aliases = dedupe({f"{m.name}.{k}": v.detach().cpu().contiguous()
                                    for m in self._models for k, v in m.module.state_dict().items()})
-        meta = {"config_digest": self.cfg.digest(), "step": str(self.steps), "aliases": _json(aliases)}
+        meta = {"config_digest": self.cfg.digest(), "step": str(self.steps), "aliases": json.dumps(aliases)}
         write_whole(self.cfg.run_dir / WEIGHTS, sum(t.nbytes for t in tensors.values()),
                     lambda tmp: safetensors.torch.save_file(tensors, str(tmp), metadata=meta))
 
@@ -716,8 +705,6 @@ class _Trace:
         self._write({"step": st.steps, "event": "resume", **self._state(st)})
 
     def _write(self, record: dict[str, Any]) -> None:
-        import json
-
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -761,31 +748,8 @@ def _check_optimizer(opt: Any, model: nn.Module) -> None:
         raise UserError("session.setup(): the optimizer has taken steps already; fix: set up before training")
 
 
-def _hosts(rt: Runtime) -> list[str]:
-    import socket
-
-    mine = socket.gethostname()
-    if not rt.distributed:
-        return [mine]
-    hosts: list[Any] = [None] * rt.world_size
-    dist.all_gather_object(hosts, mine)
-    return [str(h) for h in hosts]
-
-
-def _peak(device: torch.device) -> int:
-    from scaletrain.observe.memory import peak_bytes
-
-    return peak_bytes(device)
-
-
 def _flat(cfg: Config) -> dict[str, Any]:
     return {f"{sec}.{k}": v for sec, values in cfg.to_dict().items() for k, v in values.items()}
-
-
-def _json(obj: Any) -> str:
-    import json
-
-    return json.dumps(obj)
 
 
 __all__ = ["Loader", "Session", "session"]
