@@ -11,8 +11,9 @@ every rank's RNG, and resumes bit for bit: run the same command again after a st
 killed worker with --max-restarts). The run directory (default runs/gan, runs/gan-2, ...) gets metrics.jsonl,
 summary.json and the final weights of both models in model.safetensors (names G.* and D.*).
 
-FSDP: a session does not shard (its checkpoint holds several models; FSDP's DCP format holds one). Use DDP, as
-here; scaletrain train and fit() shard one model.
+FSDP: not for this GAN. A session shards any model (--parallel.strategy=fsdp; see examples/nanogpt_lm.py), but
+the R1 penalty is a second derivative through D, and FSDP frees D's gathered parameters after the first
+backward: under FSDP st.backward() stops with one line that says so. Use DDP, as here.
 """
 
 import sys

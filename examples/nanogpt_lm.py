@@ -11,9 +11,11 @@ The loop reads its knobs from the session's config, so the usual options reach i
 --model.n_head, --model.n_embd, --model.dropout, --data.seq_len (the block size), --data.batch_size (per
 rank), --optim.lr (the peak), --optim.weight_decay, --optim.grad_clip, --schedule.warmup_steps,
 --schedule.min_lr_ratio, --train.max_steps. The session gives every rank its shard of the windows, averages
-the gradients (DDP), checkpoints the model, the optimizer, the loader's position and every rank's RNG every
-checkpoint.every steps, and resumes bit for bit when the same command runs again after a stop. The run
-directory (default runs/nanogpt, runs/nanogpt-2, ...) gets metrics.jsonl, summary.json and model.safetensors.
+the gradients (DDP; or shards the model, one unit per Block with the tied embedding in the root, under
+--parallel.strategy=fsdp), checkpoints the model, the optimizer, the loader's position and every rank's RNG
+every checkpoint.every steps, and resumes bit for bit when the same command runs again after a stop, under
+DDP or FSDP whichever made the checkpoint. The run directory (default runs/nanogpt, runs/nanogpt-2, ...) gets
+metrics.jsonl, summary.json and model.safetensors.
 """
 
 import math

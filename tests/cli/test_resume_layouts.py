@@ -201,11 +201,11 @@ def test_a_batchnorm_model_resumes_bit_identically_under_fsdp(tmp_path):
 def test_a_rank_gets_its_own_buffers_back_and_a_new_rank_gets_rank_0s(rank, reads_own):
     """A checkpoint made by 2 ranks: rank 1 reads rank_buffers.1.*; rank 0 and a rank the checkpoint did not
     have read model.* (rank 0's)."""
-    from scaletrain.train.resume import _own_buffers
+    from scaletrain.train.resume import own_buffers
 
     resume = Resume(Path("ckpt"), {"step": 3, "meta": {"world_size": 2, "rank_buffers": ["bn.running_mean"]}})
     model = {"bn.running_mean": torch.zeros(4), "conv.weight": torch.zeros(4, 4)}
-    part = _own_buffers(model, resume, rank)
+    part = own_buffers(model, resume, rank)
     assert {r: sorted(own) for r, own in part.get("rank_buffers", {}).items()} == \
         ({"1": ["bn.running_mean"]} if reads_own else {})
     assert sorted(model) == (["conv.weight"] if reads_own else ["bn.running_mean", "conv.weight"])

@@ -1,13 +1,16 @@
 """scaletrain.session(): a loop of one's own (examples/gan.py: two models, two optimizers, an R1 penalty) gets
-DDP, exact resume after a killed worker, stragglers named; bad use is one clear error."""
+DDP, exact resume after a killed worker, stragglers named; examples/nanogpt_lm.py resumes exactly across DDP and
+FSDP; bad use is one clear error."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -19,6 +22,7 @@ from scaletrain.errors import CheckpointError, ConfigError, UserError
 
 REPO = Path(__file__).resolve().parents[2]
 GAN = REPO / "examples" / "gan.py"
+NANOGPT = REPO / "examples" / "nanogpt_lm.py"
 BIN = Path(sys.executable).parent
 SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
 # 30 steps, logged every 5: the straggler detector's window (5 intervals) is full at step 25.
@@ -26,12 +30,13 @@ RUN = ["--train.max_steps=30", "--log.every=5", "--checkpoint.every=5", "--chaos
        "--chaos.delay_ms=30", "--chaos.delay_phase=data"]
 
 
-def _launch(run_dir: Path, *extra: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
+def _launch(run_dir: Path, *extra: str, restarts: int = 0, script: Path = GAN,
+            run: list[str] = RUN) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [*SCALETRAIN, "launch", "--nproc", "2", "--max-restarts", str(restarts), str(GAN),
-           f"--run.dir={run_dir}", *RUN, *extra]
+    cmd = [*SCALETRAIN, "launch", "--nproc", "2", "--max-restarts", str(restarts), str(script),
+           f"--run.dir={run_dir}", *run, *extra]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, check=False)
 
 
@@ -74,6 +79,53 @@ def test_a_delayed_rank_in_a_users_loop_is_named_a_straggler(gan_runs) -> None:
     summary = json.loads((straight_dir / "summary.json").read_text())
     [found] = summary["stragglers"]
     assert found["rank"] == 1 and found["phase"] == "data" and found["slower_by_s"] > 0.02
+
+
+def test_a_session_resumes_across_ddp_and_fsdp_exactly(tmp_path: Path) -> None:
+    """nanoGPT's model in its own loop, 12 steps on 2 ranks under DDP (A). A's checkpoint of step 4 resumed
+    under FSDP (B: one unit per Block, the tied embedding in the root); B's DCP checkpoint of step 8 resumed
+    under DDP (C). Each resume loads its step exactly (debug.trace: the digests of every weight, optimizer
+    state, RNG and loader position equal the saving run's at that step), and B and C end where A does within
+    1e-6 (DDP and FSDP sum gradients in different orders)."""
+    run = ["--train.max_steps=12", "--log.every=4", "--checkpoint.every=4", "--schedule.warmup_steps=2",
+           "--debug.trace=true", "--model.dropout=0.1"]
+    a = _launch(tmp_path / "A", script=NANOGPT, run=run)
+    assert a.returncode == 0, a.stderr[-3000:]
+    runs = {"A": a}
+    for name, source, step, strategy in (("B", "A", 4, "fsdp"), ("C", "B", 8, "ddp")):
+        copied = tmp_path / name / "checkpoints" / f"step-{step:08d}"
+        shutil.copytree(tmp_path / source / "checkpoints" / copied.name, copied)
+        runs[name] = proc = _launch(tmp_path / name, f"--parallel.strategy={strategy}", script=NANOGPT, run=run)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"resumed from {copied}: step {step}" in proc.stdout
+        for rank in (0, 1):
+            saved = _trace(tmp_path / source, rank)[step]
+            resumed = next(r for r in _trace(tmp_path / name, rank).values() if r.get("event") == "resume")
+            assert resumed["step"] == step
+            for part in ("weights", "optimizer", "rng", "scheduler", "loader"):
+                assert resumed[part] == saved[part], (name, rank, part)
+    assert "gpt (GPT): FSDP: 2 x Block + root" in runs["B"].stdout
+    assert (tmp_path / "B" / "checkpoints" / "step-00000008" / "dcp").is_dir()  # sharded: DCP
+    final = {name: safetensors.torch.load_file(str(tmp_path / name / "model.safetensors")) for name in runs}
+    for name in ("B", "C"):
+        assert sorted(final[name]) == sorted(final["A"])
+        assert max((final[name][k] - final["A"][k]).abs().max().item() for k in final["A"]) < 1e-6
+
+
+def test_a_second_derivative_through_a_sharded_model_is_one_line(tmp_path: Path) -> None:
+    """The GAN's R1 penalty under FSDP: what FSDP cannot do, said in one line, exit code 2."""
+    proc = _launch(tmp_path / "gan", "--parallel.strategy=fsdp", run=["--train.max_steps=2", "--log.every=1"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("scaletrain: error:")]
+    assert said and said[0].startswith("scaletrain: error: session.backward(): this loss needs a second "
+                                       "derivative through a sharded model"), proc.stderr[-3000:]
+    assert said[0].endswith("fix: --parallel.strategy=ddp") and "Traceback" not in proc.stderr
+
+
+def _trace(run_dir: Path, rank: int) -> dict[Any, dict[str, Any]]:
+    """debug.trace's records of one rank: by step, and a resume event under ("resume", step)."""
+    records = [json.loads(line) for line in (run_dir / "trace" / f"rank-{rank:05d}.jsonl").read_text().splitlines()]
+    return {(r["event"], r["step"]) if "event" in r else r["step"]: r for r in records}
 
 
 class Net(nn.Module):
@@ -161,8 +213,18 @@ def test_bad_use_is_one_clear_error(tmp_path: Path) -> None:
             st.track(net, name="other")
     with pytest.raises(UserError, match=r"session.step\(\) after the session closed"), st.step():
         pass
-    with pytest.raises(ConfigError, match="parallel.strategy = 'fsdp'.*ddp or auto in a session"):
-        scaletrain.session({"run.dir": str(tmp_path / "b"), "parallel.strategy": "fsdp"})
+    with scaletrain.session({"run.dir": str(tmp_path / "b"), "train.max_steps": 1, "checkpoint.every": 1}) as st:
+        model, opt = st.setup(Net(), lambda p: torch.optim.SGD(p, lr=0.1), name="net")
+        with st.step():
+            st.backward(model(torch.ones(2, 4)).sum())
+            opt.step()
+    (tmp_path / "b" / "summary.json").unlink()
+    wider = Net()
+    wider.lin = nn.Linear(4, 3)
+    with pytest.raises(CheckpointError, match=r"net.lin.weight has shape \(2, 4\) in the checkpoint, \(3, 4\) in "
+                       r"this model; fix: set up the model the checkpoint was made with"), \
+            scaletrain.session({"run.dir": str(tmp_path / "b"), "train.max_steps": 2}) as st:
+        st.setup(wider, lambda p: torch.optim.SGD(p, lr=0.1), name="net")
     with pytest.raises(ConfigError, match=r"chaos.kill_rnk"):
         scaletrain.session({"run.dir": str(tmp_path / "c")}, argv=["--chaos.kill_rnk=1"])
 

@@ -217,7 +217,8 @@ class Checkpointer:
             self._now(lambda: self._write(snap, blocked, False), periodic=background)
         return blocked
 
-    def save_sharded(self, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def save_sharded(self, step: int, module: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
                      trainer: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any], *,
                      background: bool = True) -> float:
         """Save a sharded (FSDP) job through DCP: every rank writes its shards into the staging directory,
@@ -225,7 +226,8 @@ class Checkpointer:
         ``checkpoint.async_save`` (and ``background``) the loop is blocked only while every rank copies its
         shards into host buffers kept between saves; DCP then writes them on each rank's checkpoint thread,
         its collectives on a Gloo group of their own, and rank 0's thread commits. Returns the seconds the
-        loop was blocked."""
+        loop was blocked. ``optimizer`` may be several (a session's models in one container module): their
+        state is keyed by the container's parameter names and their param groups are saved in order."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         from scaletrain.checkpoint import dcp

@@ -146,7 +146,7 @@ def misfit(job: Job, resume: Resume, skip: set[str] = frozenset()) -> Checkpoint
     problem = None
     if "weights" not in skip:
         want = {k: tuple(v.shape) for k, v in job.module.state_dict().items() if isinstance(v, torch.Tensor)}
-        problem = _model_misfit(want, model)
+        problem = model_misfit(want, model)
     if problem is None and "optimizer" not in skip:
         where = where if dcp_format else resume.path / OPTIMIZER
         problem = _optimizer_misfit(job, state, groups) or _other_optimizer(job, resume)
@@ -159,9 +159,7 @@ def misfit(job: Job, resume: Resume, skip: set[str] = frozenset()) -> Checkpoint
 def _saved_full(resume: Resume) -> tuple[dict[str, Shape], dict[tuple[str, str], Shape], list[list[str]]]:
     """(model tensor shapes, aliases included; optimizer state shapes by (parameter, field); the parameter
     names of each param group) of a consolidated checkpoint, from the headers."""
-    shapes, meta = tree.header_shapes(resume.path / MODEL)
-    aliases = aliases_of(meta, resume.path / MODEL)
-    model = {**shapes, **{a: shapes[b] for a, b in aliases.items() if b in shapes}}
+    model = saved_model_shapes(resume)
     optim = tree.outline(resume.path / OPTIMIZER)
     state = {(name, field): tuple(v) for name, fields in optim["state"].items() for field, v in fields.items()
              if isinstance(v, torch.Size)}
@@ -170,17 +168,33 @@ def _saved_full(resume: Resume) -> tuple[dict[str, Shape], dict[tuple[str, str],
 
 def _saved_dcp(resume: Resume) -> tuple[dict[str, Shape], dict[tuple[str, str], Shape], list[list[str]]]:
     """The same of a DCP checkpoint, from its index (read by the safe unpickler) and its param groups."""
-    index = dcp.read_index(resume.path / dcp.DCP_DIR).state_dict_metadata
-    tensors = {k: tuple(md.size) for k, md in index.items() if isinstance(md, TensorStorageMetadata)}
-    model = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-    model.update({a: model[b] for a, b in dict(resume.meta.get("aliases", {})).items() if b in model})
+    tensors = _dcp_shapes(resume)
+    model = saved_model_shapes(resume, tensors)
     state = {tuple(k.removeprefix("optim.").rsplit(".", 1)): v for k, v in tensors.items()
              if k.startswith("optim.") and "." in k.removeprefix("optim.")}  # optim.<parameter>.<field>
     groups = [list(g["params"]) for g in read_tree(resume, OPTIMIZER_GROUPS)]
     return model, state, groups  # type: ignore[return-value]
 
 
-def _model_misfit(want: dict[str, Shape], have: dict[str, Shape]) -> str | None:
+def saved_model_shapes(resume: Resume, dcp_shapes: dict[str, Shape] | None = None) -> dict[str, Shape]:
+    """The model tensors' shapes by name (aliases included) of either format, from the safetensors header or
+    the DCP index: nothing is loaded."""
+    if resume.meta.get("format", FORMAT_FULL) == FORMAT_DCP:
+        tensors = dcp_shapes if dcp_shapes is not None else _dcp_shapes(resume)
+        model = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+        aliases = dict(resume.meta.get("aliases", {}))
+    else:
+        model, meta = tree.header_shapes(resume.path / MODEL)
+        aliases = aliases_of(meta, resume.path / MODEL)
+    return {**model, **{a: model[b] for a, b in aliases.items() if b in model}}
+
+
+def _dcp_shapes(resume: Resume) -> dict[str, Shape]:
+    index = dcp.read_index(resume.path / dcp.DCP_DIR).state_dict_metadata  # the safe unpickler's
+    return {k: tuple(md.size) for k, md in index.items() if isinstance(md, TensorStorageMetadata)}
+
+
+def model_misfit(want: dict[str, Shape], have: dict[str, Shape]) -> str | None:
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
         return f"weights do not fit this model (missing {missing[:3]}, unexpected {extra[:3]})"
@@ -292,7 +306,7 @@ def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
     state: dict[str, Any] = {}
     if "weights" not in skip:
         state["model"] = model
-        state.update(_own_buffers(model, resume, job.rt.rank))  # moved out of model: each is read once
+        state.update(own_buffers(model, resume, job.rt.rank))  # moved out of model: each is read once
     if "optimizer" not in skip:
         state["optim"] = optim["state"]
     if not state:
@@ -300,7 +314,7 @@ def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
     try:
         dcp.load(state, resume.path / dcp.DCP_DIR)
     except (RuntimeError, KeyError, AssertionError, CheckpointException) as err:  # the last: every rank's
-        raise _first_failure(err, resume) from None
+        raise dcp_failure(err, resume) from None
     if "model" in state:
         own = state.get(RANK_BUFFERS, {}).get(str(job.rt.rank), {})
         set_model_state_dict(module, with_aliases({**state["model"], **own}, aliases))
@@ -309,7 +323,7 @@ def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
         set_optimizer_state_dict(module, optimizer, {"state": state["optim"], "param_groups": groups})
 
 
-def _first_failure(err: BaseException, resume: Resume) -> CheckpointError:
+def dcp_failure(err: BaseException, resume: Resume) -> CheckpointError:
     """One line for a failed DCP load (a CheckpointException holds every rank's failure and traceback)."""
     from scaletrain.checkpoint import dcp
 
@@ -321,7 +335,7 @@ def _first_failure(err: BaseException, resume: Resume) -> CheckpointError:
                            "one")
 
 
-def _own_buffers(model: dict[str, Any], resume: Resume, rank: int) -> dict[str, Any]:
+def own_buffers(model: dict[str, Any], resume: Resume, rank: int) -> dict[str, Any]:
     """The part of a DCP load that gives rank R back its own copy of the buffers that differed between
     ranks (``rank_buffers.R.*``, taken out of ``model``); rank 0's are the model's own. A rank the checkpoint
     did not have (it was made with fewer ranks) gets rank 0's, as every rank of a new run starts with the

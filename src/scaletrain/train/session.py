@@ -27,9 +27,16 @@ The same file runs under ``python``, ``torchrun`` and ``scaletrain launch``. ``s
 (defaults < the config given < argv), for the loop's own knobs; ``st.steps`` the steps completed;
 ``st.last_metrics`` the last logged means.
 
-What it does not do (yet): FSDP (one DCP checkpoint holds one model; a session refuses strategy fsdp/hsdp and
-says so), skipping a non-finite step (the user calls the optimizers: ``train.nonfinite=raise`` stops at the next
-log step naming the rank and step), and fp16's gradient scaler (bf16-mixed works through ``st.autocast()``).
+FSDP (``--parallel.strategy=fsdp`` or ``hsdp``): every model set up is sharded per block (parallel/units.py)
+and its optimizers are built on (or moved to) the sharded parameters; the checkpoint is one DCP checkpoint
+holding every model and optimizer under the model's name, so a session resumes across DDP, FSDP and world
+sizes like the trainer. What FSDP cannot do in a session: a second derivative through a sharded model (the
+GAN's R1 penalty: FSDP's hooks do not run for ``autograd.grad(create_graph=True)``), and a model called outside
+``with st.step():`` gathers its shards collectively, so every rank must call it.
+
+What it does not do (yet): skipping a non-finite step (the user calls the optimizers: ``train.nonfinite=raise``
+stops at the next log step naming the rank and step), and fp16's gradient scaler (bf16-mixed works through
+``st.autocast()``).
 """
 
 from __future__ import annotations
@@ -45,6 +52,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.optim import Optimizer
 
 from scaletrain import __version__, runtime
@@ -64,13 +79,16 @@ from scaletrain.observe.console import Console
 from scaletrain.observe.memory import peak_bytes
 from scaletrain.observe.metrics import MetricsWriter, write_json, write_whole
 from scaletrain.observe.stragglers import StragglerDetector, hosts, phase_fractions, straggler_line
-from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook
-from scaletrain.parallel import parallelize
+from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_fsdp_mark
+from scaletrain.parallel import is_fsdp, parallelize, units_line
 from scaletrain.runtime import Runtime
 from scaletrain.train.chaos import Chaos
 from scaletrain.train.checkpointing import (
+    FORMAT_DCP,
     FORMAT_FULL,
     OPTIMIZER,
+    OPTIMIZER_GROUPS,
+    RANK_BUFFERS,
     Checkpointer,
     Resume,
     describe_versions,
@@ -82,14 +100,24 @@ from scaletrain.train.checkpointing import (
 )
 from scaletrain.train.precision import autocast, slow_here
 from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, StepAgreement, restart_line
-from scaletrain.train.resume import truncate_metrics
+from scaletrain.train.resume import (
+    dcp_failure,
+    model_misfit,
+    own_buffers,
+    saved_model_shapes,
+    truncate_metrics,
+)
 from scaletrain.train.run import WEIGHTS, write_config, write_outputs
 from scaletrain.train.rundir import agree_run_dir
 from scaletrain.train.state import (
     dedupe,
+    full_model_state,
+    keep_implementation,
     load_model_tensors,
     load_optimizer_tree,
     optimizer_tree,
+    sorted_by_name,
+    tied,
     with_aliases,
 )
 
@@ -263,15 +291,29 @@ class Session:
             raise UserError(f"session.setup(name={name!r}): names must be unique and without dots; fix: name="
                             f"'model{len(self._models)}'")
         model.to(self.device)
-        params = [p for p in model.parameters() if p.requires_grad]
-        built = [opt(params) if not isinstance(opt, Optimizer) else opt for opt in optimizers]
-        for opt in built:
+        given = [opt for opt in optimizers if isinstance(opt, Optimizer)]
+        for opt in given:
             _check_optimizer(opt, model)
+        names = {id(p): n for n, p in model.named_parameters()}
         cfg = self.cfg
         wrapped = parallelize(model, self.device, self.world_size, cfg.parallel, compile=cfg.train.compile,
                               precision=cfg.train.precision, memory=cfg.memory,
                               nnodes=max(1, self.world_size // self.rt.local_world_size), optimizer=cfg.optim.name)
+        if is_fsdp(wrapped):  # fully_shard replaced the parameters: an optimizer built before takes the shards
+            now = dict(model.named_parameters())
+            for opt in given:
+                for group in opt.param_groups:
+                    group["params"] = [now[names[id(p)]] for p in group["params"]]
+        params = [p for p in model.parameters() if p.requires_grad]
+        built = [opt if isinstance(opt, Optimizer) else opt(params) for opt in optimizers]
+        for opt in built:
+            _check_optimizer(opt, model)
         attach_comm_hook(wrapped, self.timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap)
+        attach_fsdp_mark(wrapped, self.timer if cfg.log.phase_times else None)
+        units = units_line(model, cfg.parallel.fsdp_units, sharded=is_fsdp(wrapped),
+                           blocks=cfg.memory.activation_checkpointing != "none" or cfg.train.compile)
+        if units:
+            self.console.print(f"{name} ({type(model).__name__.removeprefix('FSDP')}): {units}")
         entry = _Model(name, model, wrapped, built)
         if self.resume is not None:
             self._restore(entry)
@@ -337,8 +379,18 @@ class Session:
         return obj
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The run's compute precision (train.precision) for the forward passes inside it."""
-        return autocast(self.cfg.train.precision, self.device)
+        """The run's compute precision (train.precision) for the forward passes inside it (under FSDP the
+        sharding's mixed-precision policy casts, and this is a no-op)."""
+        return autocast(self.cfg.train.precision, self.device, sharded=self.sharded)
+
+    @property
+    def sharded(self) -> bool:
+        """True when the models set up are sharded (FSDP/HSDP): the checkpoints are DCP."""
+        return any(is_fsdp(m.wrapped) for m in self._models)
+
+    def _box(self, models: list[_Model] | None = None) -> nn.Module:
+        """The models in one container, each under its name: one state dict for DCP (keys ``name.param``)."""
+        return nn.ModuleDict({m.name: m.module for m in (self._models if models is None else models)})
 
     # -- inside the loop -----------------------------------------------------------------------------------
 
@@ -385,7 +437,15 @@ class Session:
         loss = self.chaos.poison(self.steps + 1, loss)
         bad = ~torch.isfinite(loss.detach())
         self._bad_step = torch.where((self._bad_step < 0) & bad, float(self.steps + 1), self._bad_step)
-        loss.backward()
+        try:
+            loss.backward()
+        except RuntimeError as err:
+            if self.sharded and "storage of size 0" in str(err):  # a parameter FSDP had freed after use
+                raise UserError("session.backward(): this loss needs a second derivative through a sharded model "
+                                "(autograd.grad(create_graph=True), as a gradient penalty does), which FSDP "
+                                "cannot give: its parameters were freed after the first backward; fix: "
+                                "--parallel.strategy=ddp") from None
+            raise
         self.timer.backward_done()
 
     def log(self, **metrics: torch.Tensor | float) -> None:
@@ -508,12 +568,6 @@ class Session:
         assert ckpt is not None
         if not self._models or self.steps == 0:
             return
-        models: dict[str, torch.Tensor] = {}
-        optims: dict[str, Any] = {}
-        for m in self._models:
-            models.update({f"{m.name}.{k}": v for k, v in m.module.state_dict().items()})
-            for i, opt in enumerate(m.optimizers):
-                optims[f"{m.name}/{i}"] = optimizer_tree(m.module, opt)
         trainer = {"step": self.steps, "loaders": [loader.inner.state_dict() for loader in self._loaders],
                    "train_time_s": self.train_time, "models": [m.name for m in self._models],
                    "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()}}
@@ -524,7 +578,19 @@ class Session:
                 "loader": self._loaders[0].inner.state_dict() if self._loaders else {},
                 "config_digest": self.cfg.digest(), "config": self.cfg.to_toml(), **describe_versions()}
         with self.preempt.saving():
-            blocked = ckpt.save(self.steps, dedupe(models), optims, trainer, rank_state, meta, background=not final)
+            if self.sharded:  # every rank writes its shards of every model and optimizer through DCP
+                blocked = ckpt.save_sharded(self.steps, self._box(), [o for m in self._models for o in m.optimizers],
+                                            trainer, rank_state, {**meta, "format": FORMAT_DCP},
+                                            background=not final)
+            else:
+                models: dict[str, torch.Tensor] = {}
+                optims: dict[str, Any] = {}
+                for m in self._models:
+                    models.update({f"{m.name}.{k}": v for k, v in m.module.state_dict().items()})
+                    for i, opt in enumerate(m.optimizers):
+                        optims[f"{m.name}/{i}"] = optimizer_tree(m.module, opt)
+                blocked = ckpt.save(self.steps, dedupe(models), optims, trainer, rank_state, meta,
+                                    background=not final)
             if final:
                 ckpt.wait()
         self.timer.add("ckpt", blocked)
@@ -551,22 +617,83 @@ class Session:
         if entry.name not in saved_names:
             raise CheckpointError(resume.path, f"it holds the models {saved_names}, not {entry.name!r}",
                                   "set up the same models, in the same order (or with the same name=)")
-        tensors, aliases = read_model(resume)
         prefix = f"{entry.name}."
-        full = with_aliases(tensors, aliases)
-        mine = {k[len(prefix):]: v.to(self.device) for k, v in full.items() if k.startswith(prefix)}
-        load_model_tensors(entry.module, mine, {}, str(resume.path))
-        trees = read_tree(resume, OPTIMIZER)
-        for i, opt in enumerate(entry.optimizers):
-            key = f"{entry.name}/{i}"
-            if key not in trees:
-                raise CheckpointError(resume.path, f"no optimizer {i} for {entry.name!r}",
-                                      "set up the same optimizers for each model")
-            load_optimizer_tree(entry.module, opt, trees[key], str(resume.path / OPTIMIZER))
+        box = self._box([entry])
+        want = {k: tuple(v.shape) for k, v in box.state_dict().items() if isinstance(v, torch.Tensor)}
+        saved = {k: v for k, v in saved_model_shapes(resume).items() if k.startswith(prefix)}
+        misfit = model_misfit(want, saved)
+        if misfit is not None:
+            raise CheckpointError(resume.path, misfit, "set up the model the checkpoint was made with (the same "
+                                  "configuration), or start a new --run.dir")
+        if resume.meta.get("format") == FORMAT_DCP:
+            self._restore_dcp(entry, box)
+        elif is_fsdp(entry.wrapped):
+            self._restore_full_into_sharded(entry, box)
+        else:
+            tensors, aliases = read_model(resume)
+            full = with_aliases(tensors, aliases)
+            mine = {k[len(prefix):]: v.to(self.device) for k, v in full.items() if k.startswith(prefix)}
+            load_model_tensors(entry.module, mine, {}, str(resume.path))
+            trees = self._optimizer_trees(entry)
+            for opt, tree in zip(entry.optimizers, trees):
+                load_optimizer_tree(entry.module, opt, tree, str(resume.path / OPTIMIZER))
         if self._rank_state is not None and entry is not None:
             self._since = int(self._rank_state.get("since", 0))
             for k, v in self._rank_state.get("sums", {}).items():
                 self._sums[k] = torch.tensor(float(v), device=self.device)
+
+    def _optimizer_trees(self, entry: _Model) -> list[dict[str, Any]]:
+        """The saved optimizer trees of ``entry`` (consolidated format), one per optimizer set up."""
+        assert self.resume is not None
+        trees = read_tree(self.resume, OPTIMIZER)
+        for i in range(len(entry.optimizers)):
+            if f"{entry.name}/{i}" not in trees:
+                raise CheckpointError(self.resume.path, f"no optimizer {i} for {entry.name!r}",
+                                      "set up the same optimizers for each model")
+        return [trees[f"{entry.name}/{i}"] for i in range(len(entry.optimizers))]
+
+    def _restore_dcp(self, entry: _Model, box: nn.Module) -> None:
+        """A DCP checkpoint (made by a sharded session) into one model and its optimizers, sharded or not, at
+        any world size (DCP reshards). Collective: every rank sets up the same models in the same order."""
+        from scaletrain.checkpoint import dcp
+
+        resume = self.resume
+        assert resume is not None
+        model, aliases = dedupe(get_model_state_dict(box))
+        optim = get_optimizer_state_dict(box, entry.optimizers)  # materializes the state to load into
+        state: dict[str, Any] = {"model": model, **own_buffers(model, resume, self.rank), "optim": optim["state"]}
+        try:
+            dcp.load(state, resume.path / dcp.DCP_DIR)
+        except (RuntimeError, KeyError, AssertionError, CheckpointException) as err:
+            raise dcp_failure(err, resume) from None
+        own = state.get(RANK_BUFFERS, {}).get(str(self.rank), {})
+        set_model_state_dict(box, with_aliases({**state["model"], **own}, aliases))
+        prefix = f"{entry.name}."
+        groups = [g for g in read_tree(resume, OPTIMIZER_GROUPS) if g["params"] and g["params"][0].startswith(prefix)]
+        live = [g for opt in entry.optimizers for g in opt.param_groups]
+        if [sorted(g["params"]) for g in groups] != [sorted(g["params"]) for g in optim["param_groups"]]:
+            raise CheckpointError(resume.path, f"the optimizer param groups of {entry.name!r} differ",
+                                  "set up the same optimizers, with the same parameter groups")
+        groups = keep_implementation(groups, _Groups(live))  # type: ignore[arg-type]
+        set_optimizer_state_dict(box, entry.optimizers, {"state": state["optim"], "param_groups": groups})
+
+    def _restore_full_into_sharded(self, entry: _Model, box: nn.Module) -> None:
+        """A consolidated checkpoint (a DDP or one-process session) into a sharded model: every rank reads the
+        whole tensors and keeps its shard, in name order on every rank (one collective per tensor)."""
+        resume = self.resume
+        assert resume is not None
+        prefix = f"{entry.name}."
+        options = StateDictOptions(full_state_dict=True)
+        mine = {k: v for k, v in with_aliases(*read_model(resume)).items() if k.startswith(prefix)}
+        set_model_state_dict(box, sorted_by_name(mine), options=options)
+        state: dict[str, Any] = {}
+        groups: list[dict[str, Any]] = []
+        for opt, tree in zip(entry.optimizers, self._optimizer_trees(entry)):
+            state.update({prefix + k: v for k, v in tree["state"].items()})
+            groups += [{**g, "params": [prefix + p for p in g["params"]]}
+                       for g in keep_implementation(tree["param_groups"], opt)]
+        set_optimizer_state_dict(box, entry.optimizers, {"state": sorted_by_name(state), "param_groups": groups},
+                                 options=options)
 
     def _stopped(self, reason: str) -> None:
         last = self.saves[-1].path if self.saves else None
@@ -624,10 +751,16 @@ class Session:
     def _write_weights(self) -> None:
         import safetensors.torch
 
+        box = self._box()
+        full = full_model_state(box, sharded=self.sharded)  # collective under FSDP: every rank gathers
         if not self.rt.is_main:
             return
-        tensors, aliases = dedupe({f"{m.name}.{k}": v.detach().cpu().contiguous()
-                                   for m in self._models for k, v in m.module.state_dict().items()})
+        tensors, aliases = dedupe({k: v.detach().cpu().contiguous() for k, v in full.items()})
+        if self.sharded:
+            for alias, name in tied(box).items():  # the gathered copies of a tied weight: stored once
+                if alias in tensors and name in tensors:
+                    del tensors[alias]
+                    aliases[alias] = name
         meta = {"config_digest": self.cfg.digest(), "step": str(self.steps), "aliases": json.dumps(aliases)}
         write_whole(self.cfg.run_dir / WEIGHTS, sum(t.nbytes for t in tensors.values()),
                     lambda tmp: safetensors.torch.save_file(tensors, str(tmp), metadata=meta))
@@ -680,13 +813,19 @@ class _Trace:
         from scaletrain.train.trace import digest
 
         skip = ("lr", "initial_lr", *IMPLEMENTATION)
+        # The whole state by the models' names, the same under DDP and FSDP (gathered: collective there), so
+        # that a resume across layouts can be checked against the checkpoint's step.
+        full = StateDictOptions(full_state_dict=True)
+        weights = get_model_state_dict(st._box(), options=full)
         optims = {}
         for m in st._models:
-            for i, opt in enumerate(m.optimizers):
-                tree = optimizer_tree(m.module, opt)
-                groups = [{k: v for k, v in g.items() if k not in skip} for g in tree["param_groups"]]
-                optims[f"{m.name}/{i}"] = {"state": tree["state"], "param_groups": groups}
-        return {"weights": digest({m.name: m.module.state_dict() for m in st._models}),
+            if not all(opt.state for opt in m.optimizers):  # reading it would initialize it (a zero step)
+                optims[m.name] = {}
+                continue
+            tree = get_optimizer_state_dict(st._box([m]), m.optimizers, options=full)
+            groups = [{k: v for k, v in g.items() if k not in skip} for g in tree["param_groups"]]
+            optims[m.name] = {"state": tree["state"], "param_groups": groups}
+        return {"weights": digest(weights),
                 "optimizer": digest(optims), "rng": digest(rng.capture(st.device)),
                 "scheduler": digest([[g["lr"] for m in st._models for o in m.optimizers for g in o.param_groups],
                                      {name: obj.state_dict() for name, obj in st._tracked.items()}]),
@@ -724,10 +863,14 @@ def session(config: Config | Mapping[str, Any] | str | None = None, *, argv: lis
         raise
 
 
+class _Groups:
+    """An optimizer's param_groups, for keep_implementation across several optimizers."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        self.param_groups = param_groups
+
+
 def _check_supported(cfg: Config) -> None:
-    if cfg.parallel.strategy in ("fsdp", "hsdp"):
-        raise ConfigError("parallel.strategy", cfg.parallel.strategy, "ddp or auto in a session (FSDP's sharded "
-                          "checkpoint holds one model; scaletrain train and fit() shard)", "--parallel.strategy=ddp")
     if cfg.train.precision == "fp16-mixed":
         raise ConfigError("train.precision", "fp16-mixed", "fp32 or bf16-mixed in a session (no gradient scaler "
                           "around your optimizers)", "--train.precision=bf16-mixed")
