@@ -5,7 +5,9 @@ FSDP; bad use is one clear error."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -81,16 +83,27 @@ def test_a_delayed_rank_in_a_users_loop_is_named_a_straggler(gan_runs) -> None:
     assert found["rank"] == 1 and found["phase"] == "data" and found["slower_by_s"] > 0.02
 
 
-def test_a_session_resumes_across_ddp_and_fsdp_exactly(tmp_path: Path) -> None:
-    """nanoGPT's model in its own loop, 12 steps on 2 ranks under DDP (A). A's checkpoint of step 4 resumed
-    under FSDP (B: one unit per Block, the tied embedding in the root); B's DCP checkpoint of step 8 resumed
-    under DDP (C). Each resume loads its step exactly (debug.trace: the digests of every weight, optimizer
-    state, RNG and loader position equal the saving run's at that step), and B and C end where A does within
-    1e-6 (DDP and FSDP sum gradients in different orders)."""
-    run = ["--train.max_steps=12", "--log.every=4", "--checkpoint.every=4", "--schedule.warmup_steps=2",
-           "--debug.trace=true", "--model.dropout=0.1"]
+def test_nanogpt_learns_and_resumes_across_ddp_and_fsdp_exactly(tmp_path: Path) -> None:
+    """examples/nanogpt_lm.py (nanoGPT's model in its own loop), 16 steps on 2 ranks under DDP (A): it learns.
+    A's checkpoint of step 4 resumed under FSDP (B: one unit per Block, the tied embedding in the root); B's
+    DCP checkpoint of step 8 resumed under DDP (C). Each resume loads its step exactly (debug.trace: the
+    digests of every weight, optimizer state, RNG (dropout is on) and loader position equal the saving run's
+    at that step), and B and C end where A does within 1e-6 (DDP and FSDP sum gradients in other orders)."""
+    run = ["--train.max_steps=16", "--log.every=4", "--checkpoint.every=4", "--checkpoint.keep=0",
+           "--schedule.warmup_steps=2", "--debug.trace=true", "--model.dropout=0.1"]
     a = _launch(tmp_path / "A", script=NANOGPT, run=run)
     assert a.returncode == 0, a.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "A" / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+    uniform = math.log(256)  # nats per byte of a model that has learnt nothing
+    assert sorted(losses) == [4, 8, 12, 16] and losses[4] < uniform + 0.1 and losses[16] < losses[4] - 1.0, losses
+    [last] = [line for line in a.stdout.splitlines() if line.startswith("nanogpt_lm:")]  # said once, by rank 0
+    found = re.fullmatch(r"nanogpt_lm: 16 steps, train loss ([\d.]+), held-out loss ([\d.]+) on textwrap\.py .*",
+                         last)
+    assert found and float(found.group(1)) == pytest.approx(losses[16], abs=1e-4), last
+    assert float(found.group(2)) < uniform - 1.0, last  # on a module it never saw
+    summary = json.loads((tmp_path / "A" / "summary.json").read_text())
+    assert summary["steps"] == 16 and summary["world_size"] == 2 and summary["models"] == ["gpt"]
     runs = {"A": a}
     for name, source, step, strategy in (("B", "A", 4, "fsdp"), ("C", "B", 8, "ddp")):
         copied = tmp_path / name / "checkpoints" / f"step-{step:08d}"
