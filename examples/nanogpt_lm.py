@@ -201,9 +201,7 @@ def main(argv: list[str]) -> None:
                     with st.autocast():  # train.precision (fp32 unless --train.precision=bf16-mixed)
                         _, loss = model(x, y)
                     st.backward(loss)
-                    if c.optim.grad_clip > 0:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), c.optim.grad_clip)
-                    optimizer.step()
+                    st.optimizer_step(optimizer)  # clips to optim.grad_clip; a NaN step is not applied
                     optimizer.zero_grad(set_to_none=True)
                     st.log(loss=loss)
                 if st.done:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import scaletrain
-from scaletrain.errors import CheckpointError, ConfigError, UserError
+from scaletrain.errors import CheckpointError, ConfigError, TrainingFailed, UserError
 
 REPO = Path(__file__).resolve().parents[2]
 GAN = REPO / "examples" / "gan.py"
@@ -203,6 +203,48 @@ def test_an_untracked_scheduler_restarts_and_a_tracked_one_goes_on(tmp_path: Pat
     (tmp_path / "parts" / "summary.json").unlink()
     with pytest.raises(CheckpointError, match=r"it tracked \[\], not 'LambdaLR0'"):
         _train(tmp_path / "parts", 20)  # the checkpoint of step 20 has no scheduler in it
+
+
+def _guarded(run_dir: Path, *, nonfinite: str, via_session: bool = True) -> tuple[list[torch.Tensor], list[float]]:
+    """4 steps of a one-process loop whose loss is NaN at step 3 (chaos.nan_step): the weights after each step
+    and the gradient norms st.optimizer_step returned (clipped to 0.05)."""
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    cfg = {"run.dir": str(run_dir), "train.max_steps": 4, "log.every": 1, "data.batch_size": 8,
+           "train.nonfinite": nonfinite, "optim.grad_clip": 0.05, "chaos.nan_rank": 0, "chaos.nan_step": 3}
+    weights, norms = [], []
+    with scaletrain.session(cfg) as st:
+        model, opt = st.setup(Net(), lambda p: torch.optim.AdamW(p, lr=0.01, fused=True))
+        for xb, yb in st.loader((x, (x[:, 0] > 0).long())):
+            with st.step():
+                st.backward(nn.functional.cross_entropy(model(xb), yb))
+                if via_session:
+                    norms.append(float(st.optimizer_step(opt)))
+                    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+                    assert norms[-1] != norms[-1] or float(grads.norm()) <= 0.05 + 1e-6  # clipped (a NaN is not)
+                else:
+                    opt.step()
+                opt.zero_grad()
+            weights.append(model.lin.weight.detach().clone())
+            if st.done:
+                break
+    return weights, norms
+
+
+def test_optimizer_step_clips_and_does_not_apply_a_non_finite_step(tmp_path: Path, capsys) -> None:
+    weights, norms = _guarded(tmp_path / "skip", nonfinite="skip")
+    assert len(weights) == 4 and norms[2] != norms[2] and all(n > 0.05 for n in norms[:2] + norms[3:])
+    assert torch.equal(weights[2], weights[1]) and not torch.equal(weights[3], weights[2])  # step 3 not applied
+    assert bool(weights[3].isfinite().all())
+    said = capsys.readouterr().out
+    assert "warning: non-finite loss on rank 0 at step 3: not applied (1 optimizer step(s) skipped so far)" in said
+    with pytest.raises(TrainingFailed, match=r"non-finite loss on rank 0 at step 3; the step was not applied and "
+                       r"nothing after it was saved; fix: .*--train.nonfinite=skip"):
+        _guarded(tmp_path / "raise", nonfinite="raise")
+    with pytest.raises(TrainingFailed, match=r"non-finite loss on rank 0 at step 3; fix: .*st.optimizer_step\(opt\) "
+                       r"in place of opt.step\(\) does not apply such a step"):
+        _guarded(tmp_path / "bare", nonfinite="skip", via_session=False)
+    with pytest.raises(ConfigError, match=r"train.precision = 'fp16-mixed'.*needs CUDA"):
+        scaletrain.session({"run.dir": str(tmp_path / "fp16"), "train.precision": "fp16-mixed"})
 
 
 def test_bad_use_is_one_clear_error(tmp_path: Path) -> None:

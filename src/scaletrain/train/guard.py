@@ -15,12 +15,29 @@ watches the loss.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 
 def supports_device_skip(optimizer: Optimizer) -> bool:
     """True for torch's fused optimizers, which skip a step on ``found_inf`` inside the kernel."""
     return bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def clipped_norm(params: list[torch.Tensor], clip: float, scaler: torch.amp.GradScaler,
+                 optimizer: Optimizer) -> torch.Tensor | None:
+    """The total gradient norm of ``params`` (the optimizer's, with gradients), clipping them to ``clip`` if it is
+    positive (the gradients unscaled first under fp16); None under fp16 without clipping, where the scaler checks
+    the gradients itself. Sharded gradients give a DTensor norm: its full value (one small all-reduce) is
+    returned, the same on every rank."""
+    if clip > 0:
+        scaler.unscale_(optimizer)  # a no-op unless the scaler is enabled (fp16)
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    elif scaler.is_enabled():
+        return None
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 class NonFiniteGuard:
@@ -35,15 +52,17 @@ class NonFiniteGuard:
         bad = ~torch.isfinite(loss)
         self.first_bad_loss = torch.where((self.first_bad_loss < 0) & bad, float(step), self.first_bad_loss)
 
-    def gate(self, step: int, optimizer: Optimizer, grad_norm: torch.Tensor) -> bool:
+    def gate(self, step: int, optimizer: Optimizer, grad_norm: torch.Tensor, *, device_skip: bool | None = None) -> bool:
         """Arm the optimizer for this step; returns False when the caller must not call step() (the
-        host-side fallback for a non-fused optimizer, which costs a sync)."""
+        host-side fallback for a non-fused optimizer, which costs a sync). ``device_skip``: this optimizer's
+        (supports_device_skip), where one guard serves several optimizers; default the guard's."""
+        device_skip = self.device_skip if device_skip is None else device_skip
         if self.scaler_owns_skips:
             return True
         found = (~torch.isfinite(grad_norm)).to(self.skipped.dtype)
         self.skipped += found
         self.first_skip = torch.where((self.first_skip < 0) & (found > 0), float(step), self.first_skip)
-        if self.device_skip:
+        if device_skip:
             optimizer.found_inf = found  # type: ignore[attr-defined]
             optimizer.grad_scale = None  # type: ignore[attr-defined]
             return True

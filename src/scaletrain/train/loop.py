@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from scaletrain.checkpoint import rng
 from scaletrain.errors import TrainingFailed
@@ -39,6 +38,7 @@ from scaletrain.train.checkpointing import (
     describe_versions,
 )
 from scaletrain.train.evaluate import evaluate
+from scaletrain.train.guard import clipped_norm
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast
 from scaletrain.train.preempt import PreemptFlag, StepAgreement
@@ -70,19 +70,9 @@ class RankReport:
 
 
 def _grad_norm(job: Job) -> torch.Tensor | None:
-    """The total gradient norm (clipping to optim.grad_clip if set); None under fp16 without clipping, where
-    the scaler checks gradients itself."""
-    clip = job.cfg.optim.grad_clip
-    params = [p for p in job.module.parameters() if p.grad is not None]
-    if clip > 0:
-        job.scaler.unscale_(job.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    elif job.guard.scaler_owns_skips:
-        return None
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    # Sharded gradients give a DTensor norm; its full value (one small all-reduce) is the same on every rank.
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    """The total gradient norm (clipping to optim.grad_clip if set); None under fp16 without clipping."""
+    return clipped_norm([p for p in job.module.parameters() if p.grad is not None], job.cfg.optim.grad_clip,
+                        job.scaler, job.optimizer)
 
 
 def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:

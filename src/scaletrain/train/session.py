@@ -34,9 +34,13 @@ sizes like the trainer. What FSDP cannot do in a session: a second derivative th
 GAN's R1 penalty: FSDP's hooks do not run for ``autograd.grad(create_graph=True)``), and a model called outside
 ``with st.step():`` gathers its shards collectively, so every rank must call it.
 
-What it does not do (yet): skipping a non-finite step (the user calls the optimizers: ``train.nonfinite=raise``
-stops at the next log step naming the rank and step), and fp16's gradient scaler (bf16-mixed works through
-``st.autocast()``).
+``st.optimizer_step(opt)`` in place of ``opt.step()`` gives a loop of one's own what the trainer's step does:
+gradient clipping (optim.grad_clip), the non-finite guard (a step whose gradient norm is NaN or infinite is
+not applied, decided on the device: train.nonfinite=raise then stops at the next log step naming the rank and
+step, =skip warns and goes on) and fp16's loss scaling (train.precision=fp16-mixed, CUDA: st.backward scales
+the loss, st.optimizer_step unscales and steps through a GradScaler, which is in the checkpoints). Under
+fp16-mixed it is required: a bare ``opt.step()`` on scaled gradients is refused. A NaN or infinite loss passed
+to st.backward() is named at the next log step whichever step the user calls.
 """
 
 from __future__ import annotations
@@ -69,7 +73,6 @@ from scaletrain.config import Config, load
 from scaletrain.data import ShardedLoader
 from scaletrain.errors import (
     CheckpointError,
-    ConfigError,
     DiskFull,
     TrainingFailed,
     UserError,
@@ -98,7 +101,8 @@ from scaletrain.train.checkpointing import (
     read_trainer,
     read_tree,
 )
-from scaletrain.train.precision import autocast, slow_here
+from scaletrain.train.guard import NonFiniteGuard, clipped_norm, supports_device_skip
+from scaletrain.train.precision import autocast, check_precision, grad_scaler, slow_here
 from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, StepAgreement, restart_line
 from scaletrain.train.resume import (
     dcp_failure,
@@ -183,7 +187,6 @@ class Session:
             cfg = load(config, cli_overrides=cli)
         else:
             cfg = load(None, overrides={"run.name": "session", **(config or {})}, cli_overrides=cli)
-        _check_supported(cfg)
         self.rt: Runtime = runtime.init(cfg.dist)
         # A stop (preemption, Ctrl-C) or one of our errors leaving the user's script ends it as the CLI does;
         # installed after init_process_group, which wraps the hook it finds in one that buffers stderr.
@@ -203,6 +206,7 @@ class Session:
 
     def _open(self, cfg: Config) -> None:
         rt = self.rt
+        check_precision(cfg.train.precision, rt.device)  # fp16-mixed needs CUDA
         self.chaos = Chaos(cfg.chaos, rt.rank, rt.world_size)  # first: a rank beyond the world writes nothing
         runtime.set_deterministic(cfg.train.deterministic)
         runtime.seed_all(cfg.run.seed)  # the models built next get the same initial weights on every rank
@@ -234,7 +238,17 @@ class Session:
         self._since = 0  # steps since the last log step (restored on resume: the logged sums span them)
         self._ran = 0  # of those, the steps this process ran (what the interval's time measures)
         self._samples = 0  # samples this rank drew from its loaders since the last log step
-        self._bad_step = torch.full((), -1.0, device=rt.device)  # first step with a non-finite loss, this rank
+        self.scaler = grad_scaler(cfg.train.precision, rt.device)  # enabled under fp16-mixed only
+        if self._trainer.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(self._trainer["scaler"])
+        # Skipped steps (the same on every rank) and the first non-finite loss (this rank): decided on the device.
+        self.guard = NonFiniteGuard(rt.device, scaler_owns_skips=self.scaler.is_enabled(), device_skip=False)
+        if self._rank_state is not None and "guard" in self._rank_state:
+            self.guard.load_state_dict(self._rank_state["guard"])
+        self._skipped_seen = float(self.guard.skipped.item()) if self.resume is not None else 0.0
+        self._bad_said = bool(self.guard.first_bad_loss.item() >= 0)  # said (skip) before the checkpoint
+        self._scaled = False  # an optimizer stepped through the scaler in this step: update it at the end
+        self._stepping: Optimizer | None = None  # the optimizer st.optimizer_step is stepping
         self._interval_started = time.perf_counter()
         self._trace = _Trace(run_dir, rt.rank) if cfg.debug.trace else None
         self.last_metrics: dict[str, float] = {}
@@ -310,6 +324,10 @@ class Session:
             _check_optimizer(opt, model)
         attach_comm_hook(wrapped, self.timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap)
         attach_fsdp_mark(wrapped, self.timer if cfg.log.phase_times else None)
+        check_precision(cfg.train.precision, self.device, "fsdp" if is_fsdp(wrapped) else "ddp")
+        if self.scaler.is_enabled():
+            for opt in built:
+                opt.register_step_pre_hook(self._unscaled_step)
         units = units_line(model, cfg.parallel.fsdp_units, sharded=is_fsdp(wrapped),
                            blocks=cfg.memory.activation_checkpointing != "none" or cfg.train.compile)
         if units:
@@ -415,6 +433,9 @@ class Session:
             loader.waited, loader.drawn = 0.0, 0
         try:
             yield
+            if self._scaled:
+                self.scaler.update()  # once per step, after every optimizer stepped
+                self._scaled = False
             self.timer.mark("optim")
             self.timer.end()
             self.steps = step
@@ -429,16 +450,16 @@ class Session:
         self.timer.start()  # the next step begins now: waiting for its batch is part of it
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, timed (compute and the exposed gradient communication), its value watched for
-        NaN or infinity (named with the rank and step at the next log step)."""
+        """``loss.backward()`` (of the scaled loss under fp16-mixed), timed (compute and the exposed gradient
+        communication), its value watched for NaN or infinity (named with the rank and step at the next log
+        step)."""
         if not self._in_step:
             raise UserError("session.backward() outside `with st.step():`; fix: call it inside the step")
         self.chaos.delay("compute")
         loss = self.chaos.poison(self.steps + 1, loss)
-        bad = ~torch.isfinite(loss.detach())
-        self._bad_step = torch.where((self._bad_step < 0) & bad, float(self.steps + 1), self._bad_step)
+        self.guard.watch_loss(self.steps + 1, loss.detach())
         try:
-            loss.backward()
+            self.scaler.scale(loss).backward()
         except RuntimeError as err:
             if self.sharded and "storage of size 0" in str(err):  # a parameter FSDP had freed after use
                 raise UserError("session.backward(): this loss needs a second derivative through a sharded model "
@@ -447,6 +468,40 @@ class Session:
                                 "--parallel.strategy=ddp") from None
             raise
         self.timer.backward_done()
+
+    def optimizer_step(self, optimizer: Optimizer, *, clip: float | None = None) -> torch.Tensor | None:
+        """``optimizer.step()`` as the run needs it: under fp16-mixed the gradients are unscaled first (and the
+        step skipped on overflow, as GradScaler does); their norm is clipped to ``clip`` (default
+        optim.grad_clip; 0: not clipped); a step whose gradient norm is NaN or infinite is not applied
+        (train.nonfinite: raise stops at the next log step, skip warns). Returns the gradient norm before
+        clipping (a device tensor: nothing waits for it), or None where none was computed (fp16 without
+        clipping: the scaler checks)."""
+        if not self._in_step:
+            raise UserError("session.optimizer_step() outside `with st.step():`; fix: call it inside the step")
+        if not any(optimizer is opt for m in self._models for opt in m.optimizers):
+            raise UserError("session.optimizer_step(): this optimizer was not set up; fix: pass it to "
+                            "st.setup(model, optimizer) with its model")
+        clip = self.cfg.optim.grad_clip if clip is None else clip
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = clipped_norm(params, clip, self.scaler, optimizer)
+        step = self.steps + 1
+        apply = self.guard.gate(step, optimizer, norm, device_skip=supports_device_skip(optimizer)) \
+            if norm is not None else True
+        self._stepping = optimizer
+        try:
+            if apply:
+                self.scaler.step(optimizer)
+        finally:
+            self._stepping = None
+            self.guard.disarm(optimizer)
+        self._scaled = self._scaled or self.scaler.is_enabled()
+        return norm
+
+    def _unscaled_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """A step pre-hook under fp16-mixed: refuses optimizer.step() on scaled gradients."""
+        if self._stepping is not optimizer:
+            raise UserError("optimizer.step() under train.precision=fp16-mixed: the gradients are scaled; fix: "
+                            "st.optimizer_step(optimizer) unscales them and steps through the loss scaler")
 
     def log(self, **metrics: torch.Tensor | float) -> None:
         """Values of this step (tensors stay on the device: nothing waits for them); the log line and
@@ -479,7 +534,11 @@ class Session:
 
     def _after_step(self) -> None:
         cfg = self.cfg
-        log_step = self.steps % cfg.log.every == 0 or self.done
+        ckpt = self.checkpointer
+        assert ckpt is not None
+        due = ckpt.due(self.steps, cfg.train.max_steps or -1)
+        # A checkpoint step is a log step too: nothing is saved after a non-finite step unchecked.
+        log_step = self.steps % cfg.log.every == 0 or self.done or due
         stop = 0
         if log_step:
             stop = self._log()
@@ -490,9 +549,7 @@ class Session:
         if self._trace is not None:
             self._trace.step(self)
         interrupt = self.chaos.interrupt_after(self.steps)  # the same on every rank: no agreement needed
-        ckpt = self.checkpointer
-        assert ckpt is not None
-        if stop or interrupt or ckpt.due(self.steps, cfg.train.max_steps or -1):
+        if stop or interrupt or due:
             self._save(final=bool(stop or interrupt))
         self._log_saves()
         if stop or interrupt:
@@ -504,8 +561,7 @@ class Session:
         names = sorted(self._sums)
         fingerprint = int(hashlib.sha256(",".join(names).encode()).hexdigest()[:12], 16)
         times = self.timer.collect()
-        device_part = torch.stack([*(self._sums[n] for n in names), self._bad_step]).double() if names else \
-            self._bad_step.double().reshape(1)
+        device_part = torch.stack([*(self._sums[n] for n in names), *self.guard.state()]).double()
         host = torch.tensor([float(fingerprint), float(self.preempt.signum), float(self._samples), *times],
                             dtype=torch.float64)
         mine = torch.cat([device_part.reshape(-1), host.to(self.device)])
@@ -523,20 +579,16 @@ class Session:
         names = sorted(self._sums)
         rows = self._gather()
         n = len(names)
-        if len({r[n + 1] for r in rows}) > 1:
+        if len({r[n + 3] for r in rows}) > 1:
             raise UserError("session.log(): the ranks logged different names in this interval; fix: log the same "
                             "names on every rank")
-        bad = [(int(r[n]), rank) for rank, r in enumerate(rows) if r[n] >= 0]
-        if bad:
-            step, rank = min(bad)
-            raise TrainingFailed(f"non-finite loss on rank {rank} at step {step}; fix: lower the learning rate, "
-                                 "clip gradients, or more warmup")
+        self._nonfinite(rows, n)
         elapsed = time.perf_counter() - self._interval_started
         self.train_time += elapsed
         steps, ran = max(self._since, 1), max(self._ran, 1)
         means = {name: sum(r[i] for r in rows) / (len(rows) * steps) for i, name in enumerate(names)}
-        samples = sum(r[n + 3] for r in rows)
-        phases = [dict(zip(PHASES, r[n + 4:])) for r in rows]
+        samples = sum(r[n + 5] for r in rows)
+        phases = [dict(zip(PHASES, r[n + 6:])) for r in rows]
         for totals, p in zip(self.phase_totals, phases):
             for phase, seconds in p.items():
                 totals[phase] += seconds * ran
@@ -559,7 +611,27 @@ class Session:
             value.zero_()
         self._since, self._ran, self._samples = 0, 0, 0
         self._interval_started = time.perf_counter()
-        return next((int(r[n + 2]) for r in rows if r[n + 2]), 0)
+        return next((int(r[n + 4]) for r in rows if r[n + 4]), 0)
+
+    def _nonfinite(self, rows: list[list[float]], n: int) -> None:
+        """Act on the guard's counters (row[n:n + 3]: skipped, first skipped step, first non-finite loss):
+        train.nonfinite=raise stops naming the rank and step, skip warns once per newly skipped step."""
+        skipped = max(r[n] for r in rows)
+        bad = sorted((int(r[n + 2]), rank) for rank, r in enumerate(rows) if r[n + 2] >= 0)
+        fix = "lower the learning rate, clip gradients (--optim.grad_clip=1.0), or more warmup"
+        if skipped > self._skipped_seen:
+            first = int(min(r[n + 1] for r in rows if r[n + 1] >= 0))
+            where = f"non-finite loss on rank {bad[0][1]} at step {bad[0][0]}" if bad else \
+                f"non-finite gradients at step {first} (the loss was finite on every rank)"
+            if self.cfg.train.nonfinite == "raise":
+                raise TrainingFailed(f"{where}; the step was not applied and nothing after it was saved; fix: {fix}, "
+                                     "or --train.nonfinite=skip to skip such steps")
+            self.console.print(f"warning: {where}: not applied ({int(skipped)} optimizer step(s) skipped so far)")
+            self._skipped_seen, self._bad_said = skipped, True
+        elif bad and not self._bad_said:
+            step, rank = bad[0]
+            raise TrainingFailed(f"non-finite loss on rank {rank} at step {step}; fix: {fix}; st.optimizer_step(opt) "
+                                 "in place of opt.step() does not apply such a step")
 
     # -- checkpoints ---------------------------------------------------------------------------------------
 
@@ -570,8 +642,9 @@ class Session:
             return
         trainer = {"step": self.steps, "loaders": [loader.inner.state_dict() for loader in self._loaders],
                    "train_time_s": self.train_time, "models": [m.name for m in self._models],
-                   "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()}}
-        rank_state = {"rng": rng.capture(self.device), "since": self._since,
+                   "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()},
+                   "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {}}
+        rank_state = {"rng": rng.capture(self.device), "since": self._since, "guard": self.guard.state_dict(),
                       "sums": {k: float(v.item()) for k, v in self._sums.items()}}
         meta = {"format": FORMAT_FULL, "session": True, "step": self.steps, "world_size": self.world_size,
                 "global_batch": 0, "batch_size": 0, "accum_steps": 1,
@@ -868,15 +941,6 @@ class _Groups:
 
     def __init__(self, param_groups: list[dict[str, Any]]) -> None:
         self.param_groups = param_groups
-
-
-def _check_supported(cfg: Config) -> None:
-    if cfg.train.precision == "fp16-mixed":
-        raise ConfigError("train.precision", "fp16-mixed", "fp32 or bf16-mixed in a session (no gradient scaler "
-                          "around your optimizers)", "--train.precision=bf16-mixed")
-    if cfg.train.nonfinite == "skip":
-        raise ConfigError("train.nonfinite", "skip", "raise in a session (your loop calls the optimizers)",
-                          "--train.nonfinite=raise")
 
 
 def _check_optimizer(opt: Any, model: nn.Module) -> None:
