@@ -70,7 +70,7 @@ def _count_collectives(rank: int, world: int) -> dict:
     for name, fn in real.items():
         setattr(dist, name, lambda *a, _fn=fn, _name=name, **k: (calls.append((_name, job.step)), _fn(*a, **k))[1])
     try:
-        Loop(job, Console(False), MetricsWriter(None)).run()
+        Loop(job, Console(False)).run()
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)

@@ -25,23 +25,20 @@ from scaletrain.checkpoint import rng
 from scaletrain.errors import TrainingFailed
 from scaletrain.observe.console import Console
 from scaletrain.observe.memory import model_state_bytes, peak_bytes
-from scaletrain.observe.metrics import MetricsWriter
-from scaletrain.observe.stragglers import StragglerDetector, hosts, straggler_line
 from scaletrain.observe.throughput import device_peak, throughput
 from scaletrain.observe.timing import PHASES
 from scaletrain.parallel import gradient_sync
 from scaletrain.train.checkpointing import (
     FORMAT_DCP,
     FORMAT_FULL,
-    Checkpointer,
-    SaveResult,
     describe_versions,
 )
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.guard import clipped_norm
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast
-from scaletrain.train.preempt import PreemptFlag, StepAgreement
+from scaletrain.train.preempt import PreemptFlag
+from scaletrain.train.services import RunServices
 from scaletrain.train.state import model_tensors, optimizer_tree, scheduler_tree
 from scaletrain.train.trace import Tracer
 
@@ -123,10 +120,12 @@ def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
 class Loop:
     """Runs job.step .. plan.total_steps; keeps the log interval's running sums."""
 
-    def __init__(self, job: Job, console: Console, writer: MetricsWriter, *,
-                 checkpointer: Checkpointer | None = None, preempt: PreemptFlag | None = None) -> None:
-        self.job, self.console, self.writer = job, console, writer
-        self.checkpointer, self.preempt = checkpointer, preempt or PreemptFlag()
+    def __init__(self, job: Job, console: Console, services: RunServices | None = None, *,
+                 preempt: PreemptFlag | None = None) -> None:
+        self.job, self.console = job, console
+        self.services = services or RunServices(job.cfg, job.rt, console)
+        self.writer, self.checkpointer = self.services.writer, self.services.checkpointer
+        self.preempt = preempt or PreemptFlag()
         self.train_time = 0.0  # seconds spent in training steps (eval excluded)
         self.last_loss = math.nan
         self.last_eval: dict[str, float] = {}
@@ -137,16 +136,9 @@ class Loop:
         self.interval_s = 0.0  # at a save: seconds trained since the last log step (in train_time_s too)
         self.skipped_seen = 0.0
         self.stopped_by = 0  # the signal that stopped the run, if any
-        self.saves: list[SaveResult] = []
         self.last_mem: dict[str, Any] = {}
-        self.hosts = hosts(job.rt)
-        self.stragglers = StragglerDetector(job.rt.world_size, self.hosts,
-                                            min_fraction=job.cfg.log.straggler_min_frac)
-        self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(job.rt.world_size)]  # seconds, whole run
         self.lead_fracs: list[float] = []  # GPU: per log interval, the median rank's lead_s over its step time
         _, self.peak_flops = device_peak(job.rt.device, job.cfg.train.precision, tf32=job.cfg.train.tf32)
-        self.agreement = StepAgreement(job.cfg.dist.timeout_s) \
-            if job.cfg.checkpoint.preempt_check == "step" and job.rt.distributed else None
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -191,27 +183,19 @@ class Loop:
                     blocked = self._save(final=bool(stop))
                     job.timer.add("ckpt", blocked)
                     t0 += blocked
-                self._log_saves()
+                self.services.log_saves()
                 if stop:
                     return stop
         finally:
             self.console.stop_progress()
-            if self.agreement is not None:
-                self.agreement.close()
         if job.eval_data is not None and self.eval_step != job.step:
             self._evaluate()
         return DONE
 
     def _preempted_now(self) -> str:
         """PREEMPTED when the ranks agree at this step boundary that one was signalled, without waiting for
-        the log step. One process needs no agreement; several agree through StepAgreement
-        (checkpoint.preempt_check=step). With log (the default) the log step's gather alone carries the flag."""
-        if not self.job.rt.distributed:
-            signum = self.preempt.signum
-        elif self.agreement is not None:
-            signum = self.agreement.poll(self.preempt.signum)
-        else:
-            return ""
+        the log step (RunServices.stop_signal)."""
+        signum = self.services.stop_signal(self.preempt)
         if signum:
             self.stopped_by = signum
             return PREEMPTED
@@ -275,10 +259,8 @@ class Loop:
                                world_size=job.rt.world_size, peak=self.peak_flops),
                   "step_time_s": elapsed / steps, "skipped_steps": int(self.skipped_seen),
                   **(self.phases(rows, steps) if job.cfg.log.phase_times else {}), "mem": self.memory(rows)}
-        straggler = self.stragglers.update([r.phases for r in rows]) if job.cfg.log.phase_times else None
+        straggler = self.services.interval([r.phases for r in rows], steps)
         if straggler is not None:
-            if straggler.pop("new"):
-                self.console.print(straggler_line(straggler))
             record["straggler"] = straggler
         self.writer.write(record)
         self.console.status(f"loss {loss:.4f}")
@@ -291,11 +273,8 @@ class Loop:
         return stop
 
     def phases(self, rows: list[RankReport], steps: int) -> dict[str, Any]:
-        """``phase_s`` (per rank) and ``phase_stats`` (over ranks) of the interval; adds to the run's totals."""
+        """``phase_s`` (per rank) and ``phase_stats`` (over ranks) of the interval."""
         per_rank = {phase: [r.phases[phase] for r in rows] for phase in PHASES}
-        for totals, r in zip(self.phase_totals, rows):
-            for phase, seconds in r.phases.items():
-                totals[phase] += seconds * steps
         stats = {phase: {"min": min(v), "median": statistics.median(v), "max": max(v),
                          "slowest_rank": max(range(len(v)), key=v.__getitem__)} for phase, v in per_rank.items()}
         if self.job.rt.device.type != "cuda":
@@ -392,10 +371,6 @@ class Loop:
             if final:
                 ckpt.wait()
         return blocked
-
-    def _log_saves(self) -> None:
-        if self.checkpointer is not None:
-            self.saves += self.checkpointer.report(self.writer, self.console.print)
 
 
 __all__ = ["DONE", "INTERRUPTED", "PREEMPTED", "Loop", "Tracer", "TrainingFailed", "train_step"]

@@ -17,7 +17,6 @@ from torch import nn
 
 from scaletrain import __version__, runtime
 from scaletrain.batch import BatchFn
-from scaletrain.checkpoint import commit
 from scaletrain.config import Config, load
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory
 from scaletrain.errors import DiskFull, Reported, Stopped, TrainingFailed, install_excepthook
@@ -36,17 +35,16 @@ from scaletrain.observe.throughput import throughput
 from scaletrain.parallel import units_line
 from scaletrain.runtime import Runtime
 from scaletrain.train.batching import plan_batches
-from scaletrain.train.checkpointing import Checkpointer, Resume, find_resume
+from scaletrain.train.checkpointing import Resume, find_resume
 from scaletrain.train.job import Job, LossFn, ModelArg, build_job
 from scaletrain.train.loop import DONE, PREEMPTED, Loop
 from scaletrain.train.precision import slow_here
 from scaletrain.train.preempt import Interrupted, PreemptFlag, restart_line
-from scaletrain.train.resume import config_changes, fitting, restore, truncate_metrics
+from scaletrain.train.resume import config_changes, fitting, restore
 from scaletrain.train.rundir import agree_run_dir
+from scaletrain.train.services import WEIGHTS, RunServices, write_outputs
 from scaletrain.train.state import dedupe, full_model_state, tied
 from scaletrain.train.trace import Tracer
-
-WEIGHTS = "model.safetensors"  # the final weights, in the run directory
 
 
 def _header(job: Job, splits: Splits, console: Console) -> None:
@@ -94,7 +92,7 @@ def _finish(job: Job, loop: Loop, wall_s: float) -> dict[str, Any]:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     samples = job.step * plan.global_batch
     samples_per_s = samples / loop.train_time if loop.train_time else 0.0
-    fractions = phase_fractions(loop.phase_totals)
+    fractions = phase_fractions(loop.services.phase_totals)
     return {
         "steps": job.step, "samples": samples, "epochs": job.step / plan.steps_per_epoch,
         "world_size": rt.world_size, "global_batch": plan.global_batch, "accum_steps": plan.accum_steps,
@@ -103,11 +101,11 @@ def _finish(job: Job, loop: Loop, wall_s: float) -> dict[str, Any]:
         **throughput(samples_per_s, flops=job.flops, tokens_per_sample=job.tokens_per_sample,
                      world_size=rt.world_size, peak=loop.peak_flops),
         "phase_frac": fractions,
-        "bottleneck": bottleneck(loop.phase_totals, device=rt.device.type, num_workers=job.cfg.data.num_workers,
+        "bottleneck": bottleneck(loop.services.phase_totals, device=rt.device.type, num_workers=job.cfg.data.num_workers,
                                  bucket_mb=job.cfg.parallel.bucket_mb, precision=job.cfg.train.precision,
                                  compiled=job.cfg.train.compile,
                                  gpu_lead=statistics.median(loop.lead_fracs) if loop.lead_fracs else None),
-        "stragglers": loop.stragglers.summary(),
+        "stragglers": loop.services.stragglers.summary(),
         "peak_mem_bytes": int(peak.item()), "device": str(rt.device), "backend": rt.backend,
         "params": sum(p.numel() for p in job.module.parameters()), "config_digest": job.cfg.digest(),
         "skipped_steps": int(loop.skipped_seen), "mem": loop.last_mem, "strategy": job.strategy,
@@ -137,54 +135,6 @@ def save_weights(job: Job, path: Path) -> None:
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.nbytes for t in tensors.values())
-
-
-def write_outputs(step: int, checkpointer: Checkpointer | None, writes: list[tuple[str, Callable[[], None]]]) -> None:
-    """The end of a finished run: every one of ``writes`` (name, write) is tried, in order, even after the disk
-    filled up. Then, if the last checkpoint (``checkpointer.failed``) or any of them could not be written, one
-    error (DiskFull for a full disk): the first failure, the latest checkpoint, what was written."""
-    failed: list[tuple[str, Exception]] = []
-    if checkpointer is not None and checkpointer.failed is not None:
-        failed.append((f"the checkpoint of step {step}", checkpointer.failed))
-    written = []
-    for name, write in writes:
-        try:
-            write()
-            written.append(name)
-        except DiskFull as err:
-            failed.append((name, err))
-    if failed:
-        raise _unfinished(step, checkpointer, failed, written)
-
-
-def _unfinished(step: int, checkpointer: Checkpointer | None, failed: list[tuple[str, Exception]],
-                written: list[str]) -> TrainingFailed:
-    """What ``write_outputs`` raises: the first failure, then what is on disk instead."""
-    (what, first), others = failed[0], [name for name, _ in failed[1:]]
-    latest = checkpointer.latest() if checkpointer is not None else None
-    if checkpointer is not None and what.startswith("the checkpoint"):
-        notes = [checkpointer.unchanged()]
-    elif what == WEIGHTS and latest is not None and commit.step_of(latest) == step:
-        export = f"scaletrain checkpoint export {latest} {getattr(first, 'path', WEIGHTS)}"
-        notes = [f"{latest} holds the same weights (`{export}` writes them once there is room)"]
-    else:
-        notes = [f"{latest} is the latest checkpoint" if latest else "no checkpoint saved"]
-    if written:
-        notes.append(f"{' and '.join(written)} {'was' if len(written) == 1 else 'were'} written")
-    if others:
-        notes.append(f"{' and '.join(others)} {'was' if len(others) == 1 else 'were'} not written either")
-    if isinstance(first, DiskFull):
-        return first.then("; ".join(notes))
-    return TrainingFailed(f"the checkpoint of step {step} was not saved ({type(first).__name__}: {first}); "
-                          + "; ".join(notes))
-
-
-def write_config(path: Path, text: str) -> None:
-    """config.toml, rewritten only when it changed: a resume on a full disk writes nothing before its first
-    step."""
-    data = text.encode()
-    if not (path.is_file() and path.read_bytes() == data):
-        write_whole(path, len(data), lambda tmp: tmp.write_bytes(data))
 
 
 def _memory_row(mem: dict[str, Any]) -> list[tuple[str, str]]:
@@ -291,13 +241,9 @@ def _out_of_memory(job: Job) -> TrainingFailed:
                           f"{advice}")
 
 
-def _stopped(job: Job, loop: Loop, outcome: str, console: Console, writer: MetricsWriter) -> dict[str, Any]:
-    last = loop.saves[-1].path if loop.saves else None
+def _stopped(job: Job, loop: Loop, outcome: str) -> dict[str, Any]:
     reason = PreemptFlag.name(loop.stopped_by) if outcome == PREEMPTED else "chaos.interrupt_step"
-    console.print(f"stopped ({reason}) at step {job.step}: checkpoint {last} saved; run the same command again "
-                  "to resume")
-    record = {"kind": "stopped", "step": job.step, "reason": reason, "checkpoint": str(last) if last else None}
-    writer.write(record)
+    record = loop.services.stopped(job.step, reason)
     if reason == "SIGINT":  # Ctrl-C: the work is saved; now stop the caller too, as Ctrl-C does
         raise Interrupted(record)
     return {"stopped": outcome, **record, "steps": job.step, "world_size": job.rt.world_size}
@@ -310,9 +256,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
     Ctrl-C (SIGINT) it saves a checkpoint and raises preempt.Interrupted, a KeyboardInterrupt."""
     started = time.perf_counter()
     rt = rt or runtime.init(cfg.dist)
-    writer = MetricsWriter(None)
     job: Job | None = None
-    checkpointer: Checkpointer | None = None
+    services: RunServices | None = None
     preempt = PreemptFlag(f"[rank {rt.rank}] " if rt.world_size > 1 else "").install()
     try:
         if cfg.log.tensorboard:
@@ -323,54 +268,42 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         build = functools.partial(build_job, cfg, rt, splits, model, loss_fn, batch_fn=batch_fn)
         job, resume = _job_and_resume(cfg, rt, build, len(splits.train), console)  # type: ignore[arg-type]
         run_dir = cfg.run_dir
-        if rt.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_config(run_dir / "config.toml", cfg.to_toml())
-            if resume is not None:
-                truncate_metrics(run_dir / "metrics.jsonl", resume.step)
-            sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard else []
-            writer = MetricsWriter(run_dir / "metrics.jsonl", append=resume is not None, sinks=sinks)
-        checkpointer = Checkpointer(cfg.checkpoint, run_dir, rt)
+        sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard and rt.is_main else []
+        services = RunServices.open(cfg, rt, console, resume, sinks=sinks)
         if cfg.debug.trace:
             job.tracer = Tracer(run_dir, rt.rank)
             job.loader.track_indices = True
-        loop = Loop(job, console, writer, checkpointer=checkpointer, preempt=preempt)
+        loop = Loop(job, console, services, preempt=preempt)
         _header(job, splits, console)
         if (restarted := restart_line(rt, resume.step if resume else None)) is not None:
             console.print(restarted)  # after torchrun restarted the group: which worker failed, how, where
         if resume is not None:
-            checkpointer.last_step = resume.step
-            _resumed(job, loop, resume, console, writer)
+            _resumed(job, loop, resume, console, services.writer)
         try:
             outcome = loop.run()
         except torch.OutOfMemoryError as err:
             raise _out_of_memory(job) from err
         except RuntimeError as err:
             raise runtime.collective_failure(err, job.rt, job.step + 1, job.cfg.dist.timeout_s) from err
-        with preempt.saving():
-            checkpointer.close()
-        preempt.finished()
-        loop._log_saves()
+        services.settle(preempt)
         if outcome != DONE:
-            return _stopped(job, loop, outcome, console, writer)
+            return _stopped(job, loop, outcome)
         summary = _finish(job, loop, time.perf_counter() - started)
-        write_outputs(job.step, checkpointer, [
+        write_outputs(job.step, services.checkpointer, [
             (WEIGHTS, lambda: save_weights(job, run_dir / WEIGHTS)),
             *([("summary.json", lambda: write_json(run_dir / "summary.json", summary))] if rt.is_main else [])])
         _summary_table(summary, run_dir, console)
         return summary
     except DiskFull as err:  # metrics.jsonl, or a final save at a stop: say what stays the latest checkpoint
-        if err.outcome or checkpointer is None:
+        if services is None:
             raise
-        checkpointer.close()  # a save in flight ends first, so that the line names the latest truly
-        raise err.then(checkpointer.unchanged()) from None
+        raise services.disk_full(err) from None
     finally:
         preempt.uninstall()
         try:
-            if checkpointer is not None:
-                checkpointer.close()  # a save in flight completes even when training failed
+            if services is not None:
+                services.close()  # a save in flight completes even when training failed
         finally:
-            writer.close()
             if job is not None:
                 if job.tracer is not None:
                     job.tracer.close()

@@ -81,7 +81,7 @@ from scaletrain.errors import (
 from scaletrain.observe.console import Console
 from scaletrain.observe.memory import peak_bytes
 from scaletrain.observe.metrics import MetricsWriter, write_json, write_whole
-from scaletrain.observe.stragglers import StragglerDetector, hosts, phase_fractions, straggler_line
+from scaletrain.observe.stragglers import phase_fractions
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_fsdp_mark
 from scaletrain.parallel import is_fsdp, parallelize, units_line
 from scaletrain.runtime import Runtime
@@ -103,16 +103,15 @@ from scaletrain.train.checkpointing import (
 )
 from scaletrain.train.guard import NonFiniteGuard, clipped_norm, supports_device_skip
 from scaletrain.train.precision import autocast, check_precision, grad_scaler, slow_here
-from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, StepAgreement, restart_line
+from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, restart_line
 from scaletrain.train.resume import (
     dcp_failure,
     model_misfit,
     own_buffers,
     saved_model_shapes,
-    truncate_metrics,
 )
-from scaletrain.train.run import WEIGHTS, write_config, write_outputs
 from scaletrain.train.rundir import agree_run_dir
+from scaletrain.train.services import WEIGHTS, RunServices, write_outputs
 from scaletrain.train.state import (
     dedupe,
     full_model_state,
@@ -196,6 +195,7 @@ class Session:
         self._tracked: dict[str, Any] = {}  # st.track(): name -> an object with state_dict()
         self._loaders: list[Loader] = []
         self.preempt = PreemptFlag(f"[rank {self.rt.rank}] " if self.rt.world_size > 1 else "").install()
+        self.services: RunServices | None = None  # run dir, metrics, checkpoints, stragglers: as fit()'s loop's
         self.writer = MetricsWriter(None)
         self.checkpointer: Checkpointer | None = None
         try:
@@ -219,21 +219,9 @@ class Session:
         self.steps = int(self._trainer.get("step", 0))  # optimizer steps completed (st.step() blocks)
         self.train_time = float(self._trainer.get("train_time_s", 0.0))
         run_dir = cfg.run_dir
-        if rt.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_config(run_dir / "config.toml", cfg.to_toml())  # unchanged on resume: nothing written
-            if self.resume is not None:
-                truncate_metrics(run_dir / "metrics.jsonl", self.resume.step)
-            self.writer = MetricsWriter(run_dir / "metrics.jsonl", append=self.resume is not None)
-        self.checkpointer = Checkpointer(cfg.checkpoint, run_dir, rt)
-        if self.resume is not None:
-            self.checkpointer.last_step = self.resume.step
+        self.services = services = RunServices.open(cfg, rt, self.console, self.resume)
+        self.writer, self.checkpointer = services.writer, services.checkpointer
         self.timer: StepTimer = StepTimer(rt.device) if cfg.log.phase_times else NullTimer(rt.device)
-        self.hosts = hosts(rt)
-        self.stragglers = StragglerDetector(rt.world_size, self.hosts, min_fraction=cfg.log.straggler_min_frac)
-        self.phase_totals = [dict.fromkeys(PHASES, 0.0) for _ in range(rt.world_size)]
-        self.agreement = StepAgreement(cfg.dist.timeout_s) \
-            if cfg.checkpoint.preempt_check == "step" and rt.distributed else None
         self._sums: dict[str, torch.Tensor] = {}  # this rank's logged values since the last log step
         self._since = 0  # steps since the last log step (restored on resume: the logged sums span them)
         self._ran = 0  # of those, the steps this process ran (what the interval's time measures)
@@ -252,7 +240,6 @@ class Session:
         self._interval_started = time.perf_counter()
         self._trace = _Trace(run_dir, rt.rank) if cfg.debug.trace else None
         self.last_metrics: dict[str, float] = {}
-        self.saves: list[Any] = []
         where = f"{rt.backend} on {rt.device}" if rt.distributed else f"single process on {rt.device}"
         self.console.print(f"scaletrain {__version__} session | world {rt.world_size} ({where}) | run dir {run_dir}")
         slow = slow_here(cfg.train.precision, rt.device)
@@ -539,19 +526,14 @@ class Session:
         due = ckpt.due(self.steps, cfg.train.max_steps or -1)
         # A checkpoint step is a log step too: nothing is saved after a non-finite step unchecked.
         log_step = self.steps % cfg.log.every == 0 or self.done or due
-        stop = 0
-        if log_step:
-            stop = self._log()
-        elif not self.rt.distributed:
-            stop = self.preempt.signum
-        elif self.agreement is not None:
-            stop = self.agreement.poll(self.preempt.signum)
+        assert self.services is not None
+        stop = self._log() if log_step else self.services.stop_signal(self.preempt)
         if self._trace is not None:
             self._trace.step(self)
         interrupt = self.chaos.interrupt_after(self.steps)  # the same on every rank: no agreement needed
         if stop or interrupt or due:
             self._save(final=bool(stop or interrupt))
-        self._log_saves()
+        self.services.log_saves()
         if stop or interrupt:
             self._stopped(PreemptFlag.name(stop) if stop else "chaos.interrupt_step")
 
@@ -589,19 +571,15 @@ class Session:
         means = {name: sum(r[i] for r in rows) / (len(rows) * steps) for i, name in enumerate(names)}
         samples = sum(r[n + 5] for r in rows)
         phases = [dict(zip(PHASES, r[n + 6:])) for r in rows]
-        for totals, p in zip(self.phase_totals, phases):
-            for phase, seconds in p.items():
-                totals[phase] += seconds * ran
+        assert self.services is not None
+        straggler = self.services.interval(phases, ran)
         record: dict[str, Any] = {"kind": "train", "step": self.steps, **means,
                                   "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
                                   "step_time_s": elapsed / ran}
         if self.cfg.log.phase_times:
             record["phase_s"] = {p: [r[p] for r in phases] for p in PHASES}
-            straggler = self.stragglers.update(phases)
-            if straggler is not None:
-                if straggler.pop("new"):
-                    self.console.print(straggler_line(straggler))
-                record["straggler"] = straggler
+        if straggler is not None:
+            record["straggler"] = straggler
         self.writer.write(record)
         text = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
         self.console.print(f"step {self.steps:>6} | {text + ' | ' if text else ''}"
@@ -667,10 +645,6 @@ class Session:
             if final:
                 ckpt.wait()
         self.timer.add("ckpt", blocked)
-
-    def _log_saves(self) -> None:
-        if self.checkpointer is not None:
-            self.saves += self.checkpointer.report(self.writer, self.console.print)
 
     def _read_rank_state(self) -> dict[str, Any] | None:
         if self.resume is None:
@@ -769,11 +743,8 @@ class Session:
                                  options=options)
 
     def _stopped(self, reason: str) -> None:
-        last = self.saves[-1].path if self.saves else None
-        record = {"kind": "stopped", "step": self.steps, "reason": reason, "checkpoint": str(last) if last else None}
-        self.writer.write(record)
-        self.console.print(f"stopped ({reason}) at step {self.steps}: checkpoint {last} saved; run the same command "
-                           "again to resume")
+        assert self.services is not None
+        record = self.services.stopped(self.steps, reason)
         self.close(finished=False)
         raise (Interrupted if reason == "SIGINT" else Preempted)(record)
 
@@ -786,7 +757,7 @@ class Session:
         if self._closed:
             return {}
         summary: dict[str, Any] = {}
-        ckpt = self.checkpointer
+        ckpt, services = self.checkpointer, self.services
         try:
             if finished and self.steps:
                 if ckpt is not None and self.cfg.checkpoint.every > 0 and ckpt.last_step != self.steps:
@@ -794,30 +765,28 @@ class Session:
                 if self._ran:
                     self._log()
                 summary = self._summary()
-            if ckpt is not None:
-                with self.preempt.saving():
-                    ckpt.close()
-            self.preempt.finished()
-            self._log_saves()
+            if services is not None:
+                services.settle(self.preempt)
             if finished and self.steps:
                 summary_file = self.cfg.run_dir / "summary.json"
                 write_outputs(self.steps, ckpt, [(WEIGHTS, self._write_weights), *(
                     [("summary.json", lambda: write_json(summary_file, summary))] if self.rt.is_main else [])])
         except DiskFull as err:  # metrics.jsonl: say what stays the latest checkpoint
-            if err.outcome or ckpt is None:
+            if services is None:
                 raise
-            raise err.then(ckpt.unchanged()) from None
+            raise services.disk_full(err) from None
         finally:
             self._release()
         return summary
 
     def _summary(self) -> dict[str, Any]:
+        assert self.services is not None
         peak = torch.tensor([float(peak_bytes(self.device))], device=self.device)
         if self.rt.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return {"steps": self.steps, "world_size": self.world_size, "wall_s": time.perf_counter() - self.started,
-                "train_s": self.train_time, "metrics": self.last_metrics, "phase_frac": phase_fractions(self.phase_totals),
-                "stragglers": self.stragglers.summary(), "peak_mem_bytes": int(peak.item()),
+                "train_s": self.train_time, "metrics": self.last_metrics, "phase_frac": phase_fractions(self.services.phase_totals),
+                "stragglers": self.services.stragglers.summary(), "peak_mem_bytes": int(peak.item()),
                 "models": [m.name for m in self._models], "device": str(self.device), "backend": self.rt.backend,
                 "config_digest": self.cfg.digest(), "torch": torch.__version__, "scaletrain": __version__}
 
@@ -841,9 +810,8 @@ class Session:
     def _release(self) -> None:
         self._closed = True
         self.preempt.uninstall()
-        agreement = getattr(self, "agreement", None)
-        if agreement is not None:
-            agreement.close()
+        if self.services is not None:
+            self.services.close()
         self.writer.close()
         if getattr(self, "_trace", None) is not None:
             self._trace.close()
