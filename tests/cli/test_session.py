@@ -210,7 +210,8 @@ def _guarded(run_dir: Path, *, nonfinite: str, via_session: bool = True) -> tupl
     and the gradient norms st.optimizer_step returned (clipped to 0.05)."""
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
     cfg = {"run.dir": str(run_dir), "train.max_steps": 4, "log.every": 1, "data.batch_size": 8,
-           "train.nonfinite": nonfinite, "optim.grad_clip": 0.05, "chaos.nan_rank": 0, "chaos.nan_step": 3}
+           "train.nonfinite": nonfinite, "optim.grad_clip": 0.05, "chaos.nan_rank": 0, "chaos.nan_step": 3,
+           "log.tensorboard": nonfinite == "skip"}
     weights, norms = [], []
     with scaletrain.session(cfg) as st:
         model, opt = st.setup(Net(), lambda p: torch.optim.AdamW(p, lr=0.01, fused=True))
@@ -237,6 +238,7 @@ def test_optimizer_step_clips_and_does_not_apply_a_non_finite_step(tmp_path: Pat
     assert bool(weights[3].isfinite().all())
     said = capsys.readouterr().out
     assert "warning: non-finite loss on rank 0 at step 3: not applied (1 optimizer step(s) skipped so far)" in said
+    assert list((tmp_path / "skip" / "tensorboard").glob("events.out.tfevents.*"))  # log.tensorboard, as fit()'s
     with pytest.raises(TrainingFailed, match=r"non-finite loss on rank 0 at step 3; the step was not applied and "
                        r"nothing after it was saved; fix: .*--train.nonfinite=skip"):
         _guarded(tmp_path / "raise", nonfinite="raise")

@@ -29,7 +29,7 @@ from scaletrain.observe.memory import (
     peak_bytes,
 )
 from scaletrain.observe.metrics import MetricsWriter, peak_memory_bytes, write_json, write_whole
-from scaletrain.observe.sinks import TensorBoardSink, check_tensorboard
+from scaletrain.observe.sinks import check_tensorboard
 from scaletrain.observe.stragglers import bottleneck, phase_fractions
 from scaletrain.observe.throughput import throughput
 from scaletrain.parallel import units_line
@@ -268,8 +268,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         build = functools.partial(build_job, cfg, rt, splits, model, loss_fn, batch_fn=batch_fn)
         job, resume = _job_and_resume(cfg, rt, build, len(splits.train), console)  # type: ignore[arg-type]
         run_dir = cfg.run_dir
-        sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard and rt.is_main else []
-        services = RunServices.open(cfg, rt, console, resume, sinks=sinks)
+        services = RunServices.open(cfg, rt, console, resume)
         if cfg.debug.trace:
             job.tracer = Tracer(run_dir, rt.rank)
             job.loader.track_indices = True

@@ -14,7 +14,7 @@ What differs between the loops (how a step runs, what is logged, the checkpoint'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,18 +50,23 @@ class RunServices:
         self.saves: list[SaveResult] = []
 
     @classmethod
-    def open(cls, cfg: Config, rt: Runtime, console: Console, resume: Resume | None, *,
-             sinks: Sequence[Any] = ()) -> RunServices:
-        """The run directory's: config.toml, metrics.jsonl (cut back to the resumed step), the checkpointer.
-        Called once the directory is agreed and the checkpoint to resume (if any) chosen."""
+    def open(cls, cfg: Config, rt: Runtime, console: Console, resume: Resume | None) -> RunServices:
+        """The run directory's: config.toml, metrics.jsonl (cut back to the resumed step; its records also
+        to TensorBoard with log.tensorboard), the checkpointer. Called once the directory is agreed and the
+        checkpoint to resume (if any) chosen."""
+        from scaletrain.observe.sinks import TensorBoardSink, check_tensorboard
+
         run_dir = cfg.run_dir
         writer = MetricsWriter(None)
+        if cfg.log.tensorboard:
+            check_tensorboard()
         if rt.is_main:
+            sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard else []
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(run_dir / "config.toml", cfg.to_toml())  # unchanged on resume: nothing written
             if resume is not None:
                 truncate_metrics(run_dir / "metrics.jsonl", resume.step)
-            writer = MetricsWriter(run_dir / "metrics.jsonl", append=resume is not None, sinks=list(sinks))
+            writer = MetricsWriter(run_dir / "metrics.jsonl", append=resume is not None, sinks=sinks)
         try:
             checkpointer = Checkpointer(cfg.checkpoint, run_dir, rt)
         except BaseException:
