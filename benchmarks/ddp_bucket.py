@@ -27,8 +27,9 @@ import tempfile
 from pathlib import Path
 
 from scaletrain.bench.report import environment, header_line, print_table, write_json
-from scaletrain.bench.runs import RunFailed, run_training, steady_state
+from scaletrain.bench.runs import RunFailed, run_training
 from scaletrain.config import load
+from scaletrain.observe.goodput import steady_state
 
 
 def parse_args() -> tuple[argparse.Namespace, dict[str, str]]:

@@ -26,7 +26,8 @@ from typing import Any
 import common
 
 from scaletrain.bench.report import environment, header_line, print_table, usable_cores, write_json
-from scaletrain.bench.runs import RunFailed, run_training, steady_state
+from scaletrain.bench.runs import RunFailed, run_training
+from scaletrain.observe.goodput import steady_state
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = {"ddp": "ddp_loop.py", "fabric": "fabric_loop.py", "accelerate": "accelerate_loop.py"}

@@ -16,6 +16,7 @@ import torch
 from scaletrain.config import load
 from scaletrain.data import digits
 from scaletrain.models import CNN
+from scaletrain.observe.goodput import PARTS, steady_state
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo"}
 
@@ -62,6 +63,27 @@ def test_run_directory_contract(digits_run):
         assert math.isfinite(r["loss"]) and r["samples_per_s"] > 0
     assert [r["step"] for r in evals] == [22 * e for e in range(21)]  # before training, then every epoch
     assert evals[-1]["eval_accuracy"] == summary["eval"]["accuracy"]
+
+
+def test_the_summary_measures_steady_state_and_accounts_for_the_wall_time(digits_run):
+    """samples/s (and MFU where a peak is known) over the log intervals after the first, whose compile and
+    warm-up they leave out: steps 51-440 of the demo; where the wall time went, in parts that sum to it."""
+    run_dir, proc = digits_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    train = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    assert summary["steady_state"] == {"first_step": 51, "last_step": 440, "timed_steps": 390, "intervals": 8}
+    assert summary["samples_per_s"] == pytest.approx(steady_state(train)["samples_per_s"], rel=1e-9)
+    overall = sum(r["samples_per_s"] * r["step_time_s"] * (r["step"] - p) for r, p in
+                  zip(train, [0] + [r["step"] for r in train])) / summary["train_s"]
+    assert summary["samples_per_s_overall"] == pytest.approx(overall, rel=1e-6)
+    good = summary["goodput"]
+    parts = good["parts_s"]
+    assert list(parts) == list(PARTS) and all(v >= 0 for v in parts.values())
+    assert abs(sum(parts.values()) - summary["wall_s"]) <= 0.02 * summary["wall_s"]
+    assert sum(good["fraction"].values()) == pytest.approx(1.0)
+    assert parts["warmup"] + parts["compute"] + parts["data_wait"] == pytest.approx(summary["train_s"], rel=1e-6)
+    assert parts["startup"] > 0.5 and parts["eval"] > 0  # imports and process group; 21 evaluations
+    assert "steady state, steps 51-440" in proc.stdout and "time spent on" in proc.stdout
 
 
 def test_saved_weights_reproduce_the_reported_accuracy(digits_run):

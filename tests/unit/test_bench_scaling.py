@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.bench import scaling, throughput
-from scaletrain.bench.runs import steady_state
 from scaletrain.errors import ConfigError
+from scaletrain.observe.goodput import steady_state
 
 
 def test_steady_state_drops_the_warmup_interval():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -63,24 +62,3 @@ def run_training(recipe: str, nproc: int, run_dir: Path, overrides: Mapping[str,
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return TrainRun(nproc, run_dir, summary, [r for r in records if r.get("kind") == "train"])
-
-
-def steady_state(records: Sequence[Mapping[str, Any]], skip: int = 1) -> dict[str, Any]:
-    """Throughput over the log intervals after the first ``skip`` (warm-up), from metrics.jsonl.
-
-    An interval's time is its steps x step_time_s and its samples that time x samples_per_s; samples/s is the
-    total over the kept intervals, step time the median of their per-step times.
-    """
-    kept = []
-    previous = 0
-    for i, r in enumerate(records):
-        steps = r["step"] - previous
-        previous = r["step"]
-        if i >= skip and steps > 0:
-            kept.append((steps, steps * r["step_time_s"], steps * r["step_time_s"] * r["samples_per_s"]))
-    if not kept:
-        raise AssertionError(f"no log interval left after skipping {skip} (of {len(records)})")
-    seconds = sum(k[1] for k in kept)
-    return {"samples_per_s": sum(k[2] for k in kept) / seconds,
-            "step_time_s": statistics.median(k[1] / k[0] for k in kept),
-            "timed_steps": sum(k[0] for k in kept), "intervals": len(kept)}

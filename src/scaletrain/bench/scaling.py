@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from scaletrain.bench.runs import TrainRun, run_training, steady_state
+from scaletrain.bench.runs import TrainRun, run_training
 from scaletrain.config import load
 from scaletrain.errors import ConfigError
+from scaletrain.observe.goodput import steady_state
 
 RESERVED = ("train.max_steps", "train.log_every", "dist.nproc", "dist.nnodes", "dist.rdzv", "dist.max_restarts")
 

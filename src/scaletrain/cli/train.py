@@ -61,11 +61,12 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     if under_launcher():
         _warn_if_launcher_overrides(cfg)
     if under_launcher() or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):
+        from scaletrain.observe.goodput import process_started
         from scaletrain.train.preempt import Interrupted
         from scaletrain.train.run import run as run_training
 
         try:
-            run_training(cfg)
+            run_training(cfg, started=process_started())  # the wall time counts imports and start-up too
         except Interrupted:  # Ctrl-C, after saving (and saying so)
             # A worker exits 0: its agent must not take a stop for a failure and restart the group.
             return 0 if under_launcher() else 128 + signal.SIGINT

@@ -151,7 +151,12 @@ def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int,
         return {"verdict": "host-bound", "evidence": evidence, "fix": fix}
     levers = [] if precision != "fp32" else ["bf16 mixed precision (--train.precision=bf16-mixed)"]
     levers += [] if compiled else ["torch.compile (--train.compile=true)"]
-    fix = "the device is busy computing: " + ", ".join([*levers, "or more devices (data parallelism scales it)"])
+    if levers:
+        fix = f"the device is busy computing, so make its work cheaper with {' and '.join(levers)}, or add devices " \
+              "(data parallelism scales it)"
+    else:
+        fix = "the device is busy computing, with bf16 and torch.compile on already: add devices (data parallelism " \
+              "scales it)"
     return {"verdict": "compute-bound", "evidence": evidence, "fix": fix}
 
 

@@ -137,6 +137,9 @@ class Loop:
         self.skipped_seen = 0.0
         self.stopped_by = 0  # the signal that stopped the run, if any
         self.last_mem: dict[str, Any] = {}
+        self.records: list[dict[str, Any]] = []  # this process's log intervals: step, steps, step_time_s, samples_per_s
+        self.eval_s = 0.0  # seconds this process spent evaluating
+        self.checkpoint_s = 0.0  # seconds the loop was blocked by saves
         self.lead_fracs: list[float] = []  # GPU: per log interval, the median rank's lead_s over its step time
         _, self.peak_flops = device_peak(job.rt.device, job.cfg.train.precision, tf32=job.cfg.train.tf32)
 
@@ -182,6 +185,7 @@ class Loop:
                     self.interval_s = time.perf_counter() - t0
                     blocked = self._save(final=bool(stop))
                     job.timer.add("ckpt", blocked)
+                    self.checkpoint_s += blocked
                     t0 += blocked
                 self.services.log_saves()
                 if stop:
@@ -253,6 +257,8 @@ class Loop:
         self.train_time += elapsed
         self.last_loss = loss
         samples_per_s = steps * job.plan.global_batch / elapsed
+        self.records.append({"step": job.step, "steps": steps, "step_time_s": elapsed / steps,
+                             "samples_per_s": samples_per_s})
         record = {"kind": "train", "step": job.step, "epoch": job.loader.epoch + 1, "loss": loss,
                   "lr": job.scheduler.get_last_lr()[0], "samples_per_s": samples_per_s,
                   **throughput(samples_per_s, flops=job.flops, tokens_per_sample=job.tokens_per_sample,
@@ -310,8 +316,10 @@ class Loop:
 
     def _evaluate(self) -> None:
         job = self.job
+        started = time.perf_counter()
         with self.preempt.saving():  # no step completes during an evaluation either: that is progress too
             metrics = evaluate(job)
+        self.eval_s += time.perf_counter() - started
         self.last_eval, self.eval_step = metrics, job.step
         epoch = job.loader.epoch + 1 if job.step else 0
         self.writer.write({"kind": "eval", "step": job.step, "epoch": epoch,

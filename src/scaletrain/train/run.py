@@ -21,6 +21,7 @@ from scaletrain.config import Config, load
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory
 from scaletrain.errors import DiskFull, Reported, Stopped, TrainingFailed, install_excepthook
 from scaletrain.observe.console import Console
+from scaletrain.observe.goodput import account, describe, steady_state
 from scaletrain.observe.memory import (
     device_capacity_bytes,
     fmt_bytes,
@@ -85,21 +86,37 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
                           "evaluates all of them")
 
 
-def _finish(job: Job, loop: Loop, wall_s: float) -> dict[str, Any]:
+def _finish(job: Job, loop: Loop, wall_s: float, startup_s: float) -> dict[str, Any]:
     rt, plan = job.rt, job.plan
     peak = torch.tensor([peak_memory_bytes(rt.device)], device=rt.device)
     if rt.distributed:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     samples = job.step * plan.global_batch
-    samples_per_s = samples / loop.train_time if loop.train_time else 0.0
-    fractions = phase_fractions(loop.services.phase_totals)
+    overall = samples / loop.train_time if loop.train_time else 0.0
+    # Throughput and MFU in steady state: the log intervals after this process's first (compile, warm-up).
+    try:
+        steady: dict[str, Any] | None = steady_state(loop.records)
+    except AssertionError:  # one interval only: nothing to tell warm-up from
+        steady = None
+    samples_per_s = steady["samples_per_s"] if steady else overall
+    totals = loop.services.phase_totals
+    good = account(wall_s, startup_s=startup_s, intervals=[(r["steps"], r["steps"] * r["step_time_s"])
+                                                             for r in loop.records],
+                   steady_step_s=plan.global_batch / samples_per_s if steady and samples_per_s else None,
+                   data_wait_s=sum(t["data"] for t in totals) / len(totals), eval_s=loop.eval_s,
+                   checkpoint_s=loop.checkpoint_s)
+    rates = throughput(samples_per_s, flops=job.flops, tokens_per_sample=job.tokens_per_sample,
+                       world_size=rt.world_size, peak=loop.peak_flops)
+    if "mfu" in rates and job.cfg.memory.activation_checkpointing == "full":
+        rates["hfu"] = rates["mfu"] * 4 / 3  # the hardware also recomputes each block's forward in backward
+    fractions = phase_fractions(totals)
     return {
         "steps": job.step, "samples": samples, "epochs": job.step / plan.steps_per_epoch,
         "world_size": rt.world_size, "global_batch": plan.global_batch, "accum_steps": plan.accum_steps,
         "peak_lr": plan.peak_lr, "wall_s": wall_s, "train_s": loop.train_time, "train_loss": loop.last_loss,
-        "eval": loop.last_eval, "samples_per_s": samples_per_s,
-        **throughput(samples_per_s, flops=job.flops, tokens_per_sample=job.tokens_per_sample,
-                     world_size=rt.world_size, peak=loop.peak_flops),
+        "eval": loop.last_eval, "samples_per_s": samples_per_s, **rates, "samples_per_s_overall": overall,
+        "steady_state": {k: steady[k] for k in ("first_step", "last_step", "timed_steps", "intervals")}
+        if steady else None, "goodput": good,
         "phase_frac": fractions,
         "bottleneck": bottleneck(loop.services.phase_totals, device=rt.device.type, num_workers=job.cfg.data.num_workers,
                                  bucket_mb=job.cfg.parallel.bucket_mb, precision=job.cfg.train.precision,
@@ -159,9 +176,15 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
     rate = f"{summary['samples_per_s']:,.0f} samples/s"
     if "tokens_per_s" in summary:
         rate += f" ({summary['tokens_per_s']:,.0f} tokens/s)"
-    rows += [("throughput", rate)]
+    steady = summary.get("steady_state")
+    window = f"steady state, steps {steady['first_step']}-{steady['last_step']}" if steady else \
+        "the whole run: one log interval, no steady state told apart"
+    rows += [("throughput", f"{rate}, {window}")]
     if "mfu" in summary:
-        rows += [("MFU", f"{100 * summary['mfu']:.1f}%")]
+        mfu = f"{100 * summary['mfu']:.1f}%"
+        if "hfu" in summary:
+            mfu += f" (HFU {100 * summary['hfu']:.1f}% with activation checkpointing's recompute)"
+        rows += [("MFU", mfu)]
     elif "flops_per_s" in summary:
         rows += [("model FLOP/s", f"{summary['flops_per_s'] / 1e9:,.1f} GFLOP/s (no peak known for this device)")]
     verdict = summary["bottleneck"]
@@ -169,7 +192,7 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
     rows += [(f"straggler rank {s['rank']}",
               f"{s['host']}, {s['phase']}, +{1000 * s['slower_by_s']:.1f} ms/step in {s['intervals']} interval(s)")
              for s in summary["stragglers"]]
-    rows += [("wall time", f"{summary['wall_s']:.1f} s"),
+    rows += [("wall time", f"{summary['wall_s']:.1f} s"), ("time spent on", describe(summary["goodput"])),
              ("peak memory / rank", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB"),
              *_memory_row(summary.get("mem", {})),
              ("run dir", str(run_dir))]
@@ -250,11 +273,14 @@ def _stopped(job: Job, loop: Loop, outcome: str) -> dict[str, Any]:
 
 
 def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
-        loss_fn: LossFn | None = None, rt: Runtime | None = None, batch_fn: BatchFn | None = None) -> dict[str, Any]:
+        loss_fn: LossFn | None = None, rt: Runtime | None = None, batch_fn: BatchFn | None = None,
+        started: float | None = None) -> dict[str, Any]:
     """Train as configured, resuming from the run directory's latest checkpoint if there is one; returns the
     summary (the same dict on every rank), or, when preempted, ``{"stopped": ..., "steps": ...}``. After
-    Ctrl-C (SIGINT) it saves a checkpoint and raises preempt.Interrupted, a KeyboardInterrupt."""
-    started = time.perf_counter()
+    Ctrl-C (SIGINT) it saves a checkpoint and raises preempt.Interrupted, a KeyboardInterrupt. ``started``:
+    time.perf_counter() when the run began (the CLI: its process's start), for the wall time and its
+    account; default now."""
+    started = time.perf_counter() if started is None else started
     rt = rt or runtime.init(cfg.dist)
     job: Job | None = None
     services: RunServices | None = None
@@ -278,6 +304,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
             console.print(restarted)  # after torchrun restarted the group: which worker failed, how, where
         if resume is not None:
             _resumed(job, loop, resume, console, services.writer)
+        loop_started = time.perf_counter()
         try:
             outcome = loop.run()
         except torch.OutOfMemoryError as err:
@@ -287,7 +314,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         services.settle(preempt)
         if outcome != DONE:
             return _stopped(job, loop, outcome)
-        summary = _finish(job, loop, time.perf_counter() - started)
+        summary = _finish(job, loop, time.perf_counter() - started, loop_started - started)
         write_outputs(job.step, services.checkpointer, [
             (WEIGHTS, lambda: save_weights(job, run_dir / WEIGHTS)),
             *([("summary.json", lambda: write_json(run_dir / "summary.json", summary))] if rt.is_main else [])])

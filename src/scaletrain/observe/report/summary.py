@@ -57,6 +57,25 @@ def _phase_text(frac: Any) -> str:
     return ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares) or NONE
 
 
+def _window(s: dict[str, Any]) -> str:
+    """Which steps the throughput and MFU are measured over (summary.json's steady_state)."""
+    if "steady_state" not in s:
+        return NONE  # a summary from before steady states were told apart: the whole run's average
+    steady = s["steady_state"]
+    if isinstance(steady, dict) and _num(steady.get("first_step")) is not None:
+        return f"steady state, steps {steady['first_step']}-{steady.get('last_step')}"
+    return "the whole run (one log interval)"
+
+
+def _goodput_text(goodput: Any) -> str:
+    from scaletrain.observe.goodput import describe
+
+    try:
+        return describe(goodput)
+    except (KeyError, TypeError, ValueError):  # absent (an older summary) or not this shape
+        return NONE
+
+
 def _column(run: Run) -> dict[str, str]:
     s = run.summary or {}
     steps = s.get("steps", _last(run.train, "step"))
@@ -82,6 +101,8 @@ def _column(run: Run) -> dict[str, str]:
         "tokens/s": _fmt(s.get("tokens_per_s", _last(run.train, "tokens_per_s")), ",.0f"),
         "achieved FLOP/s": _fmt(s.get("flops_per_s", _last(run.train, "flops_per_s")), ".3g"),
         "MFU": _fmt(s.get("mfu", _last(run.train, "mfu")), ".1f", 100, "%"),
+        "measured over": _window(s),
+        "time spent on": _goodput_text(s.get("goodput")),
         "train loss": _fmt(s.get("train_loss", _last(run.train, "loss")), ".4f"),
     }
     for key in ("loss", "accuracy"):

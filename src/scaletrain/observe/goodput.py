@@ -1,0 +1,95 @@
+"""Honest run totals: throughput in steady state, and where the wall time went (goodput).
+
+A run's average throughput counts its first steps, which compile (torch.compile), allocate, autotune and warm the
+caches: 11% MFU for a run that sustains 37% (issue 14's H100 measurements). The summary's samples/s, tokens/s and
+MFU are therefore those of the steady state: the log intervals after the first one this process ran, named by
+their steps. The first interval's time beyond the steady pace is the run's warm-up (compile included).
+
+The account of the wall time, each part in seconds and as a fraction of the wall (they sum to it):
+
+    startup     process start (the CLI) or run() (fit()) until the first step: imports, process group, data,
+                model, wrapping, loading a checkpoint
+    warmup      the first log interval beyond the steady pace: compile, allocation, autotuning
+    compute     training steps at the steady pace, data waits taken out
+    data_wait   steps waiting for their batch (per-rank phase times, the mean over ranks)
+    eval        evaluations
+    checkpoint  the loop blocked by saves (the copy to host; the writing is in the background)
+    other       the rest: the log steps' gathers, the end of the loop, waiting for the last save
+
+Work lost to restarts (steps done after the last checkpoint by a worker that died) is not in this account,
+which covers the process that finished; the restart itself is in its startup.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+PARTS = ("startup", "warmup", "compute", "data_wait", "eval", "checkpoint", "other")
+
+
+def steady_state(records: Sequence[Mapping[str, Any]], skip: int = 1) -> dict[str, Any]:
+    """Throughput over the log intervals after the first ``skip`` (warm-up), from train records (step,
+    step_time_s, samples_per_s) in order, as metrics.jsonl has them.
+
+    An interval's time is its steps x step_time_s and its samples that time x samples_per_s; samples/s is the
+    total over the kept intervals, step time the median of their per-step times. Raises AssertionError when
+    no interval is left."""
+    kept = []
+    previous = 0
+    for i, r in enumerate(records):
+        steps = r["step"] - previous
+        previous = r["step"]
+        if i >= skip and steps > 0:
+            kept.append((steps, steps * r["step_time_s"], steps * r["step_time_s"] * r["samples_per_s"], r["step"]))
+    if not kept:
+        raise AssertionError(f"no log interval left after skipping {skip} (of {len(records)})")
+    seconds = sum(k[1] for k in kept)
+    return {"samples_per_s": sum(k[2] for k in kept) / seconds,
+            "step_time_s": statistics.median(k[1] / k[0] for k in kept),
+            "timed_steps": sum(k[0] for k in kept), "intervals": len(kept),
+            "first_step": kept[0][3] - kept[0][0] + 1, "last_step": kept[-1][3]}
+
+
+def account(wall_s: float, *, startup_s: float, intervals: Sequence[tuple[int, float]], steady_step_s: float | None,
+            data_wait_s: float, eval_s: float, checkpoint_s: float) -> dict[str, Any]:
+    """The goodput account (module docstring). ``intervals``: (steps, seconds) of each log interval this
+    process trained, in order; ``steady_step_s``: the steady-state seconds per step (None: no steady state,
+    so no warm-up is told apart)."""
+    train_s = sum(seconds for _, seconds in intervals)
+    warmup = 0.0
+    if intervals and steady_step_s is not None:
+        steps, seconds = intervals[0]
+        warmup = max(0.0, seconds - steps * steady_step_s)
+    data_wait = min(max(0.0, data_wait_s), train_s - warmup)
+    parts = {"startup": startup_s, "warmup": warmup, "compute": train_s - warmup - data_wait,
+             "data_wait": data_wait, "eval": eval_s, "checkpoint": checkpoint_s}
+    parts["other"] = max(0.0, wall_s - sum(parts.values()))
+    total = sum(parts.values())  # the wall, unless the measured parts overran it (clock granularity)
+    return {"wall_s": total, "parts_s": parts,
+            "fraction": {k: v / total if total > 0 else 0.0 for k, v in parts.items()},
+            "goodput": parts["compute"] / total if total > 0 else 0.0}
+
+
+def describe(goodput: Mapping[str, Any]) -> str:
+    """One line for the summary table: every part with its share."""
+    names = {"startup": "startup", "warmup": "compile + warm-up", "compute": "training", "data_wait": "data waits",
+             "eval": "eval", "checkpoint": "checkpoints", "other": "other"}
+    return ", ".join(f"{names[k]} {goodput['parts_s'][k]:.1f} s ({100 * goodput['fraction'][k]:.0f}%)"
+                     for k in PARTS if k in goodput["parts_s"])
+
+
+def process_started() -> float:
+    """time.perf_counter() at this process's start (Linux: /proc), or now where that is not known: the CLI's
+    start-up then counts from its first call."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        # field 22 of stat: the start, in clock ticks since boot; CLOCK_BOOTTIME: now, since boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter()
+    return time.perf_counter() - age if 0 <= age < 86400 else time.perf_counter()
