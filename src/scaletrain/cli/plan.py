@@ -26,8 +26,9 @@ WIDTH = 80  # columns of the default output
 MEMORY = ("params", "grads", "optimizer", "activations", "fsdp buffers", "total")
 TIME = ("compute", "comm", "step", "run", "cost $")
 WIDE_COLUMNS = ("layout", "checkpointing", *MEMORY, "fits", "compute", "comm", "run", "cost $")
-CAPTION = ("compute: FLOPs / (GPUs x peak x MFU), +1/3 with full checkpointing; comm: ring collectives at the "
-           "link rate, a lower bound; step = max(compute, comm) (docs/plan.md)")
+CAPTION = ("compute: model FLOPs / (GPUs x peak x MFU), MFU x 3/4 with full checkpointing (the GPU also "
+           "recomputes a forward); comm: ring collectives at the link rate, a lower bound; step = max(compute, comm) "
+           "(docs/plan.md)")
 
 HELP = ("Before a run: memory per GPU for DDP, FSDP and HSDP, with and without activation checkpointing, the "
         "time per step and of the run, its cost, and the layout to use. Nothing runs on a GPU: the model is "
@@ -43,7 +44,8 @@ def add_parser(sub: Any, name: str) -> None:
     add_config_argument(p)
     own = p.add_argument_group("plan")
     own.add_argument("--gpu", default="h100", help=f"the accelerator: {', '.join(ACCELERATORS)} [default: h100]")
-    own.add_argument("--mfu", default="0.4", help="model FLOPs utilization to assume, in (0, 1] [default: 0.4]")
+    own.add_argument("--mfu", default="0.4", help="model FLOPs utilization to assume for a run without activation "
+                     "checkpointing (full checkpointing's recompute makes it 3/4 of that), in (0, 1] [default: 0.4]")
     own.add_argument("--net-gbps", default="400", help="network between machines, Gb/s per GPU [default: 400]")
     own.add_argument("--price", default="", help="US dollars per GPU-hour, for the run's cost [default: none]")
     own.add_argument("--json", default="", help="also write the plan to this file")
@@ -134,7 +136,7 @@ def _print_plan(name: str, plan: Plan, batch: str, width: int | None) -> None:
     acc, facts = plan.accelerator, plan.facts
     per = f" ({facts.tokens_per_sample} tokens each)" if facts.tokens_per_sample else ""
     _say(f"plan: {name} on {plan.nodes} x {plan.gpus_per_node} {acc.key}, {plan.total_steps} steps, "
-         f"MFU {plan.mfu:g} assumed", width)
+         f"MFU {plan.mfu:g} assumed ({0.75 * plan.mfu:g} with full checkpointing)", width)
     _say(f"{acc.key}: {acc.name}, {acc.memory_bytes / 2**30:.1f} GiB, {plan.peak / 1e12:.0f} TFLOP/s "
          f"{compute_format(plan.precision, tf32=plan.tf32)}", width)
     _say(f"model: {facts.params / 1e6:.1f}M parameters, {facts.flops_per_sample / 1e9:.3g} GFLOP per sample{per}",

@@ -18,8 +18,9 @@ buffers). Sizes come from the CPU's kernels: on a GPU, flash/cuDNN attention kee
 
 Time. compute = training FLOPs per step / (GPUs x peak x MFU), at the peak of the format the matmuls run in
 (bf16/fp16 in the mixed modes; an fp32 run at the TF32 rate when train.tf32 is on, else at the fp32 rate);
-recomputation under full checkpointing adds one forward (a third of the FLOPs). MFU is an assumption the
-user can change (--mfu; default 0.40: this project measured 48-52% for tuned GPT benchmarks and 25-30% through
+the FLOPs are the model's, as MFU counts them, and the MFU given is a run's without recompute: under full
+checkpointing the GPU also recomputes one forward (a third more work at the same hardware utilization), so its
+MFU is 3/4 of the given one. MFU is an assumption the user can change (--mfu; default 0.40: this project measured 48-52% for tuned GPT benchmarks and 25-30% through
 the eager trainer, benchmarks/RESULTS.md 5b). Communication per optimizer step, the bytes each GPU sends over
 the ring algorithms at the link rate: DDP one all-reduce of the fp32 gradients (2 (n-1)/n x G); FSDP two
 all-gathers of the parameters in the compute dtype per micro-step (forward, and backward after resharding) and
@@ -256,8 +257,10 @@ def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Acceler
     k = OPTIM_STATES.get(optimizer, 2)
     cbytes = AUTOCAST_DTYPE.get(precision, torch.float32).itemsize
     buffers = 0 if strategy == "ddp" or shard == 1 else facts.largest_unit * (2 * cbytes + 4)
-    flops = facts.flops_per_sample * batch_size * world * accum_steps * (4 / 3 if checkpointing == "full" else 1)
-    compute = flops / (world * acc.peak(precision, tf32=tf32) * mfu)
+    flops = facts.flops_per_sample * batch_size * world * accum_steps  # the model's, as MFU counts them
+    # ``mfu`` is a run's without recompute; full checkpointing does a forward more on the same hardware
+    # (HFU unchanged), so its MFU is 3/4 of that.
+    compute = flops / (world * acc.peak(precision, tf32=tf32) * mfu * (0.75 if checkpointing == "full" else 1))
     link = acc.link_bytes_per_s
     across = min(link, net_bytes_per_s) if nodes > 1 else link
     pc = facts.params * cbytes
