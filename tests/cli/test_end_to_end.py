@@ -80,6 +80,10 @@ def test_the_summary_measures_steady_state_and_accounts_for_the_wall_time(digits
     parts = good["parts_s"]
     assert list(parts) == list(PARTS) and all(v >= 0 for v in parts.values())
     assert abs(sum(parts.values()) - summary["wall_s"]) <= 0.02 * summary["wall_s"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    [start] = [r for r in records if r["kind"] == "start"]  # from the worker's start to its last record
+    span = records[-1]["time"] - start["process_start"]
+    assert abs(good["wall_s"] - span) <= 0.03 * span + 0.3, (good, span)
     assert sum(good["fraction"].values()) == pytest.approx(1.0)
     assert parts["warmup"] + parts["compute"] + parts["data_wait"] == pytest.approx(summary["train_s"], rel=1e-6)
     assert parts["startup"] > 0.5 and parts["eval"] > 0  # imports and process group; 21 evaluations

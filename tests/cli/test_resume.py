@@ -27,6 +27,7 @@ import safetensors.torch
 import torch
 
 from scaletrain.checkpoint import commit
+from scaletrain.observe.goodput import EARLIER, PARTS
 from scaletrain.train.checkpointing import Resume, read_model
 
 JOB = ["digits", "--nproc", "2", "--train.epochs=2", "--model.dropout=0.1", "--train.log_every=4",
@@ -114,6 +115,18 @@ def test_a_killed_worker_is_restarted_said_in_one_line_and_the_run_is_bit_identi
     assert weights_digest(tmp_path / "run") == weights_digest(reference)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 44 and summary["skipped_steps"] == 0
+    # Where the job's time went, both attempts: the first one's kept training (steps 1-8) and the rest of it
+    # (its start-up, steps 9-12 lost, torchrun's restart) beside the second one's parts; they sum to the time
+    # from the first worker's start to the last record (metrics.jsonl stamps each record).
+    good = summary["goodput"]
+    assert good["attempts"] == 2 and list(good["parts_s"]) == [*PARTS, *EARLIER]
+    assert good["parts_s"]["earlier_attempts"] > 0 and good["parts_s"]["restarts"] > 1.0  # a start-up at least
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    starts = [r for r in records if r["kind"] == "start"]
+    assert [(r["step"], r["restarted"]) for r in starts] == [(0, False), (8, True)]
+    span = records[-1]["time"] - starts[0]["process_start"]
+    assert abs(good["wall_s"] - span) <= 0.03 * span + 0.3, (good, span)
+    assert sum(good["parts_s"].values()) == pytest.approx(good["wall_s"])
 
     # checkpoint inspect/export on the same run
     cli = [sys.executable, "-m", "scaletrain", "checkpoint"]

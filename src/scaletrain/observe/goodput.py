@@ -16,8 +16,16 @@ The account of the wall time, each part in seconds and as a fraction of the wall
     checkpoint  the loop blocked by saves (the copy to host; the writing is in the background)
     other       the rest: the log steps' gathers, the end of the loop, waiting for the last save
 
-Work lost to restarts (steps done after the last checkpoint by a worker that died) is not in this account,
-which covers the process that finished; the restart itself is in its startup.
+and, when the run resumed from earlier attempts (a restarted worker group, or the same command again after a
+stop), two parts more, so that the parts sum to the whole job's busy time:
+
+    earlier_attempts  their training up to the checkpoint this attempt resumed from: work kept
+    restarts          the rest of their time (their startup, evals, work after their last checkpoint, which
+                      was lost) and, for a restart by torchrun, the time from their last record to this start
+
+A gap between a stopped attempt and the next one started by hand is idle time, not the job's. The earlier
+attempts are read, before a resume cuts metrics.jsonl back, from its records: every record has its ``time``
+and each attempt begins with a ``start`` record carrying the account of those before it.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 PARTS = ("startup", "warmup", "compute", "data_wait", "eval", "checkpoint", "other")
+EARLIER = ("earlier_attempts", "restarts")  # only when the run resumed from earlier attempts
+NAMES = {"startup": "startup", "warmup": "compile + warm-up", "compute": "training", "data_wait": "data waits",
+         "eval": "eval", "checkpoint": "checkpoints", "other": "other", "earlier_attempts": "earlier attempts (kept)",
+         "restarts": "earlier start-ups, restarts and lost work"}
 
 
 def steady_state(records: Sequence[Mapping[str, Any]], skip: int = 1) -> dict[str, Any]:
@@ -55,10 +67,11 @@ def steady_state(records: Sequence[Mapping[str, Any]], skip: int = 1) -> dict[st
 
 
 def account(wall_s: float, *, startup_s: float, intervals: Sequence[tuple[int, float]], steady_step_s: float | None,
-            data_wait_s: float, eval_s: float, checkpoint_s: float) -> dict[str, Any]:
+            data_wait_s: float, eval_s: float, checkpoint_s: float,
+            earlier: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The goodput account (module docstring). ``intervals``: (steps, seconds) of each log interval this
     process trained, in order; ``steady_step_s``: the steady-state seconds per step (None: no steady state,
-    so no warm-up is told apart)."""
+    so no warm-up is told apart); ``earlier``: earlier_attempts()'s account of the attempts before this one."""
     train_s = sum(seconds for _, seconds in intervals)
     warmup = 0.0
     if intervals and steady_step_s is not None:
@@ -68,18 +81,46 @@ def account(wall_s: float, *, startup_s: float, intervals: Sequence[tuple[int, f
     parts = {"startup": startup_s, "warmup": warmup, "compute": train_s - warmup - data_wait,
              "data_wait": data_wait, "eval": eval_s, "checkpoint": checkpoint_s}
     parts["other"] = max(0.0, wall_s - sum(parts.values()))
+    if earlier:
+        parts["earlier_attempts"] = earlier["kept_train_s"]
+        parts["restarts"] = max(0.0, earlier["busy_s"] - earlier["kept_train_s"])
     total = sum(parts.values())  # the wall, unless the measured parts overran it (clock granularity)
-    return {"wall_s": total, "parts_s": parts,
+    useful = parts["compute"] + parts.get("earlier_attempts", 0.0)
+    return {"wall_s": total, "parts_s": parts, "attempts": 1 + (earlier["attempts"] if earlier else 0),
             "fraction": {k: v / total if total > 0 else 0.0 for k, v in parts.items()},
-            "goodput": parts["compute"] / total if total > 0 else 0.0}
+            "goodput": useful / total if total > 0 else 0.0}
+
+
+def earlier_attempts(records: Sequence[Mapping[str, Any]], resume_step: int, *, restarted: bool,
+                     started: float) -> dict[str, Any] | None:
+    """The account of the attempts before this one, from metrics.jsonl's records as the last attempt left
+    them (before a resume cuts them back to ``resume_step``): their busy time and the training they handed
+    on. ``restarted``: torchrun restarted the group (the gap since the last record is the job's);
+    ``started``: this process's start (epoch seconds). None when the records do not say (an attempt by a
+    version that wrote no ``start`` record)."""
+    starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
+    if not starts:
+        return None
+    last = records[starts[-1]]
+    before = last.get("earlier") or {"busy_s": 0.0, "kept_train_s": 0.0, "attempts": 0}
+    times = [r["time"] for r in records[starts[-1]:] if isinstance(r.get("time"), (int, float))]
+    if not isinstance(last.get("process_start"), (int, float)) or not times:
+        return None
+    end = max(times)
+    kept, previous = 0.0, int(last.get("step", 0))
+    for r in records[starts[-1] + 1:]:
+        if r.get("kind") == "train" and previous < r.get("step", 0) <= resume_step:
+            kept += (r["step"] - previous) * r["step_time_s"]
+            previous = r["step"]
+    busy = end - last["process_start"] + (max(0.0, started - end) if restarted else 0.0)
+    return {"busy_s": before["busy_s"] + busy, "kept_train_s": before["kept_train_s"] + kept,
+            "attempts": before["attempts"] + 1}
 
 
 def describe(goodput: Mapping[str, Any]) -> str:
     """One line for the summary table: every part with its share."""
-    names = {"startup": "startup", "warmup": "compile + warm-up", "compute": "training", "data_wait": "data waits",
-             "eval": "eval", "checkpoint": "checkpoints", "other": "other"}
-    return ", ".join(f"{names[k]} {goodput['parts_s'][k]:.1f} s ({100 * goodput['fraction'][k]:.0f}%)"
-                     for k in PARTS if k in goodput["parts_s"])
+    return ", ".join(f"{NAMES[k]} {goodput['parts_s'][k]:.1f} s ({100 * goodput['fraction'][k]:.0f}%)"
+                     for k in (*PARTS, *EARLIER) if k in goodput["parts_s"])
 
 
 def process_started() -> float:

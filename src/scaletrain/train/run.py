@@ -104,7 +104,7 @@ def _finish(job: Job, loop: Loop, wall_s: float, startup_s: float) -> dict[str, 
                                                              for r in loop.records],
                    steady_step_s=plan.global_batch / samples_per_s if steady and samples_per_s else None,
                    data_wait_s=sum(t["data"] for t in totals) / len(totals), eval_s=loop.eval_s,
-                   checkpoint_s=loop.checkpoint_s)
+                   checkpoint_s=loop.checkpoint_s, earlier=loop.services.earlier)
     rates = throughput(samples_per_s, flops=job.flops, tokens_per_sample=job.tokens_per_sample,
                        world_size=rt.world_size, peak=loop.peak_flops)
     if "mfu" in rates and job.cfg.memory.activation_checkpointing == "full":
@@ -294,7 +294,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         build = functools.partial(build_job, cfg, rt, splits, model, loss_fn, batch_fn=batch_fn)
         job, resume = _job_and_resume(cfg, rt, build, len(splits.train), console)  # type: ignore[arg-type]
         run_dir = cfg.run_dir
-        services = RunServices.open(cfg, rt, console, resume)
+        services = RunServices.open(cfg, rt, console, resume, started=started)
         if cfg.debug.trace:
             job.tracer = Tracer(run_dir, rt.rank)
             job.loader.track_indices = True

@@ -14,14 +14,20 @@ What differs between the loops (how a step runs, what is logged, the checkpoint'
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from scaletrain.checkpoint import commit
 from scaletrain.config import Config
 from scaletrain.errors import DiskFull, TrainingFailed
 from scaletrain.observe.console import Console
+from scaletrain.observe.goodput import earlier_attempts
 from scaletrain.observe.metrics import MetricsWriter, write_whole
 from scaletrain.observe.stragglers import StragglerDetector, hosts, straggler_line
 from scaletrain.observe.timing import PHASES
@@ -48,25 +54,37 @@ class RunServices:
         self.agreement = StepAgreement(cfg.dist.timeout_s) \
             if cfg.checkpoint.preempt_check == "step" and rt.distributed else None
         self.saves: list[SaveResult] = []
+        self.earlier: dict[str, Any] | None = None  # the attempts before this one (observe/goodput.py)
 
     @classmethod
-    def open(cls, cfg: Config, rt: Runtime, console: Console, resume: Resume | None) -> RunServices:
+    def open(cls, cfg: Config, rt: Runtime, console: Console, resume: Resume | None, *,
+             started: float | None = None) -> RunServices:
         """The run directory's: config.toml, metrics.jsonl (cut back to the resumed step; its records also
         to TensorBoard with log.tensorboard), the checkpointer. Called once the directory is agreed and the
-        checkpoint to resume (if any) chosen."""
+        checkpoint to resume (if any) chosen. ``started``: time.perf_counter() at the run's start (default
+        now), for the ``start`` record that begins each attempt's records (observe/goodput.py)."""
         from scaletrain.observe.sinks import TensorBoardSink, check_tensorboard
 
         run_dir = cfg.run_dir
         writer = MetricsWriter(None)
         if cfg.log.tensorboard:
             check_tensorboard()
+        began = time.time() - (time.perf_counter() - started if started is not None else 0.0)
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+        earlier: list[Any] = [None]
         if rt.is_main:
             sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard else []
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(run_dir / "config.toml", cfg.to_toml())  # unchanged on resume: nothing written
             if resume is not None:
-                truncate_metrics(run_dir / "metrics.jsonl", resume.step)
+                metrics = run_dir / "metrics.jsonl"
+                earlier[0] = earlier_attempts(read_records(metrics), resume.step, restarted=restarted, started=began)
+                truncate_metrics(metrics, resume.step)
             writer = MetricsWriter(run_dir / "metrics.jsonl", append=resume is not None, sinks=sinks)
+            writer.write({"kind": "start", "step": resume.step if resume else 0, "process_start": round(began, 3),
+                          "restarted": restarted, "world_size": rt.world_size, "earlier": earlier[0]})
+        if rt.distributed and resume is not None:  # every rank's summary holds the same account
+            dist.broadcast_object_list(earlier, src=0)
         try:
             checkpointer = Checkpointer(cfg.checkpoint, run_dir, rt)
         except BaseException:
@@ -74,7 +92,9 @@ class RunServices:
             raise
         if resume is not None:
             checkpointer.last_step = resume.step
-        return cls(cfg, rt, console, writer, checkpointer)
+        services = cls(cfg, rt, console, writer, checkpointer)
+        services.earlier = earlier[0]
+        return services
 
     def interval(self, per_rank: list[dict[str, float]], steps: int) -> dict[str, Any] | None:
         """One log interval's phase times (seconds per step, per rank) over ``steps`` steps: added to the
@@ -139,6 +159,21 @@ class RunServices:
                 self.checkpointer.close()
         finally:
             self.writer.close()
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's whole records (a line cut short by a crash is skipped)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_bytes().splitlines():
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def write_outputs(step: int, checkpointer: Checkpointer | None, writes: list[tuple[str, Callable[[], None]]]) -> None:

@@ -219,7 +219,7 @@ class Session:
         self.steps = int(self._trainer.get("step", 0))  # optimizer steps completed (st.step() blocks)
         self.train_time = float(self._trainer.get("train_time_s", 0.0))
         run_dir = cfg.run_dir
-        self.services = services = RunServices.open(cfg, rt, self.console, self.resume)
+        self.services = services = RunServices.open(cfg, rt, self.console, self.resume, started=self.started)
         self.writer, self.checkpointer = services.writer, services.checkpointer
         self.timer: StepTimer = StepTimer(rt.device) if cfg.log.phase_times else NullTimer(rt.device)
         self._sums: dict[str, torch.Tensor] = {}  # this rank's logged values since the last log step
