@@ -15,6 +15,7 @@ momentum within 6e-8), so its final state is compared within SGD_TOLERANCE.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,14 +42,29 @@ SGD_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def _ddp_fsdp_ddp(job: list[str], work: Path, stops: tuple[int, int]) -> tuple[Path, Path]:
-    """(an uninterrupted DDP run, the same stopped at stops[0] under DDP, resumed under FSDP up to stops[1],
-    then resumed under DDP to the end)."""
-    legs = [["--run.dir=ref"], ["--run.dir=mixed", f"--chaos.interrupt_step={stops[0]}"],
-            ["--run.dir=mixed", f"--chaos.interrupt_step={stops[1]}", FSDP], ["--run.dir=mixed"]]
-    for leg in legs:
+    """(an uninterrupted DDP run, the same as it was at stops[0] under DDP, resumed under FSDP up to stops[1],
+    then resumed under DDP to the end). The first leg is the uninterrupted run's own: its checkpoint of
+    stops[0] (saved for this) and its records up to that step, copied, as a run stopped there would have left
+    them (one launch fewer)."""
+    code, _, err = train(*job, "--run.dir=ref", f"--checkpoint.every={stops[0]}", cwd=work)
+    assert code == 0, err[-3000:]
+    ref, mixed = work / "ref", work / "mixed"
+    _copy_until(ref, mixed, stops[0])
+    for leg in (["--run.dir=mixed", f"--chaos.interrupt_step={stops[1]}", FSDP], ["--run.dir=mixed"]):
         code, _, err = train(*job, *leg, cwd=work)
         assert code == 0, err[-3000:]
-    return work / "ref", work / "mixed"
+    return ref, mixed
+
+
+def _copy_until(ref: Path, run: Path, step: int) -> None:
+    """``run`` as a copy of ``ref`` stopped after ``step`` would have left it: ref's checkpoint of that step, and
+    its metrics and trace records up to it."""
+    name = f"step-{step:08d}"
+    shutil.copytree(ref / "checkpoints" / name, run / "checkpoints" / name)
+    for records in [ref / "metrics.jsonl", *sorted((ref / "trace").glob("rank-*.jsonl"))]:
+        kept = [line for line in records.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+        (run / records.relative_to(ref)).parent.mkdir(parents=True, exist_ok=True)
+        (run / records.relative_to(ref)).write_text("".join(line + "\n" for line in kept))
 
 
 @pytest.fixture(scope="module")
@@ -178,11 +194,13 @@ def test_a_batchnorm_model_resumes_bit_identically_under_fsdp(tmp_path):
     own back (DCP alone would save one copy of each, from whichever rank balances its writes)."""
     (tmp_path / "bn.py").write_text(BATCHNORM)
     scaletrain = [sys.executable, "-m", "scaletrain"]
-    for args in (["ref"], ["run", "chaos.interrupt_step=3"], ["run"]):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    for args in (["ref", "checkpoint.every=3"], ["run"]):  # run: from ref's step 3, as a run stopped there
+        if args == ["run"]:
+            _copy_until(ref, run, 3)
         done = subprocess.run([*scaletrain, "launch", "--nproc", "2", "bn.py", *args], cwd=tmp_path, env=ENV,
                               capture_output=True, text=True, timeout=240, check=False)
         assert done.returncode == 0, done.stderr[-3000:]
-    ref, run = tmp_path / "ref", tmp_path / "run"
     _assert_loaded_as_saved(run, [3])
     want, got = _steps(ref), _steps(run)
     for rank in want:

@@ -46,8 +46,10 @@ def test_a_part_left_out_of_the_resume_is_named(tmp_path):
     (["--drop", "gradients"], "debug.skip_restore = 'gradients'"),
     (["--steps", "x"], "--steps = 'x': expected an integer >= 0"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
-    proc = verify("digits", *args, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words, capsys, monkeypatch):
+    from scaletrain.cli import main  # in this process: the checks come before any run starts
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["verify-resume", "digits", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and "fix:" in lines[0], lines
