@@ -71,6 +71,10 @@ def test_a_killed_worker_is_restarted_and_the_gan_ends_bit_identical(gan_runs) -
     assert sorted(logged(straight_dir)) == [5, 10, 15, 20, 25, 30]
     summary = json.loads((killed_dir / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["world_size"] == 2 and summary["models"] == ["G", "D"]
+    # steady state: the restarted process's intervals after its first (it resumed at 10, first logged 15)
+    assert summary["steady_state"] == {"first_step": 16, "last_step": 30, "timed_steps": 15, "intervals": 3}
+    good = summary["goodput"]
+    assert good["attempts"] == 2 and good["parts_s"]["restarts"] > 0 and good["parts_s"]["earlier_attempts"] > 0
 
 
 def test_a_delayed_rank_in_a_users_loop_is_named_a_straggler(gan_runs) -> None:

@@ -79,6 +79,7 @@ from scaletrain.errors import (
     install_excepthook,
 )
 from scaletrain.observe.console import Console
+from scaletrain.observe.goodput import account, steady_state
 from scaletrain.observe.memory import peak_bytes
 from scaletrain.observe.metrics import MetricsWriter, write_json, write_whole
 from scaletrain.observe.stragglers import phase_fractions
@@ -237,7 +238,9 @@ class Session:
         self._bad_said = bool(self.guard.first_bad_loss.item() >= 0)  # said (skip) before the checkpoint
         self._scaled = False  # an optimizer stepped through the scaler in this step: update it at the end
         self._stepping: Optimizer | None = None  # the optimizer st.optimizer_step is stepping
-        self._interval_started = time.perf_counter()
+        self._interval_started = self._first_step_at = time.perf_counter()
+        self._records: list[dict[str, Any]] = []  # this process's log intervals (steady state, goodput)
+        self._checkpoint_s = 0.0  # seconds the loop was blocked by saves
         self._trace = _Trace(run_dir, rt.rank) if cfg.debug.trace else None
         self.last_metrics: dict[str, float] = {}
         where = f"{rt.backend} on {rt.device}" if rt.distributed else f"single process on {rt.device}"
@@ -517,7 +520,7 @@ class Session:
             torch.manual_seed(self.cfg.run.seed + self.rank)  # dropout and noise differ between ranks
         if self._trace is not None and self.resume is not None:
             self._trace.resumed(self)
-        self._interval_started = time.perf_counter()
+        self._interval_started = self._first_step_at = time.perf_counter()
 
     def _after_step(self) -> None:
         cfg = self.cfg
@@ -576,6 +579,8 @@ class Session:
         record: dict[str, Any] = {"kind": "train", "step": self.steps, **means,
                                   "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
                                   "step_time_s": elapsed / ran}
+        self._records.append({"step": self.steps, "steps": ran, "step_time_s": elapsed / ran,
+                              "samples_per_s": record["samples_per_s"]})
         if self.cfg.log.phase_times:
             record["phase_s"] = {p: [r[p] for r in phases] for p in PHASES}
         if straggler is not None:
@@ -645,6 +650,7 @@ class Session:
             if final:
                 ckpt.wait()
         self.timer.add("ckpt", blocked)
+        self._checkpoint_s += blocked
 
     def _read_rank_state(self) -> dict[str, Any] | None:
         if self.resume is None:
@@ -784,8 +790,21 @@ class Session:
         peak = torch.tensor([float(peak_bytes(self.device))], device=self.device)
         if self.rt.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return {"steps": self.steps, "world_size": self.world_size, "wall_s": time.perf_counter() - self.started,
-                "train_s": self.train_time, "metrics": self.last_metrics, "phase_frac": phase_fractions(self.services.phase_totals),
+        wall = time.perf_counter() - self.started
+        try:  # throughput in steady state: the log intervals after this process's first
+            steady: dict[str, Any] | None = steady_state(self._records)
+        except AssertionError:
+            steady = None
+        totals = self.services.phase_totals
+        good = account(wall, startup_s=self._first_step_at - self.started,
+                       intervals=[(r["steps"], r["steps"] * r["step_time_s"]) for r in self._records],
+                       steady_step_s=steady["step_time_s"] if steady else None,
+                       data_wait_s=sum(t["data"] for t in totals) / len(totals), eval_s=0.0,
+                       checkpoint_s=self._checkpoint_s, earlier=self.services.earlier)
+        rate = steady["samples_per_s"] if steady else (self._records[-1]["samples_per_s"] if self._records else 0.0)
+        return {"steps": self.steps, "world_size": self.world_size, "wall_s": wall, "samples_per_s": rate,
+                "steady_state": {k: steady[k] for k in ("first_step", "last_step", "timed_steps", "intervals")}
+                if steady else None, "goodput": good, "train_s": self.train_time, "metrics": self.last_metrics, "phase_frac": phase_fractions(self.services.phase_totals),
                 "stragglers": self.services.stragglers.summary(), "peak_mem_bytes": int(peak.item()),
                 "models": [m.name for m in self._models], "device": str(self.device), "backend": self.rt.backend,
                 "config_digest": self.cfg.digest(), "torch": torch.__version__, "scaletrain": __version__}
