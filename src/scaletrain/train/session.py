@@ -29,10 +29,12 @@ The same file runs under ``python``, ``torchrun`` and ``scaletrain launch``. ``s
 
 FSDP (``--parallel.strategy=fsdp`` or ``hsdp``): every model set up is sharded per block (parallel/units.py)
 and its optimizers are built on (or moved to) the sharded parameters; the checkpoint is one DCP checkpoint
-holding every model and optimizer under the model's name, so a session resumes across DDP, FSDP and world
-sizes like the trainer. What FSDP cannot do in a session: a second derivative through a sharded model (the
-GAN's R1 penalty: FSDP's hooks do not run for ``autograd.grad(create_graph=True)``), and a model called outside
-``with st.step():`` gathers its shards collectively, so every rank must call it.
+holding every model and optimizer under the model's name: a DDP checkpoint resumes under FSDP and a DCP one
+under DDP, each loading the saved step exactly (tested; at another world size DCP reshards the state and the
+loaders keep their global position, untested for sessions). What FSDP cannot do in a session: a second
+derivative through a sharded model (the GAN's R1 penalty: the parameters it needs were freed after the first
+backward; st.backward says so in one line), and a model called outside ``with st.step():`` gathers its shards
+collectively, so every rank must call it.
 
 ``st.optimizer_step(opt)`` in place of ``opt.step()`` gives a loop of one's own what the trainer's step does:
 gradient clipping (optim.grad_clip), the non-finite guard (a step whose gradient norm is NaN or infinite is
