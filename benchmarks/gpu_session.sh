@@ -11,7 +11,7 @@ on() { [[ $STEPS == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 if on 1; then
-echo "== 1. the GPU path of the trainer (tests/unit/test_cuda.py: digits fp32, bf16-mixed, fp16-mixed)"
+echo "== 1. the GPU path of the trainer (tests/unit/test_cuda.py: digits fp32, bf16-mixed, fp16-mixed; a session under fp16-mixed)"
 timeout 80 python -m pytest -q -p no:cacheprovider tests/unit/test_cuda.py 2>&1 | tail -4 | tee "$OUT/test_cuda.txt"
 fi
 if on 2; then
