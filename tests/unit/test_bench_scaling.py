@@ -24,6 +24,13 @@ def test_steady_state_drops_the_warmup_interval():
     assert s["timed_steps"] == 25 and s["intervals"] == 3
     with pytest.raises(AssertionError):
         steady_state(records[:1])
+    # A run logging every step: its first 3 steps are warm-up too, whichever intervals they fall in.
+    every_step = [{"step": s, "steps": 1, "step_time_s": t, "samples_per_s": 32 / t}
+                  for s, t in enumerate([2.0, 0.5, 0.2, 0.1, 0.1], start=1)]
+    assert steady_state(every_step)["first_step"] == 2
+    kept = steady_state(every_step, warmup_steps=3)
+    assert (kept["first_step"], kept["last_step"], kept["timed_steps"]) == (4, 5, 2)
+    assert kept["samples_per_s"] == pytest.approx(320.0)
 
 
 def test_weak_efficiency():

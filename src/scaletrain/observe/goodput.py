@@ -2,14 +2,14 @@
 
 A run's average throughput counts its first steps, which compile (torch.compile), allocate, autotune and warm the
 caches: 11% MFU for a run that sustains 37% (issue 14's H100 measurements). The summary's samples/s, tokens/s and
-MFU are therefore those of the steady state: the log intervals after the first one this process ran, named by
-their steps. The first interval's time beyond the steady pace is the run's warm-up (compile included).
+MFU are therefore those of the steady state: the log intervals after the first one this process ran (and
+after its first WARMUP_STEPS steps), named by their steps. The first interval's time beyond the steady pace is the run's warm-up (compile included).
 
 The account of the wall time, each part in seconds and as a fraction of the wall (they sum to it):
 
     startup     process start (the CLI) or run() (fit()) until the first step: imports, process group, data,
                 model, wrapping, loading a checkpoint
-    warmup      the first log interval beyond the steady pace: compile, allocation, autotuning
+    warmup      the intervals before the steady state, beyond its pace: compile, allocation, autotuning
     compute     training steps at the steady pace, data waits taken out
     data_wait   steps waiting for their batch (per-rank phase times, the mean over ranks)
     eval        evaluations
@@ -36,6 +36,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+WARMUP_STEPS = 3  # a run's summary leaves out at least its first 3 steps (steady_state's warmup_steps)
 PARTS = ("startup", "warmup", "compute", "data_wait", "eval", "checkpoint", "other")
 EARLIER = ("earlier_attempts", "restarts")  # only when the run resumed from earlier attempts
 NAMES = {"startup": "startup", "warmup": "compile + warm-up", "compute": "training", "data_wait": "data waits",
@@ -43,19 +44,21 @@ NAMES = {"startup": "startup", "warmup": "compile + warm-up", "compute": "traini
          "restarts": "earlier start-ups, restarts and lost work"}
 
 
-def steady_state(records: Sequence[Mapping[str, Any]], skip: int = 1) -> dict[str, Any]:
-    """Throughput over the log intervals after the first ``skip`` (warm-up), from train records (step,
-    step_time_s, samples_per_s) in order, as metrics.jsonl has them.
+def steady_state(records: Sequence[Mapping[str, Any]], skip: int = 1, warmup_steps: int = 0) -> dict[str, Any]:
+    """Throughput over the log intervals after the first ``skip`` (warm-up), and that begin after the first
+    ``warmup_steps`` steps (with a log interval of a step or two, compile and allocation outlast the first
+    interval), from train records (step, step_time_s, samples_per_s; ``steps`` where the records have it) in
+    order, as metrics.jsonl has them.
 
     An interval's time is its steps x step_time_s and its samples that time x samples_per_s; samples/s is the
     total over the kept intervals, step time the median of their per-step times. Raises AssertionError when
     no interval is left."""
     kept = []
-    previous = 0
+    previous, done = 0, 0
     for i, r in enumerate(records):
-        steps = r["step"] - previous
-        previous = r["step"]
-        if i >= skip and steps > 0:
+        steps = int(r.get("steps", r["step"] - previous))
+        previous, done = r["step"], done + steps
+        if i >= skip and steps > 0 and done - steps >= warmup_steps:
             kept.append((steps, steps * r["step_time_s"], steps * r["step_time_s"] * r["samples_per_s"], r["step"]))
     if not kept:
         raise AssertionError(f"no log interval left after skipping {skip} (of {len(records)})")
@@ -68,15 +71,16 @@ def steady_state(records: Sequence[Mapping[str, Any]], skip: int = 1) -> dict[st
 
 def account(wall_s: float, *, startup_s: float, intervals: Sequence[tuple[int, float]], steady_step_s: float | None,
             data_wait_s: float, eval_s: float, checkpoint_s: float,
-            earlier: Mapping[str, Any] | None = None) -> dict[str, Any]:
+            earlier: Mapping[str, Any] | None = None, warm_intervals: int = 1) -> dict[str, Any]:
     """The goodput account (module docstring). ``intervals``: (steps, seconds) of each log interval this
     process trained, in order; ``steady_step_s``: the steady-state seconds per step (None: no steady state,
-    so no warm-up is told apart); ``earlier``: earlier_attempts()'s account of the attempts before this one."""
+    so no warm-up is told apart); ``earlier``: earlier_attempts()'s account of the attempts before this one;
+    ``warm_intervals``: how many leading intervals the steady state left out (their time beyond the steady
+    pace is the warm-up)."""
     train_s = sum(seconds for _, seconds in intervals)
     warmup = 0.0
-    if intervals and steady_step_s is not None:
-        steps, seconds = intervals[0]
-        warmup = max(0.0, seconds - steps * steady_step_s)
+    if steady_step_s is not None:
+        warmup = sum(max(0.0, seconds - steps * steady_step_s) for steps, seconds in intervals[:warm_intervals])
     data_wait = min(max(0.0, data_wait_s), train_s - warmup)
     parts = {"startup": startup_s, "warmup": warmup, "compute": train_s - warmup - data_wait,
              "data_wait": data_wait, "eval": eval_s, "checkpoint": checkpoint_s}

@@ -21,7 +21,7 @@ from scaletrain.config import Config, load
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory
 from scaletrain.errors import DiskFull, Reported, Stopped, TrainingFailed, install_excepthook
 from scaletrain.observe.console import Console
-from scaletrain.observe.goodput import account, describe, steady_state
+from scaletrain.observe.goodput import WARMUP_STEPS, account, describe, steady_state
 from scaletrain.observe.memory import (
     device_capacity_bytes,
     fmt_bytes,
@@ -95,7 +95,7 @@ def _finish(job: Job, loop: Loop, wall_s: float, startup_s: float) -> dict[str, 
     overall = samples / loop.train_time if loop.train_time else 0.0
     # Throughput and MFU in steady state: the log intervals after this process's first (compile, warm-up).
     try:
-        steady: dict[str, Any] | None = steady_state(loop.records)
+        steady: dict[str, Any] | None = steady_state(loop.records, warmup_steps=WARMUP_STEPS)
     except AssertionError:  # one interval only: nothing to tell warm-up from
         steady = None
     samples_per_s = steady["samples_per_s"] if steady else overall
@@ -104,7 +104,8 @@ def _finish(job: Job, loop: Loop, wall_s: float, startup_s: float) -> dict[str, 
                                                              for r in loop.records],
                    steady_step_s=plan.global_batch / samples_per_s if steady and samples_per_s else None,
                    data_wait_s=sum(t["data"] for t in totals) / len(totals), eval_s=loop.eval_s,
-                   checkpoint_s=loop.checkpoint_s, earlier=loop.services.earlier)
+                   checkpoint_s=loop.checkpoint_s, earlier=loop.services.earlier,
+                   warm_intervals=sum(r["step"] < steady["first_step"] for r in loop.records) if steady else 0)
     rates = throughput(samples_per_s, flops=job.flops, tokens_per_sample=job.tokens_per_sample,
                        world_size=rt.world_size, peak=loop.peak_flops)
     if "mfu" in rates and job.cfg.memory.activation_checkpointing == "full":

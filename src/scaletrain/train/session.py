@@ -81,7 +81,7 @@ from scaletrain.errors import (
     install_excepthook,
 )
 from scaletrain.observe.console import Console
-from scaletrain.observe.goodput import account, steady_state
+from scaletrain.observe.goodput import WARMUP_STEPS, account, steady_state
 from scaletrain.observe.memory import peak_bytes
 from scaletrain.observe.metrics import MetricsWriter, write_json, write_whole
 from scaletrain.observe.stragglers import phase_fractions
@@ -794,7 +794,7 @@ class Session:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         wall = time.perf_counter() - self.started
         try:  # throughput in steady state: the log intervals after this process's first
-            steady: dict[str, Any] | None = steady_state(self._records)
+            steady: dict[str, Any] | None = steady_state(self._records, warmup_steps=WARMUP_STEPS)
         except AssertionError:
             steady = None
         totals = self.services.phase_totals
@@ -802,7 +802,8 @@ class Session:
                        intervals=[(r["steps"], r["steps"] * r["step_time_s"]) for r in self._records],
                        steady_step_s=steady["step_time_s"] if steady else None,
                        data_wait_s=sum(t["data"] for t in totals) / len(totals), eval_s=0.0,
-                       checkpoint_s=self._checkpoint_s, earlier=self.services.earlier)
+                       checkpoint_s=self._checkpoint_s, earlier=self.services.earlier,
+                       warm_intervals=sum(r["step"] < steady["first_step"] for r in self._records) if steady else 0)
         rate = steady["samples_per_s"] if steady else (self._records[-1]["samples_per_s"] if self._records else 0.0)
         return {"steps": self.steps, "world_size": self.world_size, "wall_s": wall, "samples_per_s": rate,
                 "steady_state": {k: steady[k] for k in ("first_step", "last_step", "timed_steps", "intervals")}
