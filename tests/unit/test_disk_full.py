@@ -339,26 +339,33 @@ def test_a_full_disk_is_recognised_however_it_is_reported():
     assert not is_disk_full(RuntimeError("(os error 2)"))
 
 
-@pytest.mark.parametrize("async_save", [True, False])
-def test_a_sharded_save_on_a_full_disk_is_a_warning_and_leaves_no_stage(tmp_path, monkeypatch, async_save):
-    """The DCP path in one process: DCP wraps each rank's ENOSPC in its own error; the periodic save becomes a
-    warning naming the checkpoint and what stays the latest, with no staging directory left behind."""
+def _second_sharded_save_failing(tmp_path, monkeypatch, error: Exception, async_save: bool) -> Checkpointer:
+    """A one-process DCP checkpointer whose step 1 is saved and whose step 2 fails with ``error`` in the
+    storage writer; returned closed."""
     from scaletrain.checkpoint import dcp
 
-    class FullWriter(dcp.FileSystemWriter):
+    class FailingWriter(dcp.FileSystemWriter):
         def write_data(self, plan, planner):
-            raise OSError(ENOSPC.errno, ENOSPC.strerror)
+            raise error
 
-    torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "none")
     ck = Checkpointer(CheckpointConfig(every=1, keep=2, async_save=async_save), tmp_path, rt)
     ck.save_sharded(1, model, opt, {"step": 1}, {"x": 1}, {"format": "dcp"})
     ck.wait()
-    monkeypatch.setattr(dcp, "FileSystemWriter", FullWriter)
+    monkeypatch.setattr(dcp, "FileSystemWriter", FailingWriter)
     ck.save_sharded(2, model, opt, {"step": 2}, {"x": 2}, {"format": "dcp"})
     ck.close()
+    return ck
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_sharded_save_on_a_full_disk_is_a_warning_and_leaves_no_stage(tmp_path, monkeypatch, async_save):
+    """The DCP path in one process: DCP wraps each rank's ENOSPC in its own error; the periodic save becomes a
+    warning naming the checkpoint and what stays the latest, with no staging directory left behind."""
+    torch.manual_seed(0)
+    ck = _second_sharded_save_failing(tmp_path, monkeypatch, OSError(ENOSPC.errno, ENOSPC.strerror), async_save)
     [warning] = ck.warnings
     assert warning.startswith(f"checkpoint not saved: disk full: {ck.root / 'step-00000002'} needs ")
     assert warning.endswith(f" free; {ck.root / 'step-00000001'} stays the latest checkpoint{FIX}")
@@ -382,21 +389,7 @@ def test_an_export_to_a_full_disk_is_one_line_and_leaves_no_part_file(tmp_path, 
 def test_a_sharded_save_failing_for_another_reason_is_a_warning_not_a_traceback(tmp_path, monkeypatch):
     """DCP wraps every rank's error in a CheckpointException, a BaseException: any other failure than a full
     disk must not escape the checkpoint thread either."""
-    from scaletrain.checkpoint import dcp
-
-    class BrokenWriter(dcp.FileSystemWriter):
-        def write_data(self, plan, planner):
-            raise ValueError("a storage plugin's own bug")
-
-    model = torch.nn.Linear(8, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "none")
-    ck = Checkpointer(CheckpointConfig(every=1, keep=2, async_save=True), tmp_path, rt)
-    ck.save_sharded(1, model, opt, {"step": 1}, {"x": 1}, {"format": "dcp"})
-    ck.wait()
-    monkeypatch.setattr(dcp, "FileSystemWriter", BrokenWriter)
-    ck.save_sharded(2, model, opt, {"step": 2}, {"x": 2}, {"format": "dcp"})
-    ck.close()
+    ck = _second_sharded_save_failing(tmp_path, monkeypatch, ValueError("a storage plugin's own bug"), True)
     [warning] = ck.warnings
     assert "ValueError: a storage plugin's own bug" in warning and "\n" not in warning
     assert warning.endswith(f"{ck.root / 'step-00000001'} stays the latest checkpoint")

@@ -65,7 +65,7 @@ def steady_state(records: Sequence[Mapping[str, Any]], skip: int = 1, warmup_ste
     seconds = sum(k[1] for k in kept)
     return {"samples_per_s": sum(k[2] for k in kept) / seconds,
             "step_time_s": statistics.median(k[1] / k[0] for k in kept),
-            "timed_steps": sum(k[0] for k in kept), "intervals": len(kept),
+            "timed_steps": sum(k[0] for k in kept), "intervals": len(kept), "seconds": seconds,
             "first_step": kept[0][3] - kept[0][0] + 1, "last_step": kept[-1][3]}
 
 
@@ -93,6 +93,28 @@ def account(wall_s: float, *, startup_s: float, intervals: Sequence[tuple[int, f
     return {"wall_s": total, "parts_s": parts, "attempts": 1 + (earlier["attempts"] if earlier else 0),
             "fraction": {k: v / total if total > 0 else 0.0 for k, v in parts.items()},
             "goodput": useful / total if total > 0 else 0.0}
+
+
+def run_totals(records: Sequence[Mapping[str, Any]], *, wall_s: float, startup_s: float,
+               phase_totals: Sequence[Mapping[str, float]], eval_s: float, checkpoint_s: float,
+               earlier: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, float | None, dict[str, Any]]:
+    """A run's summary of its own log intervals (``records``: this process's, each with its ``steps``):
+    (the steady-state window -- first_step, last_step, timed_steps, intervals -- or None when no interval
+    is left after the warm-up; its samples/s, or None; the goodput account, the data waits being the mean over
+    ranks of ``phase_totals``' data seconds)."""
+    try:
+        steady: dict[str, Any] | None = steady_state(records, warmup_steps=WARMUP_STEPS)
+    except AssertionError:  # nothing after the warm-up to tell it from
+        steady = None
+    good = account(wall_s, startup_s=startup_s, intervals=[(r["steps"], r["steps"] * r["step_time_s"]) for r in records],
+                   steady_step_s=steady["seconds"] / steady["timed_steps"] if steady else None,
+                   data_wait_s=sum(t["data"] for t in phase_totals) / len(phase_totals), eval_s=eval_s,
+                   checkpoint_s=checkpoint_s, earlier=earlier,
+                   warm_intervals=sum(r["step"] < steady["first_step"] for r in records) if steady else 0)
+    if steady is None:
+        return None, None, good
+    window = {k: steady[k] for k in ("first_step", "last_step", "timed_steps", "intervals")}
+    return window, steady["samples_per_s"], good
 
 
 def earlier_attempts(records: Sequence[Mapping[str, Any]], resume_step: int, *, restarted: bool,

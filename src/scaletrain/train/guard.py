@@ -40,6 +40,16 @@ def clipped_norm(params: list[torch.Tensor], clip: float, scaler: torch.amp.Grad
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+def nonfinite_where(first_skips: list[float], first_bad_losses: list[float]) -> str:
+    """Where a non-finite step was, from every rank's guard counters: the first rank and step whose loss was
+    NaN or infinite, else the first step whose gradients were."""
+    bad = [(int(s), rank) for rank, s in enumerate(first_bad_losses) if s >= 0]
+    if bad:
+        step, rank = min(bad)
+        return f"non-finite loss on rank {rank} at step {step}"
+    return f"non-finite gradients at step {int(min(s for s in first_skips if s >= 0))} (the loss was finite on every rank)"
+
+
 class NonFiniteGuard:
     def __init__(self, device: torch.device, *, scaler_owns_skips: bool, device_skip: bool) -> None:
         self.scaler_owns_skips = scaler_owns_skips
@@ -52,10 +62,13 @@ class NonFiniteGuard:
         bad = ~torch.isfinite(loss)
         self.first_bad_loss = torch.where((self.first_bad_loss < 0) & bad, float(step), self.first_bad_loss)
 
-    def gate(self, step: int, optimizer: Optimizer, grad_norm: torch.Tensor, *, device_skip: bool | None = None) -> bool:
+    def gate(self, step: int, optimizer: Optimizer, grad_norm: torch.Tensor, *, device_skip: bool | None = None,
+             may_sync: bool = True) -> bool:
         """Arm the optimizer for this step; returns False when the caller must not call step() (the
         host-side fallback for a non-fused optimizer, which costs a sync). ``device_skip``: this optimizer's
-        (supports_device_skip), where one guard serves several optimizers; default the guard's."""
+        (supports_device_skip), where one guard serves several optimizers; default the guard's. Without
+        ``may_sync`` an optimizer that cannot skip on the device is not held back: the step is counted (the
+        sync points see it) and applied."""
         device_skip = self.device_skip if device_skip is None else device_skip
         if self.scaler_owns_skips:
             return True
@@ -65,6 +78,8 @@ class NonFiniteGuard:
         if device_skip:
             optimizer.found_inf = found  # type: ignore[attr-defined]
             optimizer.grad_scale = None  # type: ignore[attr-defined]
+            return True
+        if not may_sync:
             return True
         return not bool(found.item())  # host-device sync: only for optimizers that cannot skip on the device
 

@@ -34,7 +34,7 @@ from scaletrain.train.checkpointing import (
     describe_versions,
 )
 from scaletrain.train.evaluate import evaluate
-from scaletrain.train.guard import clipped_norm
+from scaletrain.train.guard import clipped_norm, nonfinite_where
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast
 from scaletrain.train.preempt import PreemptFlag
@@ -229,10 +229,7 @@ class Loop:
         job = self.job
         skipped = max(r.skipped for r in rows)
         if skipped > self.skipped_seen:
-            first = int(min(r.first_skipped for r in rows if r.first_skipped >= 0))
-            bad = [(int(r.first_bad_loss), rank) for rank, r in enumerate(rows) if r.first_bad_loss >= 0]
-            where = (f"non-finite loss on rank {min(bad)[1]} at step {min(bad)[0]}" if bad else
-                     f"non-finite gradients at step {first} (the loss was finite on every rank)")
+            where = nonfinite_where([r.first_skipped for r in rows], [r.first_bad_loss for r in rows])
             if job.cfg.train.nonfinite == "raise":
                 raise TrainingFailed(f"{where}; the step was not applied and nothing after it was saved; fix: "
                                      "lower --optim.lr, set --optim.grad_clip=1.0, more --schedule.warmup_steps, "

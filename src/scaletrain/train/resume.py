@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.optim import Optimizer
 
 from scaletrain.checkpoint import commit, dcp, tree
 from scaletrain.config import CheckpointConfig, Config, tomllib
@@ -60,9 +61,11 @@ def restore(job: Job, resume: Resume, skip: set[str] = frozenset()) -> tuple[dic
     None when the checkpoint has no state for this rank (it was made with fewer ranks)."""
     fmt = resume.meta.get("format", FORMAT_FULL)
     if fmt == FORMAT_DCP:
-        _load_dcp(job, resume, skip)
+        load_dcp(job.module, job.optimizer, resume, job.rt.rank, skip)
     elif job.sharded:
-        _load_full_into_sharded(job, resume, skip)
+        load_full_into_sharded(job.module, job.optimizer,
+                               None if "weights" in skip else with_aliases(*read_model(resume)),
+                               None if "optimizer" in skip else read_tree(resume, OPTIMIZER))
     else:
         where = str(resume.path)
         if "weights" not in skip:
@@ -297,16 +300,18 @@ def _overwrite(path: Path, text: bytes) -> None:
         raise DiskFull.at(path, len(text)) from None
 
 
-def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
-    """A DCP checkpoint (written by an FSDP run) into this job, sharded or not, at any world size: DCP
-    reshards. Every rank reads the shards it needs (the files were verified by rank 0 already)."""
-    module, optimizer = job.module, job.optimizer
+def load_dcp(module: torch.nn.Module, optimizers: Optimizer | list[Optimizer], resume: Resume, rank: int,
+             skip: set[str] = frozenset(), groups: list[dict[str, Any]] | None = None) -> None:
+    """A DCP checkpoint (written by an FSDP run or a sharded session) into ``module`` and its optimizers,
+    sharded or not, at any world size: DCP reshards, and reads only the keys the module has (a session loads
+    one model of several). Every rank reads the shards it needs (the files were verified by rank 0 already).
+    ``groups``: the saved param groups of these optimizers, in order (default: all the checkpoint's)."""
     model, aliases = dedupe(get_model_state_dict(module))
-    optim = get_optimizer_state_dict(module, optimizer)  # materializes the optimizer's state to load into
+    optim = get_optimizer_state_dict(module, optimizers)  # materializes the optimizer's state to load into
     state: dict[str, Any] = {}
     if "weights" not in skip:
         state["model"] = model
-        state.update(own_buffers(model, resume, job.rt.rank))  # moved out of model: each is read once
+        state.update(own_buffers(model, resume, rank))  # moved out of model: each is read once
     if "optimizer" not in skip:
         state["optim"] = optim["state"]
     if not state:
@@ -316,11 +321,12 @@ def _load_dcp(job: Job, resume: Resume, skip: set[str]) -> None:
     except (RuntimeError, KeyError, AssertionError, CheckpointException) as err:  # the last: every rank's
         raise dcp_failure(err, resume) from None
     if "model" in state:
-        own = state.get(RANK_BUFFERS, {}).get(str(job.rt.rank), {})
+        own = state.get(RANK_BUFFERS, {}).get(str(rank), {})
         set_model_state_dict(module, with_aliases({**state["model"], **own}, aliases))
     if "optim" in state:
-        groups = keep_implementation(read_tree(resume, OPTIMIZER_GROUPS), optimizer)
-        set_optimizer_state_dict(module, optimizer, {"state": state["optim"], "param_groups": groups})
+        saved = read_tree(resume, OPTIMIZER_GROUPS) if groups is None else groups
+        set_optimizer_state_dict(module, optimizers, {"state": state["optim"],
+                                                      "param_groups": keep_implementation(saved, optimizers)})
 
 
 def dcp_failure(err: BaseException, resume: Resume) -> CheckpointError:
@@ -346,16 +352,17 @@ def own_buffers(model: dict[str, Any], resume: Resume, rank: int) -> dict[str, A
     return {RANK_BUFFERS: {str(rank): {name: model.pop(name) for name in names}}}
 
 
-def _load_full_into_sharded(job: Job, resume: Resume, skip: set[str]) -> None:
-    """A consolidated checkpoint (from a DDP or single-process run) into an FSDP job: every rank reads the
-    whole tensors and keeps its shard. torch distributes them one collective per tensor, in the order of the
-    dict it is given, so every rank must give the same order: sorted by name (safetensors returns a file's
-    tensors in an order that differs from process to process)."""
+def load_full_into_sharded(module: torch.nn.Module, optimizers: Optimizer | list[Optimizer],
+                           tensors: dict[str, torch.Tensor] | None, tree: dict[str, Any] | None) -> None:
+    """Whole tensors and an optimizer tree (from a consolidated checkpoint: a DDP or one-process run) into a
+    sharded module: every rank reads the whole tensors and keeps its shard; None leaves that part as it is.
+    torch distributes them one collective per tensor, in the order of the dict it is given, so every rank
+    must give the same order: sorted by name (safetensors returns a file's tensors in an order that differs
+    from process to process)."""
     options = StateDictOptions(full_state_dict=True)
-    if "weights" not in skip:
-        set_model_state_dict(job.module, sorted_by_name(with_aliases(*read_model(resume))), options=options)
-    if "optimizer" not in skip:
-        saved = read_tree(resume, OPTIMIZER)
-        saved = {"state": sorted_by_name(saved["state"]),
-                 "param_groups": keep_implementation(saved["param_groups"], job.optimizer)}
-        set_optimizer_state_dict(job.module, job.optimizer, saved, options=options)
+    if tensors is not None:
+        set_model_state_dict(module, sorted_by_name(tensors), options=options)
+    if tree is not None:
+        saved = {"state": sorted_by_name(tree["state"]),
+                 "param_groups": keep_implementation(tree["param_groups"], optimizers)}
+        set_optimizer_state_dict(module, optimizers, saved, options=options)

@@ -21,7 +21,7 @@ from scaletrain.config import Config, load
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory
 from scaletrain.errors import DiskFull, Reported, Stopped, TrainingFailed, install_excepthook
 from scaletrain.observe.console import Console
-from scaletrain.observe.goodput import WARMUP_STEPS, account, describe, steady_state
+from scaletrain.observe.goodput import describe, run_totals
 from scaletrain.observe.memory import (
     device_capacity_bytes,
     fmt_bytes,
@@ -44,7 +44,7 @@ from scaletrain.train.preempt import Interrupted, PreemptFlag, restart_line
 from scaletrain.train.resume import config_changes, fitting, restore
 from scaletrain.train.rundir import agree_run_dir
 from scaletrain.train.services import WEIGHTS, RunServices, write_outputs
-from scaletrain.train.state import dedupe, full_model_state, tied
+from scaletrain.train.state import dedupe, full_model_state, stored_once
 from scaletrain.train.trace import Tracer
 
 
@@ -93,19 +93,12 @@ def _finish(job: Job, loop: Loop, wall_s: float, startup_s: float) -> dict[str, 
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     samples = job.step * plan.global_batch
     overall = samples / loop.train_time if loop.train_time else 0.0
-    # Throughput and MFU in steady state: the log intervals after this process's first (compile, warm-up).
-    try:
-        steady: dict[str, Any] | None = steady_state(loop.records, warmup_steps=WARMUP_STEPS)
-    except AssertionError:  # one interval only: nothing to tell warm-up from
-        steady = None
-    samples_per_s = steady["samples_per_s"] if steady else overall
+    # Throughput and MFU in steady state: the log intervals after the warm-up (compile included).
     totals = loop.services.phase_totals
-    good = account(wall_s, startup_s=startup_s, intervals=[(r["steps"], r["steps"] * r["step_time_s"])
-                                                             for r in loop.records],
-                   steady_step_s=plan.global_batch / samples_per_s if steady and samples_per_s else None,
-                   data_wait_s=sum(t["data"] for t in totals) / len(totals), eval_s=loop.eval_s,
-                   checkpoint_s=loop.checkpoint_s, earlier=loop.services.earlier,
-                   warm_intervals=sum(r["step"] < steady["first_step"] for r in loop.records) if steady else 0)
+    steady, steady_rate, good = run_totals(loop.records, wall_s=wall_s, startup_s=startup_s, phase_totals=totals,
+                                           eval_s=loop.eval_s, checkpoint_s=loop.checkpoint_s,
+                                           earlier=loop.services.earlier)
+    samples_per_s = overall if steady_rate is None else steady_rate
     rates = throughput(samples_per_s, flops=job.flops, tokens_per_sample=job.tokens_per_sample,
                        world_size=rt.world_size, peak=loop.peak_flops)
     if "mfu" in rates and job.cfg.memory.activation_checkpointing == "full":
@@ -116,8 +109,7 @@ def _finish(job: Job, loop: Loop, wall_s: float, startup_s: float) -> dict[str, 
         "world_size": rt.world_size, "global_batch": plan.global_batch, "accum_steps": plan.accum_steps,
         "peak_lr": plan.peak_lr, "wall_s": wall_s, "train_s": loop.train_time, "train_loss": loop.last_loss,
         "eval": loop.last_eval, "samples_per_s": samples_per_s, **rates, "samples_per_s_overall": overall,
-        "steady_state": {k: steady[k] for k in ("first_step", "last_step", "timed_steps", "intervals")}
-        if steady else None, "goodput": good,
+        "steady_state": steady, "goodput": good,
         "phase_frac": fractions,
         "bottleneck": bottleneck(loop.services.phase_totals, device=rt.device.type, num_workers=job.cfg.data.num_workers,
                                  bucket_mb=job.cfg.parallel.bucket_mb, precision=job.cfg.train.precision,
@@ -139,11 +131,7 @@ def save_weights(job: Job, path: Path) -> None:
     if not job.rt.is_main:
         return
     if job.sharded:
-        tensors, aliases = dedupe(full)
-        for alias, name in tied(job.module).items():  # the gathered copies of a tied weight: store it once
-            if alias in tensors and name in tensors:
-                del tensors[alias]
-                aliases[alias] = name
+        tensors, aliases = stored_once(job.module, full, sharded=True)
         write_whole(path, _nbytes(tensors), lambda tmp: safetensors.torch.save_file(
             tensors, str(tmp), metadata={**meta, "aliases": json.dumps(aliases)}))
     else:

@@ -44,7 +44,7 @@ class RunServices:
     no directory (no metrics file, no checkpoints): a loop run for its steps alone, as tests do."""
 
     def __init__(self, cfg: Config, rt: Runtime, console: Console, writer: MetricsWriter | None = None,
-                 checkpointer: Checkpointer | None = None) -> None:
+                 checkpointer: Checkpointer | None = None, earlier: dict[str, Any] | None = None) -> None:
         self.cfg, self.rt, self.console = cfg, rt, console
         self.writer = writer or MetricsWriter(None)
         self.checkpointer = checkpointer
@@ -54,7 +54,7 @@ class RunServices:
         self.agreement = StepAgreement(cfg.dist.timeout_s) \
             if cfg.checkpoint.preempt_check == "step" and rt.distributed else None
         self.saves: list[SaveResult] = []
-        self.earlier: dict[str, Any] | None = None  # the attempts before this one (observe/goodput.py)
+        self.earlier = earlier  # the attempts before this one (observe/goodput.py's earlier_attempts)
 
     @classmethod
     def open(cls, cfg: Config, rt: Runtime, console: Console, resume: Resume | None, *,
@@ -92,9 +92,7 @@ class RunServices:
             raise
         if resume is not None:
             checkpointer.last_step = resume.step
-        services = cls(cfg, rt, console, writer, checkpointer)
-        services.earlier = earlier[0]
-        return services
+        return cls(cfg, rt, console, writer, checkpointer, earlier[0])
 
     def interval(self, per_rank: list[dict[str, float]], steps: int) -> dict[str, Any] | None:
         """One log interval's phase times (seconds per step, per rank) over ``steps`` steps: added to the

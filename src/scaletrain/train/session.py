@@ -38,8 +38,9 @@ collectively, so every rank must call it.
 
 ``st.optimizer_step(opt)`` in place of ``opt.step()`` gives a loop of one's own what the trainer's step does:
 gradient clipping (optim.grad_clip), the non-finite guard (a step whose gradient norm is NaN or infinite is
-not applied, decided on the device: train.nonfinite=raise then stops at the next log step naming the rank and
-step, =skip warns and goes on) and fp16's loss scaling (train.precision=fp16-mixed, CUDA: st.backward scales
+not applied, decided on the device by a fused optimizer; train.nonfinite=raise then stops at the next log step
+naming the rank and step, =skip warns and goes on, holding back a non-fused optimizer's step at the cost of a
+host sync per step, which raise does not pay) and fp16's loss scaling (train.precision=fp16-mixed, CUDA: st.backward scales
 the loss, st.optimizer_step unscales and steps through a GradScaler, which is in the checkpoints). Under
 fp16-mixed it is required: a bare ``opt.step()`` on scaled gradients is refused. A NaN or infinite loss passed
 to st.backward() is named at the next log step whichever step the user calls.
@@ -58,13 +59,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.optim import Optimizer
 
@@ -81,7 +79,7 @@ from scaletrain.errors import (
     install_excepthook,
 )
 from scaletrain.observe.console import Console
-from scaletrain.observe.goodput import WARMUP_STEPS, account, steady_state
+from scaletrain.observe.goodput import run_totals
 from scaletrain.observe.memory import peak_bytes
 from scaletrain.observe.metrics import MetricsWriter, write_json, write_whole
 from scaletrain.observe.stragglers import phase_fractions
@@ -94,7 +92,6 @@ from scaletrain.train.checkpointing import (
     FORMAT_FULL,
     OPTIMIZER,
     OPTIMIZER_GROUPS,
-    RANK_BUFFERS,
     Checkpointer,
     Resume,
     describe_versions,
@@ -104,26 +101,19 @@ from scaletrain.train.checkpointing import (
     read_trainer,
     read_tree,
 )
-from scaletrain.train.guard import NonFiniteGuard, clipped_norm, supports_device_skip
+from scaletrain.train.guard import NonFiniteGuard, clipped_norm, nonfinite_where, supports_device_skip
 from scaletrain.train.precision import autocast, check_precision, grad_scaler, slow_here
 from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, restart_line
-from scaletrain.train.resume import (
-    dcp_failure,
-    model_misfit,
-    own_buffers,
-    saved_model_shapes,
-)
+from scaletrain.train.resume import load_dcp, load_full_into_sharded, model_misfit, saved_model_shapes
 from scaletrain.train.rundir import agree_run_dir
 from scaletrain.train.services import WEIGHTS, RunServices, write_outputs
 from scaletrain.train.state import (
     dedupe,
     full_model_state,
-    keep_implementation,
     load_model_tensors,
     load_optimizer_tree,
     optimizer_tree,
-    sorted_by_name,
-    tied,
+    stored_once,
     with_aliases,
 )
 
@@ -240,6 +230,7 @@ class Session:
         self._bad_said = bool(self.guard.first_bad_loss.item() >= 0)  # said (skip) before the checkpoint
         self._scaled = False  # an optimizer stepped through the scaler in this step: update it at the end
         self._stepping: Optimizer | None = None  # the optimizer st.optimizer_step is stepping
+        self._applied_bad_possible = False  # a non-fused optimizer stepped without a hold-back (raise mode)
         self._interval_started = self._first_step_at = time.perf_counter()
         self._records: list[dict[str, Any]] = []  # this process's log intervals (steady state, goodput)
         self._checkpoint_s = 0.0  # seconds the loop was blocked by saves
@@ -313,7 +304,8 @@ class Session:
         params = [p for p in model.parameters() if p.requires_grad]
         built = [opt if isinstance(opt, Optimizer) else opt(params) for opt in optimizers]
         for opt in built:
-            _check_optimizer(opt, model)
+            if opt not in given:  # built here from the function given: checked now
+                _check_optimizer(opt, model)
         attach_comm_hook(wrapped, self.timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap)
         attach_fsdp_mark(wrapped, self.timer if cfg.log.phase_times else None)
         check_precision(cfg.train.precision, self.device, "fsdp" if is_fsdp(wrapped) else "ddp")
@@ -464,8 +456,8 @@ class Session:
     def optimizer_step(self, optimizer: Optimizer, *, clip: float | None = None) -> torch.Tensor | None:
         """``optimizer.step()`` as the run needs it: under fp16-mixed the gradients are unscaled first (and the
         step skipped on overflow, as GradScaler does); their norm is clipped to ``clip`` (default
-        optim.grad_clip; 0: not clipped); a step whose gradient norm is NaN or infinite is not applied
-        (train.nonfinite: raise stops at the next log step, skip warns). Returns the gradient norm before
+        optim.grad_clip; 0: not clipped); a step whose gradient norm is NaN or infinite is not applied by a fused
+        optimizer, nor under train.nonfinite=skip by any (raise stops at the next log step, skip warns). Returns the gradient norm before
         clipping (a device tensor: nothing waits for it), or None where none was computed (fp16 without
         clipping: the scaler checks)."""
         if not self._in_step:
@@ -476,9 +468,13 @@ class Session:
         clip = self.cfg.optim.grad_clip if clip is None else clip
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = clipped_norm(params, clip, self.scaler, optimizer)
-        step = self.steps + 1
-        apply = self.guard.gate(step, optimizer, norm, device_skip=supports_device_skip(optimizer)) \
-            if norm is not None else True
+        step, fused = self.steps + 1, supports_device_skip(optimizer)
+        # Holding back a step for an optimizer that cannot skip on the device costs a host sync every step:
+        # only where train.nonfinite=skip asks for it. Under raise the run stops at the next log step, before
+        # anything after the step is saved.
+        skip = self.cfg.train.nonfinite == "skip"
+        self._applied_bad_possible = self._applied_bad_possible or not (fused or skip)
+        apply = self.guard.gate(step, optimizer, norm, device_skip=fused, may_sync=skip) if norm is not None else True
         self._stepping = optimizer
         try:
             if apply:
@@ -605,11 +601,11 @@ class Session:
         bad = sorted((int(r[n + 2]), rank) for rank, r in enumerate(rows) if r[n + 2] >= 0)
         fix = "lower the learning rate, clip gradients (--optim.grad_clip=1.0), or more warmup"
         if skipped > self._skipped_seen:
-            first = int(min(r[n + 1] for r in rows if r[n + 1] >= 0))
-            where = f"non-finite loss on rank {bad[0][1]} at step {bad[0][0]}" if bad else \
-                f"non-finite gradients at step {first} (the loss was finite on every rank)"
+            where = nonfinite_where([r[n + 1] for r in rows], [r[n + 2] for r in rows])
             if self.cfg.train.nonfinite == "raise":
-                raise TrainingFailed(f"{where}; the step was not applied and nothing after it was saved; fix: {fix}, "
+                applied = "was not applied" if not self._applied_bad_possible else \
+                    "may have been applied (an optimizer that is not fused cannot skip it without a sync)"
+                raise TrainingFailed(f"{where}; the step {applied} and nothing after it was saved; fix: {fix}, "
                                      "or --train.nonfinite=skip to skip such steps")
             self.console.print(f"warning: {where}: not applied ({int(skipped)} optimizer step(s) skipped so far)")
             self._skipped_seen, self._bad_said = skipped, True
@@ -710,45 +706,29 @@ class Session:
     def _restore_dcp(self, entry: _Model, box: nn.Module) -> None:
         """A DCP checkpoint (made by a sharded session) into one model and its optimizers, sharded or not, at
         any world size (DCP reshards). Collective: every rank sets up the same models in the same order."""
-        from scaletrain.checkpoint import dcp
-
         resume = self.resume
         assert resume is not None
-        model, aliases = dedupe(get_model_state_dict(box))
-        optim = get_optimizer_state_dict(box, entry.optimizers)  # materializes the state to load into
-        state: dict[str, Any] = {"model": model, **own_buffers(model, resume, self.rank), "optim": optim["state"]}
-        try:
-            dcp.load(state, resume.path / dcp.DCP_DIR)
-        except (RuntimeError, KeyError, AssertionError, CheckpointException) as err:
-            raise dcp_failure(err, resume) from None
-        own = state.get(RANK_BUFFERS, {}).get(str(self.rank), {})
-        set_model_state_dict(box, with_aliases({**state["model"], **own}, aliases))
         prefix = f"{entry.name}."
         groups = [g for g in read_tree(resume, OPTIMIZER_GROUPS) if g["params"] and g["params"][0].startswith(prefix)]
-        live = [g for opt in entry.optimizers for g in opt.param_groups]
-        if [sorted(g["params"]) for g in groups] != [sorted(g["params"]) for g in optim["param_groups"]]:
+        names = {id(p): name for name, p in box.named_parameters()}
+        live = [sorted(names[id(p)] for p in g["params"]) for opt in entry.optimizers for g in opt.param_groups]
+        if [sorted(g["params"]) for g in groups] != live:
             raise CheckpointError(resume.path, f"the optimizer param groups of {entry.name!r} differ",
                                   "set up the same optimizers, with the same parameter groups")
-        groups = keep_implementation(groups, _Groups(live))  # type: ignore[arg-type]
-        set_optimizer_state_dict(box, entry.optimizers, {"state": state["optim"], "param_groups": groups})
+        load_dcp(box, entry.optimizers, resume, self.rank, groups=groups)
 
     def _restore_full_into_sharded(self, entry: _Model, box: nn.Module) -> None:
-        """A consolidated checkpoint (a DDP or one-process session) into a sharded model: every rank reads the
-        whole tensors and keeps its shard, in name order on every rank (one collective per tensor)."""
+        """A consolidated checkpoint (a DDP or one-process session) into a sharded model (load_full_into_sharded),
+        its names and its optimizers' under the model's name, as the container ``box`` has them."""
         resume = self.resume
         assert resume is not None
         prefix = f"{entry.name}."
-        options = StateDictOptions(full_state_dict=True)
-        mine = {k: v for k, v in with_aliases(*read_model(resume)).items() if k.startswith(prefix)}
-        set_model_state_dict(box, sorted_by_name(mine), options=options)
-        state: dict[str, Any] = {}
-        groups: list[dict[str, Any]] = []
-        for opt, tree in zip(entry.optimizers, self._optimizer_trees(entry)):
-            state.update({prefix + k: v for k, v in tree["state"].items()})
-            groups += [{**g, "params": [prefix + p for p in g["params"]]}
-                       for g in keep_implementation(tree["param_groups"], opt)]
-        set_optimizer_state_dict(box, entry.optimizers, {"state": sorted_by_name(state), "param_groups": groups},
-                                 options=options)
+        tensors = {k: v for k, v in with_aliases(*read_model(resume)).items() if k.startswith(prefix)}
+        trees = self._optimizer_trees(entry)
+        tree = {"state": {prefix + k: v for t in trees for k, v in t["state"].items()},
+                "param_groups": [{**g, "params": [prefix + p for p in g["params"]]}
+                                 for t in trees for g in t["param_groups"]]}
+        load_full_into_sharded(box, entry.optimizers, tensors, tree)
 
     def _stopped(self, reason: str) -> None:
         assert self.services is not None
@@ -793,21 +773,15 @@ class Session:
         if self.rt.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         wall = time.perf_counter() - self.started
-        try:  # throughput in steady state: the log intervals after this process's first
-            steady: dict[str, Any] | None = steady_state(self._records, warmup_steps=WARMUP_STEPS)
-        except AssertionError:
-            steady = None
         totals = self.services.phase_totals
-        good = account(wall, startup_s=self._first_step_at - self.started,
-                       intervals=[(r["steps"], r["steps"] * r["step_time_s"]) for r in self._records],
-                       steady_step_s=steady["step_time_s"] if steady else None,
-                       data_wait_s=sum(t["data"] for t in totals) / len(totals), eval_s=0.0,
-                       checkpoint_s=self._checkpoint_s, earlier=self.services.earlier,
-                       warm_intervals=sum(r["step"] < steady["first_step"] for r in self._records) if steady else 0)
-        rate = steady["samples_per_s"] if steady else (self._records[-1]["samples_per_s"] if self._records else 0.0)
+        steady, rate, good = run_totals(self._records, wall_s=wall, startup_s=self._first_step_at - self.started,
+                                        phase_totals=totals, eval_s=0.0, checkpoint_s=self._checkpoint_s,
+                                        earlier=self.services.earlier)
+        if rate is None:  # no steady state: the last interval's
+            rate = self._records[-1]["samples_per_s"] if self._records else 0.0
         return {"steps": self.steps, "world_size": self.world_size, "wall_s": wall, "samples_per_s": rate,
-                "steady_state": {k: steady[k] for k in ("first_step", "last_step", "timed_steps", "intervals")}
-                if steady else None, "goodput": good, "train_s": self.train_time, "metrics": self.last_metrics, "phase_frac": phase_fractions(self.services.phase_totals),
+                "steady_state": steady, "goodput": good, "train_s": self.train_time, "metrics": self.last_metrics,
+                "phase_frac": phase_fractions(totals),
                 "stragglers": self.services.stragglers.summary(), "peak_mem_bytes": int(peak.item()),
                 "models": [m.name for m in self._models], "device": str(self.device), "backend": self.rt.backend,
                 "config_digest": self.cfg.digest(), "torch": torch.__version__, "scaletrain": __version__}
@@ -819,12 +793,8 @@ class Session:
         full = full_model_state(box, sharded=self.sharded)  # collective under FSDP: every rank gathers
         if not self.rt.is_main:
             return
-        tensors, aliases = dedupe({k: v.detach().cpu().contiguous() for k, v in full.items()})
-        if self.sharded:
-            for alias, name in tied(box).items():  # the gathered copies of a tied weight: stored once
-                if alias in tensors and name in tensors:
-                    del tensors[alias]
-                    aliases[alias] = name
+        tensors, aliases = stored_once(box, {k: v.detach().cpu().contiguous() for k, v in full.items()},
+                                       sharded=self.sharded)
         meta = {"config_digest": self.cfg.digest(), "step": str(self.steps), "aliases": json.dumps(aliases)}
         write_whole(self.cfg.run_dir / WEIGHTS, sum(t.nbytes for t in tensors.values()),
                     lambda tmp: safetensors.torch.save_file(tensors, str(tmp), metadata=meta))
@@ -924,13 +894,6 @@ def session(config: Config | Mapping[str, Any] | str | None = None, *, argv: lis
     except (Reported, Stopped):
         install_excepthook()
         raise
-
-
-class _Groups:
-    """An optimizer's param_groups, for keep_implementation across several optimizers."""
-
-    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
-        self.param_groups = param_groups
 
 
 def _check_optimizer(opt: Any, model: nn.Module) -> None:

@@ -9,6 +9,7 @@ reference to live tensors: the checkpointer copies what it keeps.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -95,6 +96,19 @@ def full_model_state(module: nn.Module, *, sharded: bool) -> dict[str, torch.Ten
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def stored_once(module: nn.Module, full: dict[str, torch.Tensor], *, sharded: bool
+                ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """dedupe() of ``module``'s whole weights ``full``; gathered from shards (FSDP), a tied weight's separate
+    copies are folded into one as well (tied())."""
+    tensors, aliases = dedupe(full)
+    if sharded:
+        for alias, name in tied(module).items():
+            if alias in tensors and name in tensors:
+                del tensors[alias]
+                aliases[alias] = name
+    return tensors, aliases
+
+
 def with_aliases(tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
     """The inverse of dedupe(): every alias back, sharing its tensor."""
     return {**tensors, **{alias: tensors[name] for alias, name in aliases.items() if name in tensors}}
@@ -152,9 +166,11 @@ def load_optimizer_tree(module: nn.Module, optimizer: Optimizer, tree: dict[str,
 IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 
 
-def keep_implementation(saved_groups: list[dict[str, Any]], optimizer: Optimizer) -> list[dict[str, Any]]:
-    """The saved param groups with the live optimizer's implementation flags."""
-    live = optimizer.param_groups
+def keep_implementation(saved_groups: list[dict[str, Any]],
+                        optimizer: Optimizer | Sequence[Optimizer]) -> list[dict[str, Any]]:
+    """The saved param groups with the live optimizer's implementation flags (several optimizers: their groups
+    in order, as torch's optimizer state dicts of several list them)."""
+    live = [g for opt in ([optimizer] if isinstance(optimizer, Optimizer) else optimizer) for g in opt.param_groups]
     out = []
     for i, group in enumerate(saved_groups):
         group = dict(group)
