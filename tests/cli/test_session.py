@@ -127,6 +127,31 @@ def test_nanogpt_learns_and_resumes_across_ddp_and_fsdp_exactly(tmp_path: Path) 
     for name in ("B", "C"):
         assert sorted(final[name]) == sorted(final["A"])
         assert max((final[name][k] - final["A"][k]).abs().max().item() for k in final["A"]) < 1e-6
+    # Another world size: B's DCP step 8 on one process under plain python (D: DCP reshards), D's consolidated
+    # step 12 on 2 ranks under FSDP (E). The state loads exactly; the loaders go on from the same place in the
+    # epoch, so D's steps 9-12 (batch 8, one rank) draw the samples B's two ranks drew in steps 9-10.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    shutil.copytree(tmp_path / "B" / "checkpoints" / "step-00000008", tmp_path / "D" / "checkpoints" / "step-00000008")
+    d = subprocess.run([sys.executable, str(NANOGPT), f"--run.dir={tmp_path / 'D'}", *run], capture_output=True,
+                       text=True, env=env, timeout=240, check=False)
+    assert d.returncode == 0, d.stderr[-3000:]
+    assert "resume: the checkpoint was made with 2 rank(s), this run has 1" in d.stdout, d.stdout
+    shutil.copytree(tmp_path / "D" / "checkpoints" / "step-00000012", tmp_path / "E" / "checkpoints" / "step-00000012")
+    e = _launch(tmp_path / "E", "--parallel.strategy=fsdp", script=NANOGPT, run=run)
+    assert e.returncode == 0, e.stderr[-3000:]
+    assert "ranks without saved state seed their RNG from run.seed + rank" in e.stdout, e.stdout
+
+    def drawn(name: str, ranks: tuple[int, ...], steps: range) -> list[int]:
+        return sorted(i for rank in ranks for s in steps for i in _trace(tmp_path / name, rank)[s]["indices"])
+
+    for name, source, step, ranks in (("D", "B", 8, (0,)), ("E", "D", 12, (0, 1))):
+        saved = _trace(tmp_path / source, 0)[step]
+        for rank in ranks:
+            resumed = _trace(tmp_path / name, rank)[("resume", step)]
+            parts = ("weights", "optimizer", "scheduler") + (("rng",) if rank == 0 else ())
+            assert all(resumed[part] == saved[part] for part in parts), (name, rank)
+    assert drawn("D", (0,), range(9, 13)) == drawn("B", (0, 1), range(9, 11))
+    assert drawn("E", (0, 1), range(13, 15)) == drawn("D", (0,), range(13, 17))
 
 
 def test_a_second_derivative_through_a_sharded_model_is_one_line(tmp_path: Path) -> None:

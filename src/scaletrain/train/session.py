@@ -30,11 +30,12 @@ The same file runs under ``python``, ``torchrun`` and ``scaletrain launch``. ``s
 FSDP (``--parallel.strategy=fsdp`` or ``hsdp``): every model set up is sharded per block (parallel/units.py)
 and its optimizers are built on (or moved to) the sharded parameters; the checkpoint is one DCP checkpoint
 holding every model and optimizer under the model's name: a DDP checkpoint resumes under FSDP and a DCP one
-under DDP, each loading the saved step exactly (tested; at another world size DCP reshards the state and the
-loaders keep their global position, untested for sessions). What FSDP cannot do in a session: a second
-derivative through a sharded model (the GAN's R1 penalty: the parameters it needs were freed after the first
-backward; st.backward says so in one line), and a model called outside ``with st.step():`` gathers its shards
-collectively, so every rank must call it.
+under DDP, each loading the saved step exactly. At another world size too: DCP reshards the state, the loaders
+go on from the same place in the epoch (each rank's batch stays as given, so the global batch follows the world
+size), and ranks the saving run did not have seed their RNG from run.seed + rank (tested: 2 ranks -> 1 -> 2).
+What FSDP cannot do in a session: a second derivative through a sharded model (the GAN's R1 penalty: the
+parameters it needs were freed after the first backward; st.backward says so in one line), and a model called
+outside ``with st.step():`` gathers its shards collectively, so every rank must call it.
 
 ``st.optimizer_step(opt)`` in place of ``opt.step()`` gives a loop of one's own what the trainer's step does:
 gradient clipping (optim.grad_clip), the non-finite guard (a step whose gradient norm is NaN or infinite is
@@ -246,6 +247,12 @@ class Session:
             self.console.print(restarted)  # torchrun restarted the group: which worker failed, how, where
         if self.resume is not None:
             self.console.print(f"resumed from {self.resume.path}: step {self.steps}")
+            was = int(self.resume.meta["world_size"])
+            if was != rt.world_size:  # DCP reshards, the loaders keep their place in the epoch (global)
+                self.console.print(f"resume: the checkpoint was made with {was} rank(s), this run has "
+                                   f"{rt.world_size}: the loaders go on from the same place in the epoch"
+                                   + ("; ranks without saved state seed their RNG from run.seed + rank"
+                                      if rt.world_size > was else ""))
             self.writer.write({"kind": "resume", "step": self.steps, "path": str(self.resume.path),
                                "world_size_was": self.resume.meta["world_size"], "world_size": rt.world_size})
 
@@ -514,8 +521,8 @@ class Session:
         self._training = True
         if self._rank_state is not None and "rng" in self._rank_state:
             rng.restore(self._rank_state["rng"], self.device)
-        elif self.resume is None:
-            torch.manual_seed(self.cfg.run.seed + self.rank)  # dropout and noise differ between ranks
+        else:  # a new run, or a rank the checkpoint's smaller world did not have: dropout and noise differ by rank
+            torch.manual_seed(self.cfg.run.seed + self.rank)
         if self._trace is not None and self.resume is not None:
             self._trace.resumed(self)
         self._interval_started = self._first_step_at = time.perf_counter()
