@@ -40,6 +40,9 @@ timeout 90 python -m scaletrain train gpt-stdlib --model.n_layer=12 --model.n_he
 for run in gpt tiny big; do
   python -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[2], s['mfu'], s['bottleneck']['verdict'])" \
     "$OUT/$run/summary.json" "$run"
+  # plan vs actual (issue 14: peak memory and step time within 10%): planned, measured, error per quantity
+  python -c "import json,sys; p=json.load(open(sys.argv[1]))['plan_vs_actual']; print(sys.argv[2], 'plan vs actual', p['predicted'], p['actual'], p['error'])" \
+    "$OUT/$run/summary.json" "$run"
   grep -o '"gpu_lead_s": \[[^]]*\]' "$OUT/$run/metrics.jsonl" | tail -2
 done
 fi

@@ -63,6 +63,13 @@ def test_a_slow_loader_is_named_under_fsdp_too(tmp_path):
     last = train_records[-1]["phase_s"]
     assert last["pre_comm"][1] - last["pre_comm"][0] > 0.020  # rank 0 waits after its mark, not before it
     assert last["pre_comm"][0] < 0.5 * last["step"][0]
+    # plan vs actual (plan/actual.py): the planner's model state per rank under FSDP against rank 0's shards
+    planned = summary["plan_vs_actual"]
+    assert planned["layout"] == {"strategy": "fsdp", "checkpointing": "none", "world_size": 2, "batch_size": 32,
+                                 "accum_steps": 1, "precision": "fp32"}
+    assert abs(planned["error"]["model_state"]) < 0.15, planned
+    assert planned["actual"]["model_state_bytes"] == sum(summary["mem"][k] for k in ("params_bytes", "grads_bytes",
+                                                                                     "optim_bytes"))
 
 
 def test_a_healthy_run_has_no_straggler_and_its_phases_add_up_to_the_step(docs_tour):
@@ -85,6 +92,9 @@ def test_a_healthy_run_has_no_straggler_and_its_phases_add_up_to_the_step(docs_t
     assert set(summary["phase_frac"]) == set(OWN)
     assert summary["bottleneck"]["verdict"] in ("input-bound", "compute-bound", "communication-bound", "host-bound")
     assert summary["bottleneck"]["fix"]
+    planned = summary["plan_vs_actual"]  # DDP: every rank holds the whole model state, as planned
+    assert planned["layout"]["strategy"] == "ddp" and abs(planned["error"]["model_state"]) < 0.15, planned
+    assert planned["accelerator"] is None and "step_time" not in planned["error"]  # no peak FLOP/s on a CPU
 
 
 def test_tensorboard_gets_the_same_numbers_as_metrics_jsonl(tmp_path):

@@ -236,3 +236,98 @@ def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     assert main(["plan", "gpt-stdlib", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def _run_summary(run_dir, *, accelerator: str | None, mfu: float | None, planned: int, measured: int) -> str:
+    """A finished run's summary.json as train/run.py writes it: its MFU and its plan_vs_actual record."""
+    run_dir.mkdir(parents=True)
+    record = {"layout": {"strategy": "ddp"}, "accelerator": accelerator,
+              "predicted": {"activations_bytes": planned, "total_bytes": planned + 10**9},
+              "actual": {"activations_bytes": measured}, "error": {}, "notes": []}
+    summary = {"device": "cuda:0" if accelerator else "cpu", "plan_vs_actual": record,
+               **({"mfu": mfu} if mfu is not None else {})}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return str(run_dir)
+
+
+def test_calibrate_takes_the_runs_mfu_and_activations(tmp_path, capsys):
+    """--calibrate RUN...: the median MFU of the runs made on this --gpu replaces the assumed one (an explicit
+    --mfu still wins), and their measured / planned activations multiply the planned activations."""
+    runs = [_run_summary(tmp_path / f"r{i}", accelerator="h100", mfu=m, planned=10**9, measured=int(r * 10**9))
+            for i, (m, r) in enumerate([(0.30, 1.10), (0.36, 1.30), (0.33, 1.20)])]
+    small = [f"--{k}={v}" for k, v in SMALL.items()]
+    base = tmp_path / "base.json"
+    cal = tmp_path / "cal.json"
+    _plan_text(["gpt-stdlib", "--gpu", "h100", *small, "--json", str(base)], capsys)
+    text = _plan_text(["gpt-stdlib", "--gpu", "h100", *small, "--json", str(cal), "--calibrate", *runs], capsys)
+    assert "calibrated from 3 run(s): MFU 0.33 (the runs' steady state), activations x1.2 (measured / planned)" \
+        in " ".join(text.split()), text
+    a, b = json.loads(base.read_text()), json.loads(cal.read_text())
+    assert b["mfu_assumed"] == pytest.approx(0.33) and a["mfu_assumed"] == 0.30  # the eager default on an h100
+    for before, after in zip(a["layouts"], b["layouts"]):
+        assert after["compute_s"] == pytest.approx(before["compute_s"] * 0.30 / 0.33)
+        assert after["activations_bytes"] == pytest.approx(before["activations_bytes"] * 1.2, abs=2)
+        assert after["params_bytes"] == before["params_bytes"]
+    explicit = _plan_text(["gpt-stdlib", "--gpu", "h100", *small, "--mfu", "0.5", "--calibrate", *runs], capsys)
+    assert "MFU 0.5 assumed" in explicit
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("missing", ["--calibrate", "no ", "summary.json", "fix: give the run directory of a finished run"]),
+    ("cpu", ["the run was made on cpu, the plan is for h100", "fix: calibrate with runs on h100"]),
+    ("h200", ["the run was made on h200, the plan is for h100", "--gpu h200"]),
+    ("broken", ["cannot be read", "fix:"]),
+    ("own", ["has no plan_vs_actual", "fix: calibrate with runs of a built-in model"]),
+])
+def test_calibrate_refuses_runs_it_cannot_use_in_one_line(kind, words, tmp_path, capsys):
+    run = tmp_path / "run"
+    if kind in ("cpu", "h200"):
+        _run_summary(run, accelerator=None if kind == "cpu" else "h200", mfu=None, planned=1, measured=1)
+    elif kind == "broken":
+        run.mkdir()
+        (run / "summary.json").write_text("{not json")
+    elif kind == "own":
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({"steps": 10}))
+    assert main(["plan", "gpt-stdlib", "--gpu", "h100", "--calibrate", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+
+
+@pytest.mark.parametrize("unit, acts, batch, words", [
+    (10e9, 5e9, 1, ["FSDP's working set, two blocks all-gathered and one block's gradients (80.00 GB)",
+                    "FSDP's working set alone is the larger part", "fix: smaller blocks"]),
+    (1e9, 62e9, 2, ["the activations of its batch of 2 (62.00 GB)", "(8.00 GB), 70.00 GB of 68.42 GB usable",
+                    "the activations are the larger part",
+                    "fix: --data.batch_size=1 with --train.accum_steps keeping the global batch, a shorter"]),
+])
+def test_a_model_no_number_of_gpus_holds_is_told_what_does_not_shrink(unit, acts, batch, words):
+    """The 405B case: what stays per GPU however many share the model state (activations, FSDP's working set of
+    a block: two all-gathered in bf16 and one's fp32 gradients, 8 bytes per parameter) is named, with the part
+    that is larger, and more GPUs are not offered as the fix."""
+    from scaletrain.plan.estimate import ModelFacts
+
+    facts = ModelFacts(params=int(400e9), trainable=int(400e9), largest_unit=int(unit), units=126,
+                       flops_per_sample=1e15, tokens_per_sample=8192,
+                       activations={k: int(acts) for k in ("none", "full", "sharded-none", "sharded-full")})
+    cfg = load("gpt-stdlib", cli_overrides={"data.batch_size": batch, "train.precision": "bf16-mixed",
+                                            "dist.nproc": 8})
+    plan = make_plan(cfg, facts, ACCELERATORS["h100"], total_steps=10, accum_steps=1, mfu=0.4,
+                     net_bytes_per_s=50e9, price_per_gpu_hour=None)
+    assert plan.choice is None and "even 65,536 GPUs would not hold it" in plan.reason
+    assert "more GPUs" not in plan.reason and all(w in plan.reason for w in words), plan.reason
+
+
+def test_the_default_mfu_is_the_nearest_measured_run_and_says_which(capsys):
+    from scaletrain.plan.catalog import default_mfu
+
+    assert default_mfu("h100", compiled=False, params=6.7e9)[0] == 0.30
+    assert default_mfu("h200", compiled=True, params=124e6)[0] == 0.37
+    assert default_mfu("h100", compiled=True, params=3e9)[0] == 0.50  # nearer 1B than 124M
+    assert default_mfu("h100", compiled=True, params=300e6)[0] == 0.37
+    mfu, source = default_mfu("l4", compiled=True, params=1e9)
+    assert mfu == 0.40 and source.startswith("not measured on l4") and "--calibrate" in source
+    text = " ".join(_plan_text(["gpt-stdlib", "--gpu", "h100", "--train.compile=true",
+                                *(f"--{k}={v}" for k, v in SMALL.items())], capsys).split())
+    assert "MFU 0.37 assumed" in text and "MFU: the nearest measured run: GPT-2 124M through scaletrain train, " \
+        "compiled" in text

@@ -8,6 +8,7 @@ wraps between words. --wide prints a row per layout and a column per quantity in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import textwrap
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from scaletrain.config import load
 from scaletrain.errors import UserError
 
 if TYPE_CHECKING:
+    from scaletrain.plan.actual import Calibration
     from scaletrain.plan.estimate import Layout, Plan
 
 WIDTH = 80  # columns of the default output
@@ -40,12 +42,18 @@ def add_parser(sub: Any, name: str) -> None:
 
     p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
                        usage="scaletrain plan RECIPE|FILE.toml --gpu KIND [--nproc GPUS_PER_MACHINE] "
-                             "[--nnodes MACHINES] [--price USD_PER_GPU_HOUR] [--section.key=value ...]")
+                             "[--nnodes MACHINES] [--price USD_PER_GPU_HOUR] [--calibrate RUN_DIR ...] "
+                             "[--section.key=value ...]")
     add_config_argument(p)
     own = p.add_argument_group("plan")
     own.add_argument("--gpu", default="h100", help=f"the accelerator: {', '.join(ACCELERATORS)} [default: h100]")
-    own.add_argument("--mfu", default="0.4", help="model FLOPs utilization to assume for a run without activation "
-                     "checkpointing (full checkpointing's recompute makes it 3/4 of that), in (0, 1] [default: 0.4]")
+    own.add_argument("--mfu", default=None, help="model FLOPs utilization to assume for a run without activation "
+                     "checkpointing (full checkpointing's recompute makes it 3/4 of that), in (0, 1] [default: the "
+                     "measured run nearest in size on this --gpu with this train.compile, plan/catalog.py "
+                     "DEFAULT_MFU; 0.4 where none was measured]")
+    own.add_argument("--calibrate", nargs="+", default=[], metavar="RUN_DIR",
+                     help="take the MFU and an activations correction from runs made on this --gpu (their "
+                     "summary.json plan vs actual) [default: none]")
     own.add_argument("--net-gbps", default="400", help="network between machines, Gb/s per GPU [default: 400]")
     own.add_argument("--price", default="", help="US dollars per GPU-hour, for the run's cost [default: none]")
     own.add_argument("--json", default="", help="also write the plan to this file")
@@ -127,7 +135,8 @@ def _show(table: Table, width: int | None) -> None:
     Console(highlight=False, width=width).print(table)
 
 
-def _print_plan(name: str, plan: Plan, batch: str, width: int | None) -> None:
+def _print_plan(name: str, plan: Plan, batch: str, width: int | None, calibration: Calibration | None = None,
+                mfu_source: str = "") -> None:
     """The plan of config ``name`` in ``width`` columns (None: --wide, a line per sentence); ``batch`` as
     train.batching describes it."""
     from scaletrain.observe.memory import fmt_bytes
@@ -137,6 +146,10 @@ def _print_plan(name: str, plan: Plan, batch: str, width: int | None) -> None:
     per = f" ({facts.tokens_per_sample} tokens each)" if facts.tokens_per_sample else ""
     _say(f"plan: {name} on {plan.nodes} x {plan.gpus_per_node} {acc.key}, {plan.total_steps} steps, "
          f"MFU {plan.mfu:g} assumed ({0.75 * plan.mfu:g} with full checkpointing)", width)
+    if calibration is not None:
+        _say(calibration.describe(), width)
+    elif mfu_source:
+        _say(f"MFU: {mfu_source}", width)
     _say(f"{acc.key}: {acc.name}, {acc.memory_bytes / 2**30:.1f} GiB, {plan.peak / 1e12:.0f} TFLOP/s "
          f"{compute_format(plan.precision, tf32=plan.tf32)}", width)
     _say(f"model: {facts.params / 1e6:.1f}M parameters, {facts.flops_per_sample / 1e9:.3g} GFLOP per sample{per}",
@@ -152,14 +165,14 @@ def _print_plan(name: str, plan: Plan, batch: str, width: int | None) -> None:
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.bench.report import check_output_path, write_json
     from scaletrain.data import build_splits
-    from scaletrain.plan.catalog import ACCELERATORS
+    from scaletrain.plan.catalog import ACCELERATORS, default_mfu
     from scaletrain.plan.estimate import make_plan, measure_model
     from scaletrain.train.batching import plan_batches
 
     acc = ACCELERATORS.get(args.gpu.lower())
     if acc is None:
         raise UserError(f"--gpu = {args.gpu!r}: expected one of {', '.join(ACCELERATORS)}; fix: --gpu h100")
-    mfu = _number("--mfu", args.mfu, 0.0, 1.0, "0.4")
+    mfu = _number("--mfu", args.mfu, 0.0, 1.0, "0.4") if args.mfu is not None else 0.0
     net = _number("--net-gbps", args.net_gbps, 0.0, 1e6, "400") * 1e9 / 8
     price = _number("--price", args.price, 0.0, 1e6, "2.5") if args.price else None
     check_output_path(args.json or None, "--json", ".json")
@@ -173,11 +186,27 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     batches = plan_batches(cfg, world, len(splits.train))  # type: ignore[arg-type]
     sample = splits.train[0][0]
     facts = measure_model(cfg, splits.task, splits.info, sample)
+    source = "given (--mfu)"
+    if args.mfu is None:
+        mfu, source = default_mfu(acc.key, compiled=cfg.train.compile, params=facts.params)
+    calibration = None
+    if args.calibrate:
+        from scaletrain.plan.actual import calibrate
+
+        calibration = calibrate(args.calibrate, acc.key)
+        if calibration.mfu is None and calibration.activations is None:
+            raise UserError(f"--calibrate {' '.join(args.calibrate)}: no MFU and no activations measured in these "
+                            "runs; fix: calibrate with runs of a built-in model on this --gpu")
+        if calibration.mfu is not None and args.mfu is None:  # an explicit --mfu wins
+            mfu, source = calibration.mfu, "the calibrating runs'"
+        if calibration.activations is not None:
+            facts = dataclasses.replace(facts, activations={k: round(v * calibration.activations)
+                                                            for k, v in facts.activations.items()})
     plan = make_plan(cfg, facts, acc, total_steps=batches.total_steps, accum_steps=batches.accum_steps, mfu=mfu,
                      net_bytes_per_s=net, price_per_gpu_hour=price)
 
     width = None if args.wide else WIDTH
-    _print_plan(args.config, plan, batches.describe(), width)
+    _print_plan(args.config, plan, batches.describe(), width, calibration, source)
     if args.json:
         _say(f"wrote {write_json(args.json, {'config': args.config, **plan.as_dict()})}", width)
     return 0

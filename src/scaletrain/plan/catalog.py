@@ -41,3 +41,39 @@ ACCELERATORS = {a.key: a for a in (
     Accelerator("l40s", "NVIDIA L40S", 46_068 * MIB, 32e9),
     Accelerator("l4", "NVIDIA L4", 23_034 * MIB, 32e9),
 )}
+
+
+@dataclass(frozen=True)
+class MeasuredMfu:
+    """One measured run a plan's default MFU comes from: steady-state MFU without recompute, bf16."""
+
+    accelerators: tuple[str, ...]  # the catalog keys it stands for (the H200 computes at the H100's peak)
+    compiled: bool  # train.compile
+    params: float  # the model's parameters
+    mfu: float
+    source: str
+
+
+# The default MFU of a plan (--mfu and --calibrate replace it): the measured run on the same accelerator with the
+# same train.compile nearest in size (log scale); where none was measured, FALLBACK_MFU, said as assumed.
+DEFAULT_MFU = (
+    MeasuredMfu(("h100", "h200"), False, 85e6, 0.30, "GPT-2 124M shape (byte vocabulary) through scaletrain train, "
+                "eager: ~30% in steady state (benchmarks/RESULTS.md 5b)"),
+    MeasuredMfu(("h100", "h200"), True, 124e6, 0.37, "GPT-2 124M through scaletrain train, compiled: 36.8-40.0% in "
+                "steady state at batch 16-64 (issue 14)"),
+    MeasuredMfu(("h100", "h200"), True, 1.1e9, 0.50, "a ~1B GPT, FSDP2 on one GPU, compiled: 49.5-52.0% "
+                "(benchmarks/gpu_mfu.py, benchmarks/RESULTS.md 5b)"),
+)
+FALLBACK_MFU = 0.40
+
+
+def default_mfu(accelerator: str, *, compiled: bool, params: float) -> tuple[float, str]:
+    """(MFU, where it comes from) for a plan on ``accelerator`` of a model of ``params`` parameters."""
+    import math
+
+    runs = [m for m in DEFAULT_MFU if accelerator in m.accelerators and m.compiled == compiled]
+    if not runs:
+        return FALLBACK_MFU, (f"not measured on {accelerator} with train.compile={str(compiled).lower()}: "
+                              f"assumed; --mfu or --calibrate with your own runs")
+    near = min(runs, key=lambda m: abs(math.log(max(params, 1.0) / m.params)))
+    return near.mfu, f"the nearest measured run: {near.source}"

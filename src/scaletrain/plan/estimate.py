@@ -183,23 +183,31 @@ def _fake_model(cfg: Config, task: str, info: dict[str, Any], checkpointing: str
 MEASURED_LAYERS = (3, 4)
 
 
-def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor) -> ModelFacts:
+def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
+                  modes: tuple[str, ...] = AC_PLANNED, sharded: tuple[bool, ...] = (False, True),
+                  flops: float | None = None) -> ModelFacts:
     """ModelFacts of cfg's model for ``sample`` (one real input, no batch dim) at cfg.data.batch_size: the
     parameters counted on the whole model; a GPT deeper than MEASURED_LAYERS measured at those depths and
-    extrapolated (a 32-block GPT planned in a fraction of the time), any other model measured whole."""
+    extrapolated (a 32-block GPT planned in a fraction of the time), any other model measured whole.
+    ``modes``/``sharded``: the checkpointing modes and layouts (DDP, FSDP) to measure activations for (a run's
+    own plan needs one of each); ``flops``: FLOPs per sample known already (not counted again)."""
     layers = cfg.model.n_layer if cfg.model.name == "gpt" else 0
     if layers <= 2 * MEASURED_LAYERS[-1]:  # as quick to measure whole
-        return _measure(cfg, task, info, sample)
-    lo, hi = (_measure(replace(cfg, model=replace(cfg.model, n_layer=n)), task, info, sample, steps=True)
+        return _measure(cfg, task, info, sample, modes=modes, sharded=sharded, flops=flops)
+    lo, hi = (_measure(replace(cfg, model=replace(cfg.model, n_layer=n)), task, info, sample, steps=True,
+                       modes=modes, sharded=sharded, flops=flops)
               for n in MEASURED_LAYERS)
     whole = _measure(cfg, task, info, sample, steps=False)
     more = layers - MEASURED_LAYERS[-1]
-    return replace(whole, flops_per_sample=hi.flops_per_sample + more * (hi.flops_per_sample - lo.flops_per_sample),
+    per_sample = flops if flops is not None else \
+        hi.flops_per_sample + more * (hi.flops_per_sample - lo.flops_per_sample)
+    return replace(whole, flops_per_sample=per_sample,
                    activations={k: v + more * (v - lo.activations[k]) for k, v in hi.activations.items()})
 
 
 def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
-             steps: bool = True) -> ModelFacts:
+             steps: bool = True, modes: tuple[str, ...] = AC_PLANNED, sharded: tuple[bool, ...] = (False, True),
+             flops: float | None = None) -> ModelFacts:
     """ModelFacts of cfg's model, measured whole (``steps=False``: the parameters only, no FLOPs or
     activations).
 
@@ -215,26 +223,28 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
     acts: dict[str, int] = {}
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fake_sample = mode.from_tensor(sample)
-        flops = 0.0
-        for ac in AC_PLANNED if steps else AC_PLANNED[:1]:
-            model = _fake_model(cfg, task, info, ac)
-            if ac == "none":
-                params = {id(p): p for p in model.parameters()}
-                units = fsdp_units(model, cfg.parallel.fsdp_units) or [model]
-                largest = max(sum(p.numel() for p in u.parameters()) for u in units)
-                if not steps:
-                    break
-                flops = flops_per_sample(model, fake_sample)
-            acts[ac] = estimate_activation_bytes(model, fake_sample, batch, precision=precision, whole_step=True)
+        model = _fake_model(cfg, task, info, "none")
+        params = {id(p): p for p in model.parameters()}
+        units = fsdp_units(model, cfg.parallel.fsdp_units) or [model]
+        largest = max(sum(p.numel() for p in u.parameters()) for u in units)
+        if steps and flops is None:
+            flops = flops_per_sample(model, fake_sample)
+        for ac in modes if steps else ():
+            if ac != "none":
+                model = _fake_model(cfg, task, info, ac)
+            if False in sharded or dtype is None:
+                acts[ac] = estimate_activation_bytes(model, fake_sample, batch, precision=precision,
+                                                     whole_step=True)
             if dtype is None:
                 acts[f"sharded-{ac}"] = acts[ac]
                 continue
-            low = fake_sample.to(dtype) if fake_sample.is_floating_point() else fake_sample
-            low_model = _fake_model(cfg, task, info, ac, dtype)
-            acts[f"sharded-{ac}"] = estimate_activation_bytes(low_model, low, batch, whole_step=True)
+            if True in sharded:
+                low = fake_sample.to(dtype) if fake_sample.is_floating_point() else fake_sample
+                low_model = _fake_model(cfg, task, info, ac, dtype)
+                acts[f"sharded-{ac}"] = estimate_activation_bytes(low_model, low, batch, whole_step=True)
     return ModelFacts(params=sum(p.numel() for p in params.values()),
                       trainable=sum(p.numel() for p in params.values() if p.requires_grad),
-                      largest_unit=largest, units=len(units), flops_per_sample=flops,
+                      largest_unit=largest, units=len(units), flops_per_sample=flops or 0.0,
                       tokens_per_sample=int(info.get("seq_len", 0)) if task == "lm" else 0, activations=acts)
 
 
@@ -253,10 +263,8 @@ def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Acceler
     """Memory per GPU and time per optimizer step of one layout (the module docstring's model)."""
     world = gpus_per_node * nodes
     shard = {"ddp": 1, "fsdp": world, "hsdp": gpus_per_node}[strategy]
-    p32, g32 = 4 * facts.params, 4 * facts.trainable
-    k = OPTIM_STATES.get(optimizer, 2)
+    g32 = 4 * facts.trainable
     cbytes = AUTOCAST_DTYPE.get(precision, torch.float32).itemsize
-    buffers = 0 if strategy == "ddp" or shard == 1 else facts.largest_unit * (2 * cbytes + 4)
     flops = facts.flops_per_sample * batch_size * world * accum_steps  # the model's, as MFU counts them
     # ``mfu`` is a run's without recompute; full checkpointing does a forward more on the same hardware
     # (HFU unchanged), so its MFU is 3/4 of that.
@@ -271,9 +279,20 @@ def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Acceler
     else:  # hsdp: shard within a machine, replicate across machines
         comm = ((accum_steps * 2 * _ring(shard) * pc + _ring(shard) * g32) / link
                 + 2 * _ring(nodes) * (g32 / shard) / net_bytes_per_s)
-    acts = facts.activations[checkpointing if shard == 1 else f"sharded-{checkpointing}"]
-    memory = (math.ceil(p32 / shard), math.ceil(g32 / shard), math.ceil(k * g32 / shard), acts, buffers)
+    memory = layout_memory(facts, strategy, checkpointing, shard=shard, precision=precision, optimizer=optimizer)
     return Layout(strategy, checkpointing, *memory, compute, comm, sum(memory) <= usable_bytes(acc))
+
+
+def layout_memory(facts: ModelFacts, strategy: str, checkpointing: str, *, shard: int, precision: str,
+                  optimizer: str) -> tuple[int, int, int, int, int]:
+    """Bytes per GPU of one layout, its model state sharded over ``shard`` ranks: parameters, gradients,
+    optimizer state, activations, FSDP's working set (the module docstring's model)."""
+    p32, g32 = 4 * facts.params, 4 * facts.trainable
+    k = OPTIM_STATES.get(optimizer, 2)
+    cbytes = AUTOCAST_DTYPE.get(precision, torch.float32).itemsize
+    buffers = 0 if strategy == "ddp" or shard == 1 else facts.largest_unit * (2 * cbytes + 4)
+    acts = facts.activations[checkpointing if shard == 1 else f"sharded-{checkpointing}"]
+    return math.ceil(p32 / shard), math.ceil(g32 / shard), math.ceil(k * g32 / shard), acts, buffers
 
 
 def strategies(world: int, nodes: int) -> list[str]:
@@ -301,15 +320,18 @@ def choose(plan: Plan) -> tuple[Layout | None, str]:
         elif ddp is not None and best is not ddp:
             why += f"; ddp fits too, at {fmt_seconds(ddp.step_s)} per step ({ddp.bound}-bound)"
         return best, why
-    smallest = min(plan.layouts, key=lambda lay: lay.total_bytes)
-    state = smallest.params_bytes + smallest.grads_bytes + smallest.optim_bytes
-    return None, (f"the smallest is {smallest.strategy} with checkpointing "
-                  f"{smallest.checkpointing} at {fmt_bytes(smallest.total_bytes)} per GPU (model state "
-                  f"{fmt_bytes(state)}, activations {fmt_bytes(smallest.activations_bytes)}) of "
-                  f"{fmt_bytes(usable)} usable; fix: more GPUs to shard over (--nproc, --nnodes), a smaller "
+    return None, (f"{_smallest(plan)}; fix: more GPUs to shard over (--nproc, --nnodes), a smaller "
                   "--data.batch_size with --train.accum_steps keeping the global batch, "
                   + ("" if plan.precision != "fp32" else "--train.precision=bf16-mixed, ")
                   + "or a larger accelerator (--gpu)")
+
+
+def _smallest(plan: Plan) -> str:
+    smallest = min(plan.layouts, key=lambda lay: lay.total_bytes)
+    state = smallest.params_bytes + smallest.grads_bytes + smallest.optim_bytes
+    return (f"the smallest is {smallest.strategy} with checkpointing {smallest.checkpointing} at "
+            f"{fmt_bytes(smallest.total_bytes)} per GPU (model state {fmt_bytes(state)}, activations "
+            f"{fmt_bytes(smallest.activations_bytes)}) of {fmt_bytes(plan.usable_bytes)} usable")
 
 
 def make_plan(cfg: Config, facts: ModelFacts, acc: Accelerator, *, total_steps: int, accum_steps: int,
@@ -329,7 +351,26 @@ def make_plan(cfg: Config, facts: ModelFacts, acc: Accelerator, *, total_steps: 
     plan.choice, plan.reason = choose(plan)
     if plan.choice is None:  # how many GPUs FSDP with full checkpointing would need (machines of `gpus`)
         need = next((n for n in range(2, 65537) if at("fsdp", "full", n, 1).fits), None)
-        plan.reason += (f"; FSDP with --memory.activation_checkpointing=full fits on {need} GPUs of this kind"
-                        if need else "; even 65,536 GPUs would not hold it: the activations of one sample "
-                        "alone do not fit")
+        if need:
+            plan.reason += f"; FSDP with --memory.activation_checkpointing=full fits on {need} GPUs of this kind"
+        else:  # more GPUs are no fix: say what does not shrink with them
+            plan.reason = f"{_smallest(plan)}; {_beyond_sharding(at('fsdp', 'full', 65536, 1), plan)}"
     return plan
+
+
+def _beyond_sharding(lay: Layout, plan: Plan) -> str:
+    """Why no number of GPUs holds the model under FSDP with full checkpointing: what does not shrink with more
+    GPUs (the activations of the per-rank batch, FSDP's working set of a block), each named with its size."""
+    usable = plan.usable_bytes
+    acts, buffers = lay.activations_bytes, lay.fsdp_buffers_bytes
+    held = (f"the activations of its batch of {plan.batch_size} ({fmt_bytes(acts)}) and FSDP's working set, two "
+            f"blocks all-gathered and one block's gradients ({fmt_bytes(buffers)})")
+    if buffers >= acts:
+        cause = "FSDP's working set" + (" alone" if buffers > usable else "") + " is the larger part"
+        fix = "smaller blocks (fewer parameters per block: --model.n_embd), or a larger accelerator (--gpu)"
+    else:
+        cause = "the activations" + (" alone" if acts > usable else "") + " are the larger part"
+        fix = ("--data.batch_size=1 with --train.accum_steps keeping the global batch, " if plan.batch_size > 1
+               else "") + "a shorter --data.seq_len, or a larger accelerator (--gpu)"
+    return (f"even 65,536 GPUs would not hold it: each GPU still holds {held}, {fmt_bytes(acts + buffers)} of "
+            f"{fmt_bytes(usable)} usable; {cause}; fix: {fix}")

@@ -34,6 +34,7 @@ from scaletrain.observe.sinks import check_tensorboard
 from scaletrain.observe.stragglers import bottleneck, phase_fractions
 from scaletrain.observe.throughput import throughput
 from scaletrain.parallel import units_line
+from scaletrain.plan.actual import describe as describe_plan
 from scaletrain.runtime import Runtime
 from scaletrain.train.batching import plan_batches
 from scaletrain.train.checkpointing import Resume, find_resume
@@ -84,6 +85,19 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
             console.print(f"eval: {chosen:,} of {n_eval:,} held-out samples, spread over the split "
                           f"(train.eval_batches = {cfg.train.eval_batches} per rank); --train.eval_batches=0 "
                           "evaluates all of them")
+
+
+def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any]) -> dict[str, Any]:
+    """plan/actual.py's record for this run, on every rank (each returns the summary)."""
+    from scaletrain.plan.actual import plan_vs_actual
+
+    rt, plan = job.rt, job.plan
+    rate = summary["samples_per_s"]
+    return plan_vs_actual(job.cfg, splits.task, splits.info, splits.train[0][0], job.module, device=rt.device,
+                          world=rt.world_size, gpus_per_node=rt.local_world_size, strategy=job.strategy,
+                          batch_size=plan.batch_size, accum_steps=plan.accum_steps, flops=job.flops,
+                          state=summary["mem"], peak_bytes=summary["peak_mem_bytes"],
+                          step_s=plan.global_batch / rate if rate else None, mfu=summary.get("hfu", summary.get("mfu")))
 
 
 def _finish(job: Job, loop: Loop, wall_s: float, startup_s: float) -> dict[str, Any]:
@@ -184,6 +198,7 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
     rows += [("wall time", f"{summary['wall_s']:.1f} s"), ("time spent on", describe(summary["goodput"])),
              ("peak memory / rank", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB"),
              *_memory_row(summary.get("mem", {})),
+             *([("plan vs actual", describe_plan(summary["plan_vs_actual"]))] if "plan_vs_actual" in summary else []),
              ("run dir", str(run_dir))]
     console.table("summary", rows)
     console.print(f"bottleneck: {verdict['verdict']}; fix: {verdict['fix']}")
@@ -304,6 +319,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         if outcome != DONE:
             return _stopped(job, loop, outcome)
         summary = _finish(job, loop, time.perf_counter() - started, loop_started - started)
+        if cfg.log.plan_vs_actual and model is None and job.step:  # the planner builds the model the config names
+            summary["plan_vs_actual"] = _plan_vs_actual(job, splits, summary)
         write_outputs(job.step, services.checkpointer, [
             (WEIGHTS, lambda: save_weights(job, run_dir / WEIGHTS)),
             *([("summary.json", lambda: write_json(run_dir / "summary.json", summary))] if rt.is_main else [])])

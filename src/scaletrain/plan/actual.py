@@ -1,0 +1,176 @@
+"""Plan vs actual: what ``scaletrain plan`` predicts for a run's own configuration, beside what the run
+measured, and the error (predicted / measured - 1).
+
+At the end of a run of a built-in model (log.plan_vs_actual), the plan for the run's own layout (its strategy,
+checkpointing mode, world size, per-rank batch and precision). On CUDA the planner measures the model's
+activations on fake tensors as `scaletrain plan` does, for this layout only (a fraction of a second); elsewhere
+the activations are not compared, so they are not planned, and the model state is planned from the run's own
+parameter counts (the same counts the planner takes from the model the config builds). Compared:
+
+- model state per rank (parameters, gradients, optimizer state): the planner's arithmetic against rank 0's
+  tensors counted after the first step (observe.memory.model_state_bytes), on every device;
+- peak memory per rank and the activations (the peak beyond model state): CUDA only, the allocator's peak
+  (a CPU's resident set holds the interpreter and the data too, so it is not compared);
+- time per step: on a GPU of the planner's catalog, the plan's step at the run's own steady-state MFU
+  (as if measured without recompute: a run with full checkpointing counts its HFU) against the steady-state
+  step. At the measured MFU the plan's compute time is the measured step by construction; what the error shows
+  is the communication model (a communication-bound plan) and nothing else.
+
+``scaletrain plan --calibrate RUN...`` reads these records back (calibrate()) to correct a new plan: the MFU
+the runs reached, and the ratio of measured to planned activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.config import Config
+from scaletrain.errors import UserError
+
+
+def _error(predicted: float, actual: float) -> float | None:
+    return predicted / actual - 1 if actual > 0 else None
+
+
+def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, module: nn.Module, *,
+                   device: torch.device,
+                   world: int, gpus_per_node: int, strategy: str, batch_size: int, accum_steps: int,
+                   flops: float, state: dict[str, Any], peak_bytes: int, step_s: float | None,
+                   mfu: float | None) -> dict[str, Any]:
+    """The record summary.json keeps under ``plan_vs_actual`` (module docstring). ``state``: metrics.jsonl's
+    ``mem`` of the last log step (rank 0's model state by part); ``peak_bytes``: the largest rank's peak;
+    ``step_s``: the steady-state time per optimizer step; ``mfu``: the run's, without recompute."""
+    from scaletrain.observe.throughput import device_peak
+    from scaletrain.parallel.fsdp import fsdp_units
+    from scaletrain.plan.catalog import ACCELERATORS
+    from scaletrain.plan.estimate import ModelFacts, layout, layout_memory, measure_model
+
+    checkpointing = cfg.memory.activation_checkpointing
+    shard = {"ddp": 1, "fsdp": world, "hsdp": gpus_per_node}[strategy]
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch_size))
+    if device.type == "cuda":
+        facts = measure_model(cfg, task, info, sample, modes=(checkpointing,), sharded=(shard > 1,), flops=flops)
+    else:  # a DTensor's numel is the whole parameter's: the counts are the unsharded model's
+        params = list(module.parameters())
+        units = fsdp_units(module, cfg.parallel.fsdp_units) or [module]
+        facts = ModelFacts(params=sum(p.numel() for p in params),
+                           trainable=sum(p.numel() for p in params if p.requires_grad),
+                           largest_unit=max(sum(p.numel() for p in u.parameters()) for u in units), units=len(units),
+                           flops_per_sample=flops, tokens_per_sample=0,
+                           activations={checkpointing: 0, f"sharded-{checkpointing}": 0})
+    parts = layout_memory(facts, strategy, checkpointing, shard=shard, precision=cfg.train.precision,
+                          optimizer=cfg.optim.name)
+    predicted: dict[str, Any] = dict(zip(("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes",
+                                          "fsdp_buffers_bytes"), parts))
+    predicted.update(model_state_bytes=sum(parts[:3]), total_bytes=sum(parts))
+    if device.type != "cuda":  # not planned where not compared
+        del predicted["activations_bytes"], predicted["total_bytes"]
+    counted = sum(int(state.get(k, 0)) for k in ("params_bytes", "grads_bytes", "optim_bytes"))
+    actual: dict[str, Any] = {"model_state_bytes": counted}
+    error: dict[str, Any] = {"model_state": _error(predicted["model_state_bytes"], counted)}
+    notes = []
+    if device.type == "cuda":
+        actual.update(peak_bytes=peak_bytes, activations_bytes=int(state.get("activations_bytes", 0)))
+        error["peak"] = _error(predicted["total_bytes"], peak_bytes)
+    else:
+        notes.append(f"peak memory and activations not compared on {device.type} (its resident set holds the "
+                     "interpreter and the data too): model state only")
+    if cfg.memory.cpu_offload and shard > 1:
+        notes.append("memory.cpu_offload keeps the model state in host memory: the plan does not model it")
+        error = {k: None for k in error}
+    name, _ = device_peak(device, cfg.train.precision, tf32=cfg.train.tf32)
+    acc = next((a for a in ACCELERATORS.values() if device.type == "cuda" and a.name in name), None)
+    if step_s:
+        actual["step_s"] = step_s
+    if acc is not None and mfu and step_s:
+        nodes = max(1, world // gpus_per_node)
+        lay = layout(facts, strategy, checkpointing, acc=acc, gpus_per_node=gpus_per_node if nodes > 1 else world,
+                     nodes=nodes, precision=cfg.train.precision, tf32=cfg.train.tf32, batch_size=batch_size,
+                     accum_steps=accum_steps, optimizer=cfg.optim.name, mfu=mfu, net_bytes_per_s=400e9 / 8)
+        predicted.update(step_s=lay.step_s, compute_s=lay.compute_s, comm_s=lay.comm_s, mfu_assumed=mfu)
+        error["step_time"] = _error(lay.step_s, step_s)
+    else:
+        notes.append("step time not compared: the planner knows no peak FLOP/s for this device")
+    return {"layout": {"strategy": strategy, "checkpointing": checkpointing, "world_size": world,
+                       "batch_size": batch_size, "accum_steps": accum_steps, "precision": cfg.train.precision},
+            "accelerator": acc.key if acc else None, "predicted": predicted, "actual": actual, "error": error,
+            "notes": notes}
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One line for the summary table: each compared quantity, planned against measured, and the error."""
+    from scaletrain.observe.memory import fmt_bytes
+
+    pred, act, err = record["predicted"], record["actual"], record["error"]
+
+    def part(label: str, key: str, p: float, a: float, fmt: Any) -> str:
+        e = err.get(key)
+        return f"{label} {fmt(p)} planned, {fmt(a)} measured" + ("" if e is None else f" ({100 * e:+.1f}%)")
+
+    parts = [part("model state", "model_state", pred["model_state_bytes"], act["model_state_bytes"], fmt_bytes)]
+    if "peak_bytes" in act:
+        parts.append(part("peak", "peak", pred["total_bytes"], act["peak_bytes"], fmt_bytes))
+    if "step_time" in err:
+        parts.append(part("step", "step_time", pred["step_s"], act["step_s"], lambda s: f"{1000 * s:.1f} ms"))
+    return "; ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What ``plan --calibrate`` takes from runs: the MFU they reached and measured / planned activations."""
+
+    runs: int
+    mfu: float | None
+    activations: float | None  # the factor the planned activations are multiplied by
+
+    def describe(self) -> str:
+        parts = [f"MFU {self.mfu:.3g} (the runs' steady state)" if self.mfu else "",
+                 f"activations x{self.activations:.3g} (measured / planned)" if self.activations else ""]
+        return f"calibrated from {self.runs} run(s): " + ", ".join(p for p in parts if p)
+
+
+def calibrate(run_dirs: list[str], accelerator: str) -> Calibration:
+    """A Calibration from each run directory's summary.json (its plan_vs_actual): the median over the runs made
+    on ``accelerator`` (the GPU the plan is for) of the MFU reached without recompute, and of the activations
+    measured over planned. A run that cannot say either is one clear error."""
+    mfus, ratios = [], []
+    for run in run_dirs:
+        path = Path(run) / "summary.json"
+        fix = "give the run directory of a finished run (scaletrain train ... --run.dir=DIR)"
+        try:
+            summary = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UserError(f"--calibrate {run}: no {path}; fix: {fix}") from None
+        except (OSError, ValueError) as err:
+            raise UserError(f"--calibrate {run}: {path} cannot be read ({err}); fix: {fix}") from None
+        record = summary.get("plan_vs_actual") if isinstance(summary, dict) else None
+        if not isinstance(record, dict) or "predicted" not in record:
+            raise UserError(f"--calibrate {run}: {path} has no plan_vs_actual (a model of one's own, an older run, "
+                            "or --log.plan_vs_actual=false); fix: calibrate with runs of a built-in model made by "
+                            "this version")
+        made_on = record.get("accelerator")
+        if made_on != accelerator:
+            where = made_on or summary.get("device", "a device the planner does not know")
+            other = f" (or plan for --gpu {made_on})" if made_on else ""
+            raise UserError(f"--calibrate {run}: the run was made on {where}, the plan is for {accelerator}; fix: "
+                            f"calibrate with runs on {accelerator}{other}")
+        try:
+            mfu = summary.get("hfu", summary.get("mfu"))  # with full checkpointing: as if without recompute
+            if mfu is not None and 0 < float(mfu) <= 1:
+                mfus.append(float(mfu))
+            planned = float(record["predicted"].get("activations_bytes") or 0)
+            measured = float(record["actual"].get("activations_bytes") or 0)
+        except (AttributeError, TypeError, ValueError) as err:
+            raise UserError(f"--calibrate {run}: {path} is not a summary this version wrote ({err}); fix: {fix}") \
+                from None
+        if planned > 0 and measured > 0:
+            ratios.append(measured / planned)
+    return Calibration(len(run_dirs), statistics.median(mfus) if mfus else None,
+                       statistics.median(ratios) if ratios else None)
