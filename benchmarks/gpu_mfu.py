@@ -107,20 +107,17 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, device: torch.d
     batch = args.batch_size or shape.batch
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU directly: a 1B model's init on the CPU takes a while
+        # The trainer's own model and knobs (model.bias, model.loss, model.residual): what is measured here is
+        # what `scaletrain train` runs with the same keys.
         model = GPT(shape.vocab, shape.seq, shape.n_layer, shape.n_head, shape.n_embd, 0.0,
-                    bias=not args.no_bias)
+                    bias=not args.no_bias, fused_loss=args.loss == "fused",
+                    bf16_residual=not shape.fsdp and args.residual == "bf16")
     n_params = sum(p.numel() for p in model.parameters())
     apply_activation_checkpointing(model, args.ac)
     sample = torch.randint(0, shape.vocab, (shape.seq,), device=device)
     activations = estimate_activation_bytes(model, sample, batch, precision="bf16-mixed")  # eager, unwrapped
     step_model: torch.nn.Module = model
     autocast = not shape.fsdp
-    if autocast and args.residual == "bf16":
-        # Under autocast the residual stream is fp32 (the embeddings are fp32 and x + bf16 promotes); cast the
-        # embeddings' outputs and it stays bf16, as it is under FSDP's bf16 policy: half the bytes for every
-        # add, layer norm and saved input between the matmuls.
-        for emb in (model.tok_emb, model.pos_emb):
-            emb.register_forward_hook(lambda _m, _i, out: out.to(torch.bfloat16))
     if shape.fsdp:
         join_one_rank_group(device)
         if args.compile:
@@ -130,8 +127,10 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, device: torch.d
                    reduce_dtype=policy.reduce_dtype, reshard_after_forward=args.reshard)
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if args.loss == "fused":  # the head and the loss in one pass per chunk; the logits never kept
+        if args.loss == "fused" and args.chunk_rows != 8192:  # another chunk size than the model's
             return linear_cross_entropy(model.hidden(x), model.head.weight, y, chunk_rows=args.chunk_rows)
+        if args.loss == "fused":  # the head and the loss in one pass per chunk; the logits never kept
+            return step_model(x, y)["loss"]
         logits = step_model(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 

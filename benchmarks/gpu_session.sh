@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks of one lent-GPU session, in priority order, each with its own time limit (915 s in all), results under $OUT.
+# The GPU checks of one lent-GPU session, in priority order, each with its own time limit (1,335 s in all), results under $OUT.
 # Run on the device machine from the repository root: PYTHONPATH=src (tomli_w carried in .h4carry).
-# A device call runs at most 600 s, so run it in two: `bash benchmarks/gpu_session.sh 1 2 3 4 5`, then `... 6 7`
-# (no arguments: every step).
+# A device call runs at most 600 s, so run it in three: `bash benchmarks/gpu_session.sh 1 2 3 4 5`, then `... 6 7`,
+# then `... 8` (no arguments: every step).
 set -u
 export PYTHONPATH=src:.h4carry PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-STEPS=" ${*:-1 2 3 4 5 6 7} "
+STEPS=" ${*:-1 2 3 4 5 6 7 8} "
 on() { [[ $STEPS == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
@@ -58,5 +58,18 @@ echo "   FlashAttention-2 and memory-efficient through SDPA, with the best setti
 for sdpa in flash efficient; do
   timeout 120 python benchmarks/gpu_mfu.py --shape 124m --no-bias --steps 30 --warmup 5 --residual bf16 --loss fused \
     --batch-size 128 --sdpa $sdpa 2>&1 | grep -A1 "^124m"
+done
+fi
+if on 8; then
+echo "== 8. issue 14: the trainer's own speed keys at GPT-2 124M (vocab 50304, seq 1024, batch 16, bf16, compiled),"
+echo "   off and on, side by side in one call: steady-state tokens/s, MFU, peak memory and plan vs actual"
+for keys in "" "--model.bias=false --model.loss=fused --model.residual=bf16"; do
+  name=keys-$([ -z "$keys" ] && echo off || echo on)
+  timeout 200 python -m scaletrain train gpt-stdlib --model.n_layer=12 --model.n_head=12 --model.n_embd=768 \
+    --model.vocab_size=50304 --data.seq_len=1024 --data.batch_size=16 --train.precision=bf16-mixed \
+    --train.compile=true --train.max_steps=120 --log.every=20 --train.eval_batches=1 --train.progress=false \
+    --run.dir="$OUT/$name" $keys > "$OUT/$name.txt" 2>&1
+  python -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[2], round(s.get('tokens_per_s', 0)), s.get('mfu'), s['steady_state'], s['peak_mem_bytes'], s.get('plan_vs_actual', {}).get('error'))" \
+    "$OUT/$name/summary.json" "$name"
 done
 fi

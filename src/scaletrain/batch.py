@@ -189,8 +189,11 @@ def _accepted(module: nn.Module) -> tuple[frozenset[str], bool]:
 class Batcher:
     """Splits the loader's batches by the convention above (or by ``batch_fn``) for one model."""
 
-    def __init__(self, module: nn.Module, batch_fn: BatchFn | None = None) -> None:
+    def __init__(self, module: nn.Module, batch_fn: BatchFn | None = None, *, target_kwarg: str | None = None) -> None:
+        """``target_kwarg``: also pass the target to the model under this keyword (a model that computes its loss
+        in forward, as the built-in GPT with model.loss=fused does); the loss's target stays the same."""
         self.batch_fn = batch_fn
+        self.target_kwarg = target_kwarg
         self.names, self.any_name = _accepted(module)
 
     def _inputs(self, inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -211,6 +214,12 @@ class Batcher:
         return kept
 
     def __call__(self, batch: Any) -> Batch:
+        split = self._split(batch)
+        if self.target_kwarg is None or split.target is None:
+            return split
+        return Batch(split.args, {**split.kwargs, self.target_kwarg: split.target}, split.target)
+
+    def _split(self, batch: Any) -> Batch:
         if self.batch_fn is not None:
             pair = self.batch_fn(batch)
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2):

@@ -225,6 +225,12 @@ class ModelConfig:
     """Dropout probability (0 disables it)."""
     vocab_size: Annotated[int, Range(0, most=I32)] = 0
     """gpt: vocabulary size (0 = taken from the data)."""
+    bias: bool = True
+    """gpt: biases in the linears and layer norms (false: none, as in Llama and nanoGPT's option: fewer parameters, a little faster on a GPU)."""
+    loss: Literal["split", "fused"] = "split"
+    """gpt: the output head and the cross-entropy: split (the logits, then the loss) or fused (models.losses.linear_cross_entropy, chunk by chunk: the logits are never kept, so no token accuracy at eval; less memory and time at large vocabularies)."""
+    residual: Literal["fp32", "bf16"] = "fp32"
+    """gpt under train.precision=bf16-mixed: the residual stream's dtype between blocks; fp32 (autocast's, the embeddings being fp32) or bf16 (as FSDP's bf16 policy has it: half the bytes for every add, norm and saved input)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -471,6 +477,11 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.model.residual == "fp32" or self.train.precision == "bf16-mixed", "model.residual",
+               self.model.residual, "fp32 unless train.precision is bf16-mixed (a bf16 residual needs bf16 compute)",
+               "--train.precision=bf16-mixed, or --model.residual=fp32")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -185,7 +185,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     splits = build_splits(cfg.data, cfg.model)
     batches = plan_batches(cfg, world, len(splits.train))  # type: ignore[arg-type]
     sample = splits.train[0][0]
-    facts = measure_model(cfg, splits.task, splits.info, sample)
+    facts = measure_model(cfg, splits.task, splits.info, sample, target=splits.train[0][1])
     source = "given (--mfu)"
     if args.mfu is None:
         mfu, source = default_mfu(acc.key, compiled=cfg.train.compile, params=facts.params)

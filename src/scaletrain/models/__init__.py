@@ -20,7 +20,8 @@ def build_model(cfg: ModelConfig, task: str, info: dict[str, Any]) -> nn.Module:
             raise ConfigError("model.name", "gpt", "mlp or cnn for a classification data set",
                               "--model.name=cnn, or a text source (--data.source=stdlib)")
         vocab = cfg.vocab_size or info["vocab_size"]
-        return GPT(vocab, info["seq_len"], cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout)
+        return GPT(vocab, info["seq_len"], cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias,
+                   fused_loss=cfg.loss == "fused", bf16_residual=cfg.residual == "bf16")
     if task != "classify":
         raise ConfigError("model.name", cfg.name, "gpt for a text source", "--model.name=gpt")
     shape, classes = info["input_shape"], info["num_classes"]

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.losses import linear_cross_entropy
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool = True) -> None:
@@ -45,12 +47,17 @@ class GPT(nn.Module):
 
     ``bias=False`` drops the biases of linears and layer norms (as nanoGPT's option and Llama do): a little
     faster and no worse; the default keeps them, so the default state_dict keys stay as they were.
+    ``fused_loss``: ``model(idx, targets)`` returns ``{"loss": ...}``, the head and the cross-entropy computed
+    together chunk by chunk (models.losses.linear_cross_entropy): the (B, T, vocab) logits are never kept.
+    ``bf16_residual``: under bf16 autocast the residual stream between blocks is bf16 (autocast leaves it fp32,
+    the embeddings being fp32), as FSDP's bf16 policy has it. Neither changes the parameters.
     """
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                 dropout: float = 0.0, bias: bool = True) -> None:
+                 dropout: float = 0.0, bias: bool = True, *, fused_loss: bool = False,
+                 bf16_residual: bool = False) -> None:
         super().__init__()
-        self.block_size = block_size
+        self.block_size, self.fused_loss, self.bf16_residual = block_size, fused_loss, bf16_residual
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
@@ -70,7 +77,11 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The logits (B, T, vocab); with ``fused_loss`` and ``targets`` (B, T), ``{"loss": mean cross-entropy}``
+        instead (the trainer passes the targets then: scaletrain.batch.Batcher's target_kwarg)."""
+        if self.fused_loss and targets is not None:
+            return {"loss": linear_cross_entropy(self.hidden(idx), self.head.weight, targets)}
         return self.head(self.hidden(idx))  # (B, T, vocab)
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
@@ -79,6 +90,8 @@ class GPT(nn.Module):
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        if self.bf16_residual and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))  # the adds keep it: x + bf16 stays bf16
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x)

@@ -39,7 +39,8 @@ def _error(predicted: float, actual: float) -> float | None:
     return predicted / actual - 1 if actual > 0 else None
 
 
-def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, module: nn.Module, *,
+def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, target: Any,
+                   module: nn.Module, *,
                    device: torch.device,
                    world: int, gpus_per_node: int, strategy: str, batch_size: int, accum_steps: int,
                    flops: float, state: dict[str, Any], peak_bytes: int, step_s: float | None,
@@ -56,7 +57,8 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: torch.T
     shard = {"ddp": 1, "fsdp": world, "hsdp": gpus_per_node}[strategy]
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch_size))
     if device.type == "cuda":
-        facts = measure_model(cfg, task, info, sample, modes=(checkpointing,), sharded=(shard > 1,), flops=flops)
+        facts = measure_model(cfg, task, info, sample, target=target, modes=(checkpointing,), sharded=(shard > 1,),
+                              flops=flops)
     else:  # a DTensor's numel is the whole parameter's: the counts are the unsharded model's
         params = list(module.parameters())
         units = fsdp_units(module, cfg.parallel.fsdp_units) or [module]

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from scaletrain.batch import Batch
 from scaletrain.config import Config
 from scaletrain.observe.memory import (
     AUTOCAST_DTYPE,
@@ -184,17 +185,18 @@ MEASURED_LAYERS = (3, 4)
 
 
 def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
-                  modes: tuple[str, ...] = AC_PLANNED, sharded: tuple[bool, ...] = (False, True),
+                  target: torch.Tensor | None = None, modes: tuple[str, ...] = AC_PLANNED, sharded: tuple[bool, ...] = (False, True),
                   flops: float | None = None) -> ModelFacts:
     """ModelFacts of cfg's model for ``sample`` (one real input, no batch dim) at cfg.data.batch_size: the
     parameters counted on the whole model; a GPT deeper than MEASURED_LAYERS measured at those depths and
     extrapolated (a 32-block GPT planned in a fraction of the time), any other model measured whole.
     ``modes``/``sharded``: the checkpointing modes and layouts (DDP, FSDP) to measure activations for (a run's
-    own plan needs one of each); ``flops``: FLOPs per sample known already (not counted again)."""
+    own plan needs one of each); ``flops``: FLOPs per sample known already (not counted again); ``target``:
+    the sample's target, which a GPT with model.loss=fused takes in forward (its logits are never kept)."""
     layers = cfg.model.n_layer if cfg.model.name == "gpt" else 0
     if layers <= 2 * MEASURED_LAYERS[-1]:  # as quick to measure whole
-        return _measure(cfg, task, info, sample, modes=modes, sharded=sharded, flops=flops)
-    lo, hi = (_measure(replace(cfg, model=replace(cfg.model, n_layer=n)), task, info, sample, steps=True,
+        return _measure(cfg, task, info, sample, target=target, modes=modes, sharded=sharded, flops=flops)
+    lo, hi = (_measure(replace(cfg, model=replace(cfg.model, n_layer=n)), task, info, sample, target=target, steps=True,
                        modes=modes, sharded=sharded, flops=flops)
               for n in MEASURED_LAYERS)
     whole = _measure(cfg, task, info, sample, steps=False)
@@ -206,7 +208,7 @@ def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Te
 
 
 def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
-             steps: bool = True, modes: tuple[str, ...] = AC_PLANNED, sharded: tuple[bool, ...] = (False, True),
+             target: torch.Tensor | None = None, steps: bool = True, modes: tuple[str, ...] = AC_PLANNED, sharded: tuple[bool, ...] = (False, True),
              flops: float | None = None) -> ModelFacts:
     """ModelFacts of cfg's model, measured whole (``steps=False``: the parameters only, no FLOPs or
     activations).
@@ -222,7 +224,10 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
     dtype = AUTOCAST_DTYPE.get(precision)
     acts: dict[str, int] = {}
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        fake_sample = mode.from_tensor(sample)
+        fake_sample: torch.Tensor | Batch = mode.from_tensor(sample)
+        if target is not None and cfg.model.name == "gpt" and cfg.model.loss == "fused":
+            one, fake_target = fake_sample.unsqueeze(0), mode.from_tensor(target).unsqueeze(0)  # a batch of one
+            fake_sample = Batch((one,), {"targets": fake_target}, fake_target)
         model = _fake_model(cfg, task, info, "none")
         params = {id(p): p for p in model.parameters()}
         units = fsdp_units(model, cfg.parallel.fsdp_units) or [model]
@@ -239,7 +244,8 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
                 acts[f"sharded-{ac}"] = acts[ac]
                 continue
             if True in sharded:
-                low = fake_sample.to(dtype) if fake_sample.is_floating_point() else fake_sample
+                low = fake_sample.to(dtype) if isinstance(fake_sample, torch.Tensor) and \
+                    fake_sample.is_floating_point() else fake_sample
                 low_model = _fake_model(cfg, task, info, ac, dtype)
                 acts[f"sharded-{ac}"] = estimate_activation_bytes(low_model, low, batch, whole_step=True)
     return ModelFacts(params=sum(p.numel() for p in params.values()),

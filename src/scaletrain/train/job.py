@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 from scaletrain.batch import Batcher, BatchFn, collate_one, default_loss
 from scaletrain.config import Config, OptimConfig
 from scaletrain.data import ShardedLoader, Splits
-from scaletrain.models import build_model
+from scaletrain.models import GPT, build_model
 from scaletrain.observe.memory import MemoryBreakdown
 from scaletrain.observe.throughput import flops_per_sample
 from scaletrain.observe.timing import NullTimer, StepTimer, attach_comm_hook, attach_fsdp_mark
@@ -105,7 +105,8 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     else:
         module = model if isinstance(model, nn.Module) else model()
     module.to(rt.device)
-    batcher = Batcher(module, batch_fn)
+    # The built-in GPT with model.loss=fused computes its loss in forward: it is given the targets too.
+    batcher = Batcher(module, batch_fn, target_kwarg="targets" if isinstance(module, GPT) and module.fused_loss else None)
     one = batcher(collate_one(splits.train))  # a batch of one sample, as the loader collates it
     flops = flops_per_sample(module, one.to(rt.device))  # counted once, before any wrapping
     nnodes = max(1, rt.world_size // rt.local_world_size)
