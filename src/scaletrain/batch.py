@@ -169,11 +169,25 @@ class Batch:
     def tokens_per_sample(self) -> int:
         """Tokens per sample when the model reads token ids (an integer tensor of shape (B, T, ...): the first
         positional input, or ``input_ids``), else 0."""
-        ids = self.kwargs.get("input_ids", self.args[0] if self.args else None)
-        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and not ids.is_floating_point() \
-                and not ids.is_complex() and ids.dtype != torch.bool:
-            return int(ids[0].numel())
-        return 0
+        return _tokens(self.kwargs.get("input_ids", self.args[0] if self.args else None))
+
+
+def _tokens(ids: Any) -> int:
+    """Tokens per sample of ``ids`` when it is a batch of token ids (an integer tensor (B, T, ...)), else 0."""
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and not ids.is_floating_point() \
+            and not ids.is_complex() and ids.dtype != torch.bool:
+        return int(ids[0].numel())
+    return 0
+
+
+def tokens_per_sample(batch: Any) -> int:
+    """Tokens per sample of a batch as a loader collates it (a tensor, a tuple whose first item is the input,
+    or a dict with ``input_ids``): Batch.tokens_per_sample's rule, before any model splits it."""
+    if isinstance(batch, Mapping):
+        return _tokens(batch.get("input_ids"))
+    if isinstance(batch, (tuple, list)):
+        return _tokens(batch[0]) if batch else 0
+    return _tokens(batch)
 
 
 def _accepted(module: nn.Module) -> tuple[frozenset[str], bool]:

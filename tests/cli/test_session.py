@@ -108,6 +108,9 @@ def test_nanogpt_learns_and_resumes_across_ddp_and_fsdp_exactly(tmp_path: Path) 
     assert float(found.group(2)) < uniform - 1.0, last  # on a module it never saw
     summary = json.loads((tmp_path / "A" / "summary.json").read_text())
     assert summary["steps"] == 16 and summary["world_size"] == 2 and summary["models"] == ["gpt"]
+    # token windows of 64 bytes: tokens/s read from the loader's batches, in the summary and every interval
+    assert summary["tokens_per_s"] == pytest.approx(64 * summary["samples_per_s"])
+    assert all(r["tokens_per_s"] == pytest.approx(64 * r["samples_per_s"]) for r in records if r["kind"] == "train")
     runs = {"A": a}
     for name, source, step, strategy in (("B", "A", 4, "fsdp"), ("C", "B", 8, "ddp")):
         copied = tmp_path / name / "checkpoints" / f"step-{step:08d}"

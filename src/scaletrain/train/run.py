@@ -319,7 +319,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         if outcome != DONE:
             return _stopped(job, loop, outcome)
         summary = _finish(job, loop, time.perf_counter() - started, loop_started - started)
-        if cfg.log.plan_vs_actual and model is None and job.step:  # the planner builds the model the config names
+        # The planner builds the model the config names; the comparison needs a step counted in this process.
+        if cfg.log.plan_vs_actual and model is None and "params_bytes" in summary["mem"]:
             summary["plan_vs_actual"] = _plan_vs_actual(job, splits, summary)
         write_outputs(job.step, services.checkpointer, [
             (WEIGHTS, lambda: save_weights(job, run_dir / WEIGHTS)),

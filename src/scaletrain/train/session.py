@@ -68,7 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from scaletrain import __version__, runtime
-from scaletrain.batch import to_device
+from scaletrain.batch import to_device, tokens_per_sample
 from scaletrain.checkpoint import rng
 from scaletrain.config import Config, load
 from scaletrain.data import ShardedLoader
@@ -138,6 +138,7 @@ class Loader:
         self._session, self.inner = session, inner
         self.waited = 0.0  # seconds this rank waited for batches since the last step began
         self.drawn = 0  # batches handed out since the last step began
+        self.tokens_per_sample = -1  # read from the first batch (0: not token ids)
 
     @property
     def epoch(self) -> int:
@@ -159,6 +160,8 @@ class Loader:
                 return
             self.waited += time.perf_counter() - started
             self.drawn += 1
+            if self.tokens_per_sample < 0:
+                self.tokens_per_sample = tokens_per_sample(batch)
             if self._session._trace is not None:
                 self._session._trace.batch(batch, self.inner.last_indices)
             yield to_device(batch, self._session.device)
@@ -220,6 +223,8 @@ class Session:
         self._since = 0  # steps since the last log step (restored on resume: the logged sums span them)
         self._ran = 0  # of those, the steps this process ran (what the interval's time measures)
         self._samples = 0  # samples this rank drew from its loaders since the last log step
+        self._tokens = 0  # of which tokens, where the samples are token ids
+        self._seen = [0.0, 0.0]  # samples and tokens of every rank over the run's logged intervals
         self.scaler = grad_scaler(cfg.train.precision, rt.device)  # enabled under fp16-mixed only
         if self._trainer.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(self._trainer["scaler"])
@@ -420,7 +425,9 @@ class Session:
             self._timing = True
         self.timer.host("data", sum(loader.waited for loader in self._loaders))
         for loader in self._loaders:
-            self._samples += loader.drawn * loader.inner.micro_samples // self.world_size
+            drawn = loader.drawn * loader.inner.micro_samples // self.world_size
+            self._samples += drawn
+            self._tokens += drawn * max(loader.tokens_per_sample, 0)
             loader.waited, loader.drawn = 0.0, 0
         try:
             yield
@@ -552,7 +559,8 @@ class Session:
         fingerprint = int(hashlib.sha256(",".join(names).encode()).hexdigest()[:12], 16)
         times = self.timer.collect()
         device_part = torch.stack([*(self._sums[n] for n in names), *self.guard.state()]).double()
-        host = torch.tensor([float(fingerprint), float(self.preempt.signum), float(self._samples), *times],
+        host = torch.tensor([float(fingerprint), float(self.preempt.signum), float(self._samples),
+                             float(self._tokens), *times],
                             dtype=torch.float64)
         mine = torch.cat([device_part.reshape(-1), host.to(self.device)])
         if not self.rt.distributed:
@@ -577,12 +585,14 @@ class Session:
         self.train_time += elapsed
         steps, ran = max(self._since, 1), max(self._ran, 1)
         means = {name: sum(r[i] for r in rows) / (len(rows) * steps) for i, name in enumerate(names)}
-        samples = sum(r[n + 5] for r in rows)
-        phases = [dict(zip(PHASES, r[n + 6:])) for r in rows]
+        samples, tokens = sum(r[n + 5] for r in rows), sum(r[n + 6] for r in rows)
+        self._seen = [self._seen[0] + samples, self._seen[1] + tokens]
+        phases = [dict(zip(PHASES, r[n + 7:])) for r in rows]
         assert self.services is not None
         straggler = self.services.interval(phases, ran)
         record: dict[str, Any] = {"kind": "train", "step": self.steps, **means,
                                   "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
+                                  **({"tokens_per_s": tokens / elapsed} if tokens and elapsed > 0 else {}),
                                   "step_time_s": elapsed / ran}
         self._records.append({"step": self.steps, "steps": ran, "step_time_s": elapsed / ran,
                               "samples_per_s": record["samples_per_s"]})
@@ -597,7 +607,7 @@ class Session:
         self.last_metrics = means
         for value in self._sums.values():
             value.zero_()
-        self._since, self._ran, self._samples = 0, 0, 0
+        self._since, self._ran, self._samples, self._tokens = 0, 0, 0, 0
         self._interval_started = time.perf_counter()
         return next((int(r[n + 4]) for r in rows if r[n + 4]), 0)
 
@@ -656,6 +666,7 @@ class Session:
                 ckpt.wait()
         self.timer.add("ckpt", blocked)
         self._checkpoint_s += blocked
+        self._interval_started += blocked  # as fit()'s loop: a save's stall is not training time
 
     def _read_rank_state(self) -> dict[str, Any] | None:
         if self.resume is None:
@@ -786,7 +797,9 @@ class Session:
                                         earlier=self.services.earlier)
         if rate is None:  # no steady state: the last interval's
             rate = self._records[-1]["samples_per_s"] if self._records else 0.0
+        per = self._seen[1] / self._seen[0] if self._seen[0] else 0.0  # tokens per sample drawn
         return {"steps": self.steps, "world_size": self.world_size, "wall_s": wall, "samples_per_s": rate,
+                **({"tokens_per_s": rate * per} if per else {}),
                 "steady_state": steady, "goodput": good, "train_s": self.train_time, "metrics": self.last_metrics,
                 "phase_frac": phase_fractions(totals),
                 "stragglers": self.services.stragglers.summary(), "peak_mem_bytes": int(peak.item()),
