@@ -326,3 +326,34 @@ def test_verify_resume_checks_a_sessions_script(docs_tour) -> None:
     assert "examples/gan.py on 1 rank(s), 8 steps, interrupted after step 3" in ran.proc.stdout
     assert "identical: interrupted after step 3 and resumed, the run matches the uninterrupted one bit for bit " \
            "at every one of 8 steps" in ran.proc.stdout
+
+
+def test_time_in_evaluating_is_eval_not_training(tmp_path: Path) -> None:
+    """st.evaluating() between steps: 0.3 s of the loop's own evaluation after steps 2 and 4 stays out of the step
+    times and the steady pace, and the goodput account counts it as eval (parts still summing to the wall)."""
+    import time
+
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    with scaletrain.session({"run.dir": str(tmp_path / "run"), "train.max_steps": 6, "log.every": 2,
+                             "data.batch_size": 8}) as st:
+        model, opt = st.setup(Net(), lambda p: torch.optim.SGD(p, lr=0.1))
+        loader = st.loader((x, (x[:, 0] > 0).long()))
+        for xb, yb in loader:
+            with st.step():
+                st.backward(nn.functional.cross_entropy(model(xb), yb))
+                opt.step()
+                opt.zero_grad()
+            if st.steps in (2, 4):
+                with st.evaluating():
+                    time.sleep(0.3)
+            if st.done:
+                break
+        with pytest.raises(UserError, match=r"session.evaluating\(\) inside `with st.step\(\):`"), st.step(), \
+                st.evaluating():
+            pass
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["step_time_s"] < 0.1 for r in records if r["kind"] == "train"), records
+    good = summary["goodput"]
+    assert 0.6 <= good["parts_s"]["eval"] < 0.8, good
+    assert sum(good["parts_s"].values()) == pytest.approx(good["wall_s"], rel=0.02)

@@ -37,6 +37,9 @@ What FSDP cannot do in a session: a second derivative through a sharded model (t
 parameters it needs were freed after the first backward; st.backward says so in one line), and a model called
 outside ``with st.step():`` gathers its shards collectively, so every rank must call it.
 
+``with st.evaluating():`` around the loop's own evaluation between steps keeps its time out of the step times
+and counts it as eval in the summary's goodput account, as fit()'s evaluations are.
+
 ``st.optimizer_step(opt)`` in place of ``opt.step()`` gives a loop of one's own what the trainer's step does:
 gradient clipping (optim.grad_clip), the non-finite guard (a step whose gradient norm is NaN or infinite is
 not applied, decided on the device by a fused optimizer; train.nonfinite=raise then stops at the next log step
@@ -240,6 +243,7 @@ class Session:
         self._interval_started = self._first_step_at = time.perf_counter()
         self._records: list[dict[str, Any]] = []  # this process's log intervals (steady state, goodput)
         self._checkpoint_s = 0.0  # seconds the loop was blocked by saves
+        self._eval_s = 0.0  # seconds in st.evaluating()
         self._trace = _Trace(run_dir, rt.rank) if cfg.debug.trace else None
         self.last_metrics: dict[str, float] = {}
         where = f"{rt.backend} on {rt.device}" if rt.distributed else f"single process on {rt.device}"
@@ -514,6 +518,26 @@ class Session:
             v = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else \
                 torch.tensor(float(value), device=self.device)
             self._sums[key] = self._sums.get(key, torch.zeros((), device=self.device)) + v.to(self.device)
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Between steps, the loop's own evaluation (or sampling, or anything that is not training): its time is
+        left out of the interval's step time and phase times and counted as ``eval`` in the goodput account, as
+        fit()'s evaluations are; the no-progress watchdog waits for it, as for a save. Under FSDP a model called
+        here gathers its shards collectively: every rank evaluates."""
+        self._usable("evaluating")
+        if self._in_step:
+            raise UserError("session.evaluating() inside `with st.step():`; fix: evaluate between steps")
+        started = time.perf_counter()
+        try:
+            with self.preempt.saving():
+                yield
+        finally:
+            spent = time.perf_counter() - started
+            self._eval_s += spent
+            self._interval_started += spent
+            if self._timing:
+                self.timer.start()  # the next step's time begins after the evaluation
 
     def save(self) -> None:
         """A checkpoint now, at the last completed step (every rank calls it)."""
@@ -793,7 +817,7 @@ class Session:
         wall = time.perf_counter() - self.started
         totals = self.services.phase_totals
         steady, rate, good = run_totals(self._records, wall_s=wall, startup_s=self._first_step_at - self.started,
-                                        phase_totals=totals, eval_s=0.0, checkpoint_s=self._checkpoint_s,
+                                        phase_totals=totals, eval_s=self._eval_s, checkpoint_s=self._checkpoint_s,
                                         earlier=self.services.earlier)
         if rate is None:  # no steady state: the last interval's
             rate = self._records[-1]["samples_per_s"] if self._records else 0.0
