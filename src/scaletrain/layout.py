@@ -19,6 +19,9 @@ is imported or any worker starts, and parallel/mesh.py builds the DeviceMesh fro
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 from scaletrain.config import MemoryConfig, ParallelConfig
 from scaletrain.errors import ConfigError
 
@@ -86,12 +89,58 @@ def resolve_degrees(strategy: str, dp_replicate: int, dp_shard: int, world_size:
     return replicate, shard
 
 
-def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nnodes: int = 1) -> None:
-    """The layout checks that need no model, as one-line ConfigErrors. Call it before starting workers, so a
-    mistake is reported once rather than by every rank (parallelize() repeats them)."""
-    if memory.cpu_offload and cfg.strategy == "ddp":
+@dataclass(frozen=True)
+class Layout:
+    """A run's parallel layout, resolved once per process (resolve_layout) and read by every part that needs
+    it: parallelize() and its mesh, the loader's data-parallel rank and size, the checkpoint's metadata, the
+    header. Immutable: nothing downstream recomputes a degree. (Tensor and pipeline degrees will join the
+    data-parallel ones here; until then every rank is a data-parallel rank.)"""
+
+    strategy: str  # ddp | fsdp | hsdp ("auto" resolved before)
+    world_size: int
+    nnodes: int
+    dp_replicate: int  # ranks holding replicas of each shard
+    dp_shard: int  # ranks each replica is sharded over
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy in ("fsdp", "hsdp")
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each reads its own shard of every batch."""
+        return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of global rank ``rank`` (its place among the dp_size readers of the data)."""
+        return rank
+
+    def as_dict(self) -> dict[str, int | str]:
+        return dataclasses.asdict(self)
+
+
+def _check_offload(memory: MemoryConfig, strategy: str) -> None:
+    if memory.cpu_offload and strategy == "ddp":
         raise ConfigError("memory.cpu_offload", True, "false with parallel.strategy=ddp (offloading keeps "
                           "FSDP's sharded state in host memory)",
                           "--parallel.strategy=fsdp, or drop --memory.cpu_offload")
+
+
+def resolve_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nnodes: int = 1, *,
+                   strategy: str = "") -> Layout:
+    """The Layout of ``strategy`` (default cfg.strategy, which must not be auto: resolve_strategy decides that
+    from memory first) at this world size, or a one-line ConfigError."""
+    strategy = strategy or cfg.strategy
+    if strategy == "auto":
+        raise ValueError("resolve_layout: resolve parallel.strategy=auto first (parallel.resolve_strategy)")
+    _check_offload(memory, strategy)
+    replicate, shard = resolve_degrees(strategy, cfg.dp_replicate, cfg.dp_shard, world_size, nnodes)
+    return Layout(strategy, world_size, nnodes, replicate, shard)
+
+
+def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nnodes: int = 1) -> None:
+    """The layout checks that need no model, as one-line ConfigErrors. Call it before starting workers, so a
+    mistake is reported once rather than by every rank (each worker resolves its Layout once)."""
+    _check_offload(memory, cfg.strategy)
     if cfg.strategy != "auto":
-        resolve_degrees(cfg.strategy, cfg.dp_replicate, cfg.dp_shard, world_size, nnodes)
+        resolve_layout(cfg, memory, world_size, nnodes)

@@ -79,3 +79,38 @@ def test_layout_checked_before_any_worker_starts():
         check_layout(ParallelConfig(strategy="hsdp", dp_replicate=2, dp_shard=3), MemoryConfig(), 8)
     with pytest.raises(ConfigError, match="memory.cpu_offload"):
         check_layout(ParallelConfig(strategy="ddp"), MemoryConfig(cpu_offload=True), 8)
+
+
+def test_the_layout_is_one_immutable_value_resolved_once_per_run(monkeypatch):
+    """A run resolves its Layout once (the degree arithmetic runs once, the precision check once) and every part
+    reads it: parallelize() is given it, the loader takes its data-parallel rank and size from it."""
+    import dataclasses
+
+    import scaletrain.layout as layout_module
+    import scaletrain.train.job as job_module
+    from scaletrain import runtime
+    from scaletrain.data import digits
+    from scaletrain.layout import Layout, resolve_layout
+
+    calls = {"degrees": 0, "precision": 0}
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(layout_module, "resolve_degrees", counted("degrees", layout_module.resolve_degrees))
+    monkeypatch.setattr(job_module, "check_precision", counted("precision", job_module.check_precision))
+    cfg = load(None, {"model.name": "mlp", "dist.device": "cpu", "parallel.strategy": "fsdp"})
+    job = job_module.build_job(cfg, runtime.init(cfg.dist), digits(0.2))
+    assert calls == {"degrees": 1, "precision": 1}
+    assert job.layout == Layout("fsdp", 1, 1, 1, 1) and job.strategy == "fsdp"
+    assert (job.loader.sampler.rank, job.loader.sampler.world) == (0, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.layout.dp_shard = 2  # type: ignore[misc]
+    hsdp = resolve_layout(ParallelConfig(strategy="hsdp"), MemoryConfig(), 16, 2)
+    assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp_size, hsdp.sharded) == (2, 8, 16, True)
+    assert hsdp.as_dict() == {"strategy": "hsdp", "world_size": 16, "nnodes": 2, "dp_replicate": 2, "dp_shard": 8}
+    with pytest.raises(ValueError, match="resolve parallel.strategy=auto first"):
+        resolve_layout(ParallelConfig(strategy="auto"), MemoryConfig(), 2)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletrain.batch import Batch
 from scaletrain.config import MemoryConfig, ParallelConfig
-from scaletrain.layout import check_layout, resolve_degrees
+from scaletrain.layout import Layout, check_layout, resolve_degrees, resolve_layout
 from scaletrain.observe.memory import (
     choose_strategy,
     device_capacity_bytes,
@@ -39,9 +38,9 @@ from scaletrain.parallel.fsdp import apply_fsdp, fsdp_units, is_fsdp, mixed_prec
 from scaletrain.parallel.mesh import build_mesh
 from scaletrain.parallel.units import Units, find_units, unit_warnings, units_line
 
-__all__ = ["Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "build_mesh",
+__all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "build_mesh",
            "check_layout", "find_units", "fsdp_units", "gradient_sync", "is_fsdp", "mixed_precision_policy",
-           "parallelize", "resolve_degrees", "resolve_strategy", "units_line"]
+           "parallelize", "resolve_degrees", "resolve_layout", "resolve_strategy", "units_line"]
 
 log = logging.getLogger(__name__)
 
@@ -124,19 +123,21 @@ def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, 
 def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: ParallelConfig, *,
                 compile: bool, precision: str = "fp32", memory: MemoryConfig | None = None, nnodes: int = 1,
                 optimizer: str = "adamw", sample: torch.Tensor | None = None,
-                batch_size: int = 1) -> nn.Module:
+                batch_size: int = 1, layout: Layout | None = None) -> nn.Module:
     """Returns the module that forward/backward go through: the DDP wrapper, or ``model`` itself (sharded in
-    place under FSDP). ``model`` is on ``device``; ``sample`` (one input, no batch dim) and ``batch_size``
-    (per rank) let strategy=auto measure activations; ``optimizer`` names its per-parameter state. To show
-    auto's reason, call resolve_strategy first and pass its choice in cfg.strategy."""
+    place under FSDP). ``model`` is on ``device``. ``layout``: the run's Layout, resolved once by the caller
+    (the trainer and a session do); without it, it is resolved here: ``sample`` (one input, no batch dim) and
+    ``batch_size`` (per rank) let strategy=auto measure activations, ``optimizer`` names its per-parameter
+    state."""
     memory = memory or MemoryConfig()
-    strategy, reason = resolve_strategy(model, cfg, world_size=world_size, nnodes=nnodes, precision=precision,
-                                        optimizer=optimizer, sample=sample, batch_size=batch_size,
-                                        cpu_offload=memory.cpu_offload)
-    if cfg.strategy == "auto":
-        log.info("%s", reason)
-    check_layout(replace(cfg, strategy=strategy), memory, world_size, nnodes)
-    replicate, shard = resolve_degrees(strategy, cfg.dp_replicate, cfg.dp_shard, world_size, nnodes)
+    if layout is None:
+        strategy, reason = resolve_strategy(model, cfg, world_size=world_size, nnodes=nnodes, precision=precision,
+                                            optimizer=optimizer, sample=sample, batch_size=batch_size,
+                                            cpu_offload=memory.cpu_offload)
+        if cfg.strategy == "auto":
+            log.info("%s", reason)
+        layout = resolve_layout(cfg, memory, world_size, nnodes, strategy=strategy)
+    strategy, replicate, shard = layout.strategy, layout.dp_replicate, layout.dp_shard
     if strategy == "hsdp" and replicate == 1:
         log.warning("hsdp with dp_replicate = 1 is fsdp over %d ranks; set --parallel.dp_replicate to "
                     "replicate", shard)

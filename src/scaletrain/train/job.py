@@ -21,7 +21,7 @@ from scaletrain.models import GPT, build_model
 from scaletrain.observe.memory import MemoryBreakdown
 from scaletrain.observe.throughput import flops_per_sample
 from scaletrain.observe.timing import NullTimer, StepTimer, attach_comm_hook, attach_fsdp_mark
-from scaletrain.parallel import is_fsdp, parallelize, resolve_strategy
+from scaletrain.parallel import Layout, is_fsdp, parallelize, resolve_layout, resolve_strategy
 from scaletrain.runtime import Runtime, seed_all, set_deterministic
 from scaletrain.train.batching import BatchPlan, plan_batches
 from scaletrain.train.chaos import Chaos
@@ -59,6 +59,7 @@ class Job:
     timer: StepTimer = dataclasses.field(default_factory=lambda: NullTimer(torch.device("cpu")))  # phase times
     flops: float = 0.0  # model FLOPs per training sample (forward + backward)
     tokens_per_sample: int = 0  # sequence models: tokens per sample
+    layout: Layout | None = None  # the parallel layout, resolved once (scaletrain/layout.py)
 
     @property
     def sharded(self) -> bool:
@@ -95,7 +96,9 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     works): a callable is called after seeding, so run.seed decides the initial weights. ``resume``: the
     metadata of the checkpoint the job will continue from (its global batch and position shape the plan).
     ``batch_fn``: maps a loader batch to (inputs, target) where scaletrain.batch's convention does not fit."""
-    check_precision(cfg.train.precision, rt.device)
+    # Once, with the strategy as given; again below only if auto resolves to another one (a sharded layout
+    # refuses fp16).
+    check_precision(cfg.train.precision, rt.device, cfg.parallel.strategy)
     set_tf32(cfg.train.tf32, rt.device)
     plan = plan_batches(cfg, rt.world_size, len(splits.train), resume)  # type: ignore[arg-type]
     set_deterministic(cfg.train.deterministic)
@@ -114,14 +117,16 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
                                         precision=cfg.train.precision, optimizer=cfg.optim.name,
                                         sample=one if cfg.parallel.strategy == "auto" else None,
                                         batch_size=plan.batch_size, cpu_offload=cfg.memory.cpu_offload)
-    check_precision(cfg.train.precision, rt.device, strategy)
+    if strategy != cfg.parallel.strategy:
+        check_precision(cfg.train.precision, rt.device, strategy)
+    layout = resolve_layout(cfg.parallel, cfg.memory, rt.world_size, nnodes, strategy=strategy)  # once, read below
     wrapped = parallelize(module, rt.device, rt.world_size, dataclasses.replace(cfg.parallel, strategy=strategy),
                           compile=cfg.train.compile, precision=cfg.train.precision, memory=cfg.memory,
-                          nnodes=nnodes, optimizer=cfg.optim.name, batch_size=plan.batch_size)
+                          nnodes=nnodes, optimizer=cfg.optim.name, batch_size=plan.batch_size, layout=layout)
     torch.manual_seed(cfg.run.seed + rt.rank)  # dropout masks differ between ranks
     optimizer = build_optimizer(module, cfg.optim, plan.peak_lr)
-    loader = ShardedLoader(splits.train, batch_size=plan.batch_size, rank=rt.rank, world=rt.world_size,
-                           accum=plan.accum_steps, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+    loader = ShardedLoader(splits.train, batch_size=plan.batch_size, rank=layout.dp_rank(rt.rank),
+                           world=layout.dp_size, accum=plan.accum_steps, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
                            num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda")
     scaler = grad_scaler(cfg.train.precision, rt.device)
     guard = NonFiniteGuard(rt.device, scaler_owns_skips=scaler.is_enabled(), device_skip=supports_device_skip(optimizer))
@@ -132,4 +137,4 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     return Job(cfg, rt, plan, module, wrapped, optimizer, build_scheduler(optimizer, cfg.schedule, plan.total_steps),
                scaler, loader, splits.eval, loss_fn or default_loss, batcher, guard,
                Chaos(cfg.chaos, rt.rank, rt.world_size), strategy, reason, timer=timer, flops=flops,
-               tokens_per_sample=one.tokens_per_sample())
+               tokens_per_sample=one.tokens_per_sample(), layout=layout)

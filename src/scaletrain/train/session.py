@@ -88,7 +88,7 @@ from scaletrain.observe.memory import peak_bytes
 from scaletrain.observe.metrics import MetricsWriter, write_json, write_whole
 from scaletrain.observe.stragglers import phase_fractions
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_fsdp_mark
-from scaletrain.parallel import is_fsdp, parallelize, units_line
+from scaletrain.parallel import Layout, is_fsdp, parallelize, resolve_layout, units_line
 from scaletrain.runtime import Runtime
 from scaletrain.train.chaos import Chaos
 from scaletrain.train.checkpointing import (
@@ -206,7 +206,11 @@ class Session:
 
     def _open(self, cfg: Config) -> None:
         rt = self.rt
-        check_precision(cfg.train.precision, rt.device)  # fp16-mixed needs CUDA
+        check_precision(cfg.train.precision, rt.device, cfg.parallel.strategy)  # fp16-mixed: CUDA, not sharded
+        self._nnodes = max(1, rt.world_size // rt.local_world_size)
+        # The layout, once for every model set up (auto: per model, from its memory, in parallelize)
+        self.layout: Layout | None = None if cfg.parallel.strategy == "auto" else \
+            resolve_layout(cfg.parallel, cfg.memory, rt.world_size, self._nnodes)
         self.chaos = Chaos(cfg.chaos, rt.rank, rt.world_size)  # first: a rank beyond the world writes nothing
         runtime.set_deterministic(cfg.train.deterministic)
         runtime.seed_all(cfg.run.seed)  # the models built next get the same initial weights on every rank
@@ -310,8 +314,8 @@ class Session:
         names = {id(p): n for n, p in model.named_parameters()}
         cfg = self.cfg
         wrapped = parallelize(model, self.device, self.world_size, cfg.parallel, compile=cfg.train.compile,
-                              precision=cfg.train.precision, memory=cfg.memory,
-                              nnodes=max(1, self.world_size // self.rt.local_world_size), optimizer=cfg.optim.name)
+                              precision=cfg.train.precision, memory=cfg.memory, nnodes=self._nnodes,
+                              optimizer=cfg.optim.name, layout=self.layout)
         if is_fsdp(wrapped):  # fully_shard replaced the parameters: an optimizer built before takes the shards
             now = dict(model.named_parameters())
             for opt in given:
@@ -324,7 +328,8 @@ class Session:
                 _check_optimizer(opt, model)
         attach_comm_hook(wrapped, self.timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap)
         attach_fsdp_mark(wrapped, self.timer if cfg.log.phase_times else None)
-        check_precision(cfg.train.precision, self.device, "fsdp" if is_fsdp(wrapped) else "ddp")
+        if self.layout is None:  # auto: decided by this model's memory; the strategy given was checked at open
+            check_precision(cfg.train.precision, self.device, "fsdp" if is_fsdp(wrapped) else "ddp")
         if self.scaler.is_enabled():
             for opt in built:
                 opt.register_step_pre_hook(self._unscaled_step)
@@ -350,7 +355,9 @@ class Session:
         if len(data) < b * self.world_size:  # type: ignore[arg-type]
             raise UserError(f"session.loader(): {len(data)} samples cannot give every one of {self.world_size} "  # type: ignore[arg-type]
                             f"rank(s) a batch of {b}; fix: a smaller batch_size or more data")
-        inner = ShardedLoader(data, batch_size=b, rank=self.rank, world=self.world_size, accum=1,
+        dp_rank, dp_size = (self.layout.dp_rank(self.rank), self.layout.dp_size) if self.layout else \
+            (self.rank, self.world_size)
+        inner = ShardedLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=1,
                               seed=self.cfg.run.seed, shuffle=self.cfg.data.shuffle if shuffle is None else shuffle,
                               num_workers=self.cfg.data.num_workers, pin_memory=self.device.type == "cuda")
         saved = self._trainer.get("loaders", [])
@@ -670,6 +677,7 @@ class Session:
                       "sums": {k: float(v.item()) for k, v in self._sums.items()}}
         meta = {"format": FORMAT_FULL, "session": True, "step": self.steps, "world_size": self.world_size,
                 "global_batch": 0, "batch_size": 0, "accum_steps": 1,
+                **({"layout": self.layout.as_dict()} if self.layout is not None else {}),
                 "loader": self._loaders[0].inner.state_dict() if self._loaders else {},
                 "config_digest": self.cfg.digest(), "config": self.cfg.to_toml(), **describe_versions()}
         with self.preempt.saving():
