@@ -15,11 +15,9 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from scaletrain.checkpoint import rng
 from scaletrain.errors import TrainingFailed
@@ -35,6 +33,7 @@ from scaletrain.train.checkpointing import (
 )
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.guard import clipped_norm, nonfinite_where
+from scaletrain.train.interval import RankReport, gather
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast
 from scaletrain.train.preempt import PreemptFlag
@@ -43,27 +42,6 @@ from scaletrain.train.state import model_tensors, optimizer_tree, scheduler_tree
 from scaletrain.train.trace import Tracer
 
 DONE, PREEMPTED, INTERRUPTED = "done", "preempted", "interrupted"
-
-
-@dataclass
-class RankReport:
-    """One rank's numbers at a sync point, as Loop._gather brings them to every rank."""
-
-    loss_sum: float
-    loss_count: float
-    skipped: float  # non-finite steps skipped so far (train/guard.py)
-    first_skipped: float  # the first skipped step, -1 if none
-    first_bad_loss: float  # the first step whose loss was non-finite on this rank, -1 if none
-    signal: int  # the preemption signal received, 0 if none
-    peak_bytes: int
-    phases: dict[str, float]  # seconds per step over the interval (zeros off log steps)
-    lead_s: float  # StepTimer.lead_s (GPU)
-
-    @classmethod
-    def parse(cls, row: list[float]) -> RankReport:
-        loss_sum, loss_count, skipped, first_skipped, first_bad, signal, peak, *rest = row
-        return cls(loss_sum, loss_count, skipped, first_skipped, first_bad, int(signal), int(peak),
-                   dict(zip(PHASES, rest)), rest[len(PHASES)])
 
 
 def _grad_norm(job: Job) -> torch.Tensor | None:
@@ -209,19 +187,12 @@ class Loop:
 
     def _gather(self, *, phases: bool) -> list[RankReport]:
         """Every rank's RankReport (phase times only if ``phases``: collecting them starts a new interval),
-        on every rank: one all_gather and one host-device sync. float64: byte counts stay exact."""
+        on every rank: train/interval.py's one all_gather and one host-device sync."""
         job = self.job
         times = job.timer.collect() if phases else [0.0] * len(PHASES)
-        lead = job.timer.lead_s if phases else 0.0
-        host = torch.tensor([float(self.preempt.signum), float(peak_bytes(job.rt.device)), *times, lead],
-                            dtype=torch.float64)
-        mine = torch.cat([torch.stack([self.loss_sum, self.loss_count, *job.guard.state()]).double(),
-                          host.to(job.rt.device)])
-        if job.rt.distributed:
-            rows = [torch.empty_like(mine) for _ in range(job.rt.world_size)]
-            dist.all_gather(rows, mine)
-            return [RankReport.parse(r) for r in torch.stack(rows).tolist()]  # host-device sync
-        return [RankReport.parse(mine.tolist())]
+        return gather(job.rt, {"loss": self.loss_sum, "loss_count": self.loss_count}, job.guard,
+                      signal=self.preempt.signum, peak=peak_bytes(job.rt.device), times=times,
+                      lead=job.timer.lead_s if phases else 0.0)
 
     def _check(self, rows: list[RankReport]) -> str:
         """Act on the gathered counters: stop for a non-finite step (train.nonfinite=raise), report skipped
@@ -245,8 +216,8 @@ class Loop:
     def _log(self, rows: list[RankReport], elapsed: float) -> str:
         job = self.job
         steps = self.since
-        counted = sum(r.loss_count for r in rows)
-        loss = sum(r.loss_sum for r in rows) / counted if counted else math.nan
+        counted = sum(r.sums["loss_count"] for r in rows)
+        loss = sum(r.sums["loss"] for r in rows) / counted if counted else math.nan
         stop = self._check(rows)
         if not math.isfinite(loss) and job.cfg.train.nonfinite == "raise":
             raise TrainingFailed(f"loss is {loss} at step {job.step}; fix: lower --optim.lr, set "

@@ -106,6 +106,7 @@ from scaletrain.train.checkpointing import (
     read_tree,
 )
 from scaletrain.train.guard import NonFiniteGuard, clipped_norm, nonfinite_where, supports_device_skip
+from scaletrain.train.interval import RankReport, gather
 from scaletrain.train.precision import autocast, check_precision, grad_scaler, slow_here
 from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, restart_line
 from scaletrain.train.resume import load_dcp, load_full_into_sharded, model_misfit, saved_model_shapes
@@ -583,42 +584,29 @@ class Session:
         if stop or interrupt:
             self._stopped(PreemptFlag.name(stop) if stop else "chaos.interrupt_step")
 
-    def _gather(self) -> list[list[float]]:
-        """Every rank's row: its logged sums (names sorted), the names' fingerprint, the first non-finite
-        loss step, the preemption signal, phase times. One all_gather, one host sync."""
-        names = sorted(self._sums)
-        fingerprint = int(hashlib.sha256(",".join(names).encode()).hexdigest()[:12], 16)
-        times = self.timer.collect()
-        device_part = torch.stack([*(self._sums[n] for n in names), *self.guard.state()]).double()
-        host = torch.tensor([float(fingerprint), float(self.preempt.signum), float(self._samples),
-                             float(self._tokens), *times],
-                            dtype=torch.float64)
-        mine = torch.cat([device_part.reshape(-1), host.to(self.device)])
-        if not self.rt.distributed:
-            return [mine.tolist()]
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+    def _gather(self) -> list[RankReport]:
+        """Every rank's RankReport (train/interval.py): one all_gather, one host sync."""
         try:
-            dist.all_gather(rows, mine)
-        except RuntimeError as err:
+            return gather(self.rt, self._sums, self.guard, signal=self.preempt.signum, peak=peak_bytes(self.device),
+                          times=self.timer.collect(), lead=self.timer.lead_s, samples=self._samples,
+                          tokens=self._tokens)
+        except RuntimeError as err:  # rows of other lengths: other numbers of names
             raise UserError("session.log(): the ranks logged different names (or numbers of them) in this "
                             f"interval ({type(err).__name__}); fix: log the same names on every rank") from err
-        return torch.stack(rows).tolist()  # host-device sync
 
     def _log(self) -> int:
-        names = sorted(self._sums)
         rows = self._gather()
-        n = len(names)
-        if len({r[n + 3] for r in rows}) > 1:
+        if len({r.names for r in rows}) > 1:
             raise UserError("session.log(): the ranks logged different names in this interval; fix: log the same "
                             "names on every rank")
-        self._nonfinite(rows, n)
+        self._nonfinite(rows)
         elapsed = time.perf_counter() - self._interval_started
         self.train_time += elapsed
         steps, ran = max(self._since, 1), max(self._ran, 1)
-        means = {name: sum(r[i] for r in rows) / (len(rows) * steps) for i, name in enumerate(names)}
-        samples, tokens = sum(r[n + 5] for r in rows), sum(r[n + 6] for r in rows)
+        means = {name: sum(r.sums[name] for r in rows) / (len(rows) * steps) for name in sorted(self._sums)}
+        samples, tokens = sum(r.samples for r in rows), sum(r.tokens for r in rows)
         self._seen = [self._seen[0] + samples, self._seen[1] + tokens]
-        phases = [dict(zip(PHASES, r[n + 7:])) for r in rows]
+        phases = [r.phases for r in rows]
         assert self.services is not None
         straggler = self.services.interval(phases, ran)
         record: dict[str, Any] = {"kind": "train", "step": self.steps, **means,
@@ -640,16 +628,16 @@ class Session:
             value.zero_()
         self._since, self._ran, self._samples, self._tokens = 0, 0, 0, 0
         self._interval_started = time.perf_counter()
-        return next((int(r[n + 4]) for r in rows if r[n + 4]), 0)
+        return next((r.signal for r in rows if r.signal), 0)
 
-    def _nonfinite(self, rows: list[list[float]], n: int) -> None:
-        """Act on the guard's counters (row[n:n + 3]: skipped, first skipped step, first non-finite loss):
-        train.nonfinite=raise stops naming the rank and step, skip warns once per newly skipped step."""
-        skipped = max(r[n] for r in rows)
-        bad = sorted((int(r[n + 2]), rank) for rank, r in enumerate(rows) if r[n + 2] >= 0)
+    def _nonfinite(self, rows: list[RankReport]) -> None:
+        """Act on the guard's counters (skipped, first skipped step, first non-finite loss): train.nonfinite=raise
+        stops naming the rank and step, skip warns once per newly skipped step."""
+        skipped = max(r.skipped for r in rows)
+        bad = sorted((int(r.first_bad_loss), rank) for rank, r in enumerate(rows) if r.first_bad_loss >= 0)
         fix = "lower the learning rate, clip gradients (--optim.grad_clip=1.0), or more warmup"
         if skipped > self._skipped_seen:
-            where = nonfinite_where([r[n + 1] for r in rows], [r[n + 2] for r in rows])
+            where = nonfinite_where([r.first_skipped for r in rows], [r.first_bad_loss for r in rows])
             if self.cfg.train.nonfinite == "raise":
                 applied = "was not applied" if not self._applied_bad_possible else \
                     "may have been applied (an optimizer that is not fused cannot skip it without a sync)"
