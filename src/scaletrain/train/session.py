@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -121,6 +120,7 @@ from scaletrain.train.state import (
     stored_once,
     with_aliases,
 )
+from scaletrain.train.trace import TraceFile, digest
 
 OptimizerArg = Optimizer | Callable[[list[nn.Parameter]], Optimizer]
 
@@ -863,27 +863,17 @@ class Session:
         self.close(finished=kind is None)
 
 
-class _Trace:
+class _Trace(TraceFile):
     """debug.trace for a session: per step, digests of the batches drawn and of the state after the step
     (every model and optimizer, RNG, every loader), in train/trace.py's format, which verify-resume compares."""
-
-    def __init__(self, run_dir: Any, rank: int) -> None:
-        folder = run_dir / "trace"
-        folder.mkdir(parents=True, exist_ok=True)
-        self._file = open(folder / f"rank-{rank:05d}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        self._data = hashlib.sha256()
-        self._indices: list[int] = []
 
     def batch(self, batch: Any, indices: list[int]) -> None:
         from scaletrain.batch import leaves
 
-        for t in leaves(batch):
-            self._data.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        self._indices += indices
+        self.batch_drawn(leaves(batch), indices)
 
     def _state(self, st: Session) -> dict[str, str]:
         from scaletrain.train.state import IMPLEMENTATION
-        from scaletrain.train.trace import digest
 
         skip = ("lr", "initial_lr", *IMPLEMENTATION)
         # The whole state by the models' names, the same under DDP and FSDP (gathered: collective there), so
@@ -906,22 +896,11 @@ class _Trace:
 
     def step(self, st: Session) -> None:
         lr = next((g["lr"] for m in st._models for o in m.optimizers for g in o.param_groups), 0.0)
-        from scaletrain.train.trace import digest
-
         logged = {k: float(v.item()) for k, v in st._sums.items()}  # host sync: debug.trace only
-        self._write({"step": st.steps, "lr": lr, "loss": digest(logged), "data": self._data.hexdigest()[:16],
-                     "indices": self._indices, **self._state(st)})
-        self._data, self._indices = hashlib.sha256(), []
+        self.write({"step": st.steps, "lr": lr, "loss": digest(logged), **self.drawn(), **self._state(st)})
 
     def resumed(self, st: Session) -> None:
-        self._write({"step": st.steps, "event": "resume", **self._state(st)})
-
-    def _write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
+        self.write({"step": st.steps, "event": "resume", **self._state(st)})
 
 
 def session(config: Config | Mapping[str, Any] | str | None = None, *, argv: list[str] | None = None) -> Session:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -73,35 +74,53 @@ def fingerprint(job: Job) -> dict[str, str]:
     }
 
 
-class Tracer:
+class TraceFile:
+    """One rank's trace file, fit()'s (Tracer) and a session's alike: the digest of the step's batches and their
+    sample indices as they are drawn, and one JSON line per step or resume."""
+
     def __init__(self, run_dir: Path, rank: int) -> None:
         folder = run_dir / "trace"
         folder.mkdir(parents=True, exist_ok=True)
         self._file = open(folder / f"rank-{rank:05d}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self._data = hashlib.sha256()
         self._indices: list[int] = []
-        self._lr = 0.0
 
-    def step_started(self, job: Job) -> None:
-        self._data = hashlib.sha256()
-        self._indices = []
-        self._lr = job.optimizer.param_groups[0]["lr"]
-
-    def batch(self, job: Job, batch: Batch) -> None:
-        for t in batch.tensors():
+    def batch_drawn(self, tensors: Iterable[torch.Tensor], indices: list[int]) -> None:
+        for t in tensors:
             self._data.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        self._indices += job.loader.last_indices
+        self._indices += indices
 
-    def step_done(self, job: Job, loss: torch.Tensor) -> None:
-        self._write({"step": job.step, "loss": float(loss.item()), "lr": self._lr,
-                     "data": self._data.hexdigest()[:16], "indices": self._indices, **fingerprint(job)})
+    def drawn(self) -> dict[str, Any]:
+        """The step's ``data`` digest and ``indices``, and a fresh start for the next step."""
+        out = {"data": self._data.hexdigest()[:16], "indices": self._indices}
+        self._data, self._indices = hashlib.sha256(), []
+        return out
 
-    def resumed(self, job: Job) -> None:
-        self._write({"step": job.step, "event": "resume", **fingerprint(job)})
-
-    def _write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+
+class Tracer(TraceFile):
+    """fit()'s trace: the step's loss (this rank's), the lr it ran at, the batches, and fingerprint(job)."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        super().__init__(run_dir, rank)
+        self._lr = 0.0
+
+    def step_started(self, job: Job) -> None:
+        self.drawn()
+        self._lr = job.optimizer.param_groups[0]["lr"]
+
+    def batch(self, job: Job, batch: Batch) -> None:
+        self.batch_drawn(batch.tensors(), job.loader.last_indices)
+
+    def step_done(self, job: Job, loss: torch.Tensor) -> None:
+        self.write({"step": job.step, "loss": float(loss.item()), "lr": self._lr, **self.drawn(),
+                    **fingerprint(job)})
+
+    def resumed(self, job: Job) -> None:
+        self.write({"step": job.step, "event": "resume", **fingerprint(job)})
