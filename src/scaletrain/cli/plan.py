@@ -163,11 +163,7 @@ def _print_plan(name: str, plan: Plan, batch: str, width: int | None, calibratio
 
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
-    from scaletrain.bench.report import check_output_path, write_json
-    from scaletrain.data import build_splits
     from scaletrain.plan.catalog import ACCELERATORS, default_mfu
-    from scaletrain.plan.estimate import make_plan, measure_model
-    from scaletrain.train.batching import plan_batches
 
     acc = ACCELERATORS.get(args.gpu.lower())
     if acc is None:
@@ -175,6 +171,19 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     mfu = _number("--mfu", args.mfu, 0.0, 1.0, "0.4") if args.mfu is not None else 0.0
     net = _number("--net-gbps", args.net_gbps, 0.0, 1e6, "400") * 1e9 / 8
     price = _number("--price", args.price, 0.0, 1e6, "2.5") if args.price else None
+    calibration = None
+    if args.calibrate:  # read before the model is measured: a run that cannot calibrate is said at once
+        from scaletrain.plan.actual import calibrate
+
+        calibration = calibrate(args.calibrate, acc.key)
+        if calibration.mfu is None and calibration.activations is None:
+            raise UserError(f"--calibrate {' '.join(args.calibrate)}: no MFU and no activations measured in these "
+                            "runs; fix: calibrate with runs of a built-in model on this --gpu")
+    from scaletrain.bench.report import check_output_path, write_json
+    from scaletrain.data import build_splits
+    from scaletrain.plan.estimate import make_plan, measure_model
+    from scaletrain.train.batching import plan_batches
+
     check_output_path(args.json or None, "--json", ".json")
     overrides = config_overrides(args, leftovers)
     check_types(overrides)
@@ -189,14 +198,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     source = "given (--mfu)"
     if args.mfu is None:
         mfu, source = default_mfu(acc.key, compiled=cfg.train.compile, params=facts.params)
-    calibration = None
-    if args.calibrate:
-        from scaletrain.plan.actual import calibrate
-
-        calibration = calibrate(args.calibrate, acc.key)
-        if calibration.mfu is None and calibration.activations is None:
-            raise UserError(f"--calibrate {' '.join(args.calibrate)}: no MFU and no activations measured in these "
-                            "runs; fix: calibrate with runs of a built-in model on this --gpu")
+    if calibration is not None:
         if calibration.mfu is not None and args.mfu is None:  # an explicit --mfu wins
             mfu, source = calibration.mfu, "the calibrating runs'"
         if calibration.activations is not None:

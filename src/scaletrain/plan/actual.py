@@ -26,13 +26,15 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from scaletrain.config import Config
 from scaletrain.errors import UserError
+
+if TYPE_CHECKING:  # calibrate() (plan --calibrate) reads JSON before anything imports torch
+    import torch
+    from torch import nn
+
+    from scaletrain.config import Config
 
 
 def _error(predicted: float, actual: float) -> float | None:
