@@ -43,7 +43,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from scaletrain.models import GPT
-from scaletrain.models.losses import linear_cross_entropy
 from scaletrain.observe.memory import (
     estimate_activation_bytes,
     fmt_bytes,
@@ -110,7 +109,7 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, device: torch.d
         # The trainer's own model and knobs (model.bias, model.loss, model.residual): what is measured here is
         # what `scaletrain train` runs with the same keys.
         model = GPT(shape.vocab, shape.seq, shape.n_layer, shape.n_head, shape.n_embd, 0.0,
-                    bias=not args.no_bias, fused_loss=args.loss == "fused",
+                    bias=not args.no_bias, fused_loss=args.loss == "fused", loss_chunk_rows=args.chunk_rows,
                     bf16_residual=not shape.fsdp and args.residual == "bf16")
     n_params = sum(p.numel() for p in model.parameters())
     apply_activation_checkpointing(model, args.ac)
@@ -127,8 +126,6 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, device: torch.d
                    reduce_dtype=policy.reduce_dtype, reshard_after_forward=args.reshard)
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if args.loss == "fused" and args.chunk_rows != 8192:  # another chunk size than the model's
-            return linear_cross_entropy(model.hidden(x), model.head.weight, y, chunk_rows=args.chunk_rows)
         if args.loss == "fused":  # the head and the loss in one pass per chunk; the logits never kept
             return step_model(x, y)["loss"]
         logits = step_model(x)

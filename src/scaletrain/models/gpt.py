@@ -54,10 +54,11 @@ class GPT(nn.Module):
     """
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                 dropout: float = 0.0, bias: bool = True, *, fused_loss: bool = False,
+                 dropout: float = 0.0, bias: bool = True, *, fused_loss: bool = False, loss_chunk_rows: int = 8192,
                  bf16_residual: bool = False) -> None:
         super().__init__()
         self.block_size, self.fused_loss, self.bf16_residual = block_size, fused_loss, bf16_residual
+        self.loss_chunk_rows = loss_chunk_rows  # rows of logits the fused loss forms at a time
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
@@ -81,7 +82,8 @@ class GPT(nn.Module):
         """The logits (B, T, vocab); with ``fused_loss`` and ``targets`` (B, T), ``{"loss": mean cross-entropy}``
         instead (the trainer passes the targets then: scaletrain.batch.Batcher's target_kwarg)."""
         if self.fused_loss and targets is not None:
-            return {"loss": linear_cross_entropy(self.hidden(idx), self.head.weight, targets)}
+            return {"loss": linear_cross_entropy(self.hidden(idx), self.head.weight, targets,
+                                                 chunk_rows=self.loss_chunk_rows)}
         return self.head(self.hidden(idx))  # (B, T, vocab)
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:

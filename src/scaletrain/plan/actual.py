@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # calibrate() (plan --calibrate) reads JSON before anything i
     from torch import nn
 
     from scaletrain.config import Config
+    from scaletrain.layout import Layout
 
 
 def _error(predicted: float, actual: float) -> float | None:
@@ -42,33 +43,25 @@ def _error(predicted: float, actual: float) -> float | None:
 
 
 def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, target: Any,
-                   module: nn.Module, *,
-                   device: torch.device,
-                   world: int, gpus_per_node: int, strategy: str, batch_size: int, accum_steps: int,
+                   module: nn.Module, *, device: torch.device, parallel: Layout, batch_size: int, accum_steps: int,
                    flops: float, state: dict[str, Any], peak_bytes: int, step_s: float | None,
                    mfu: float | None) -> dict[str, Any]:
-    """The record summary.json keeps under ``plan_vs_actual`` (module docstring). ``state``: metrics.jsonl's
-    ``mem`` of the last log step (rank 0's model state by part); ``peak_bytes``: the largest rank's peak;
-    ``step_s``: the steady-state time per optimizer step; ``mfu``: the run's, without recompute."""
+    """The record summary.json keeps under ``plan_vs_actual`` (module docstring). ``parallel``: the run's
+    Layout; ``state``: metrics.jsonl's ``mem`` of the last log step (rank 0's model state by part);
+    ``peak_bytes``: the largest rank's peak; ``step_s``: the steady-state time per optimizer step; ``mfu``: the
+    run's, without recompute."""
     from scaletrain.observe.throughput import device_peak
-    from scaletrain.parallel.fsdp import fsdp_units
     from scaletrain.plan.catalog import ACCELERATORS
-    from scaletrain.plan.estimate import ModelFacts, layout, layout_memory, measure_model
+    from scaletrain.plan.estimate import ModelFacts, layout, layout_memory, measure_model, model_counts
 
-    checkpointing = cfg.memory.activation_checkpointing
-    shard = {"ddp": 1, "fsdp": world, "hsdp": gpus_per_node}[strategy]
+    checkpointing, strategy, shard = cfg.memory.activation_checkpointing, parallel.strategy, parallel.dp_shard
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch_size))
     if device.type == "cuda":
         facts = measure_model(cfg, task, info, sample, target=target, modes=(checkpointing,), sharded=(shard > 1,),
                               flops=flops)
-    else:  # a DTensor's numel is the whole parameter's: the counts are the unsharded model's
-        params = list(module.parameters())
-        units = fsdp_units(module, cfg.parallel.fsdp_units) or [module]
-        facts = ModelFacts(params=sum(p.numel() for p in params),
-                           trainable=sum(p.numel() for p in params if p.requires_grad),
-                           largest_unit=max(sum(p.numel() for p in u.parameters()) for u in units), units=len(units),
-                           flops_per_sample=flops, tokens_per_sample=0,
-                           activations={checkpointing: 0, f"sharded-{checkpointing}": 0})
+    else:  # the run's own counts, which the model the config builds has too; activations not planned here
+        facts = ModelFacts(*model_counts(module, cfg.parallel.fsdp_units), flops_per_sample=flops,
+                           tokens_per_sample=0, activations={checkpointing: 0, f"sharded-{checkpointing}": 0})
     parts = layout_memory(facts, strategy, checkpointing, shard=shard, precision=cfg.train.precision,
                           optimizer=cfg.optim.name)
     predicted: dict[str, Any] = dict(zip(("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes",
@@ -94,15 +87,14 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: torch.T
     if step_s:
         actual["step_s"] = step_s
     if acc is not None and mfu and step_s:
-        nodes = max(1, world // gpus_per_node)
-        lay = layout(facts, strategy, checkpointing, acc=acc, gpus_per_node=gpus_per_node if nodes > 1 else world,
-                     nodes=nodes, precision=cfg.train.precision, tf32=cfg.train.tf32, batch_size=batch_size,
+        lay = layout(facts, strategy, checkpointing, acc=acc, gpus_per_node=parallel.world_size // parallel.nnodes,
+                     nodes=parallel.nnodes, precision=cfg.train.precision, tf32=cfg.train.tf32, batch_size=batch_size,
                      accum_steps=accum_steps, optimizer=cfg.optim.name, mfu=mfu, net_bytes_per_s=400e9 / 8)
         predicted.update(step_s=lay.step_s, compute_s=lay.compute_s, comm_s=lay.comm_s, mfu_assumed=mfu)
         error["step_time"] = _error(lay.step_s, step_s)
     else:
         notes.append("step time not compared: the planner knows no peak FLOP/s for this device")
-    return {"layout": {"strategy": strategy, "checkpointing": checkpointing, "world_size": world,
+    return {"layout": {"strategy": strategy, "checkpointing": checkpointing, "world_size": parallel.world_size,
                        "batch_size": batch_size, "accum_steps": accum_steps, "precision": cfg.train.precision},
             "accelerator": acc.key if acc else None, "predicted": predicted, "actual": actual, "error": error,
             "notes": notes}

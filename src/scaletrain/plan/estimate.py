@@ -218,7 +218,6 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
     all-gathers the parameters in the compute dtype and casts the inputs: no copies, counted instead as the
     FSDP working set)."""
     from scaletrain.observe.throughput import flops_per_sample
-    from scaletrain.parallel.fsdp import fsdp_units
 
     precision, batch = cfg.train.precision, cfg.data.batch_size
     dtype = AUTOCAST_DTYPE.get(precision)
@@ -229,9 +228,7 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
             one, fake_target = fake_sample.unsqueeze(0), mode.from_tensor(target).unsqueeze(0)  # a batch of one
             fake_sample = Batch((one,), {"targets": fake_target}, fake_target)
         model = _fake_model(cfg, task, info, "none")
-        params = {id(p): p for p in model.parameters()}
-        units = fsdp_units(model, cfg.parallel.fsdp_units) or [model]
-        largest = max(sum(p.numel() for p in u.parameters()) for u in units)
+        counts = model_counts(model, cfg.parallel.fsdp_units)
         if steps and flops is None:
             flops = flops_per_sample(model, fake_sample)
         for ac in modes if steps else ():
@@ -248,10 +245,19 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
                     fake_sample.is_floating_point() else fake_sample
                 low_model = _fake_model(cfg, task, info, ac, dtype)
                 acts[f"sharded-{ac}"] = estimate_activation_bytes(low_model, low, batch, whole_step=True)
-    return ModelFacts(params=sum(p.numel() for p in params.values()),
-                      trainable=sum(p.numel() for p in params.values() if p.requires_grad),
-                      largest_unit=largest, units=len(units), flops_per_sample=flops or 0.0,
+    return ModelFacts(*counts, flops_per_sample=flops or 0.0,
                       tokens_per_sample=int(info.get("seq_len", 0)) if task == "lm" else 0, activations=acts)
+
+
+def model_counts(model: nn.Module, units_given: str = "") -> tuple[int, int, int, int]:
+    """ModelFacts' (params, trainable, largest_unit, units) of ``model`` (fake or real; a tied parameter counted
+    once, a sharded DTensor at its whole size); ``units_given``: parallel.fsdp_units."""
+    from scaletrain.parallel.fsdp import fsdp_units
+
+    params = list(model.parameters())
+    units = fsdp_units(model, units_given) or [model]
+    return (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad),
+            max(sum(p.numel() for p in u.parameters()) for u in units), len(units))
 
 
 def usable_bytes(acc: Accelerator) -> int:

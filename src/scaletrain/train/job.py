@@ -51,7 +51,7 @@ class Job:
     batcher: Batcher  # a loader's batch -> the model's inputs and the loss's target
     guard: NonFiniteGuard
     chaos: Chaos
-    strategy: str = "ddp"  # the data-parallel layout in effect (auto resolved)
+    layout: Layout  # the parallel layout, resolved once (scaletrain/layout.py)
     strategy_reason: str = ""
     step: int = 0  # optimizer steps completed
     tracer: Tracer | None = None  # per-step fingerprints (debug.trace)
@@ -59,7 +59,11 @@ class Job:
     timer: StepTimer = dataclasses.field(default_factory=lambda: NullTimer(torch.device("cpu")))  # phase times
     flops: float = 0.0  # model FLOPs per training sample (forward + backward)
     tokens_per_sample: int = 0  # sequence models: tokens per sample
-    layout: Layout | None = None  # the parallel layout, resolved once (scaletrain/layout.py)
+
+    @property
+    def strategy(self) -> str:
+        """The data-parallel layout in effect (auto resolved)."""
+        return self.layout.strategy
 
     @property
     def sharded(self) -> bool:
@@ -120,9 +124,8 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     if strategy != cfg.parallel.strategy:
         check_precision(cfg.train.precision, rt.device, strategy)
     layout = resolve_layout(cfg.parallel, cfg.memory, rt.world_size, nnodes, strategy=strategy)  # once, read below
-    wrapped = parallelize(module, rt.device, rt.world_size, dataclasses.replace(cfg.parallel, strategy=strategy),
-                          compile=cfg.train.compile, precision=cfg.train.precision, memory=cfg.memory,
-                          nnodes=nnodes, optimizer=cfg.optim.name, batch_size=plan.batch_size, layout=layout)
+    wrapped = parallelize(module, rt.device, rt.world_size, cfg.parallel, compile=cfg.train.compile,
+                          precision=cfg.train.precision, memory=cfg.memory, layout=layout)
     torch.manual_seed(cfg.run.seed + rt.rank)  # dropout masks differ between ranks
     optimizer = build_optimizer(module, cfg.optim, plan.peak_lr)
     loader = ShardedLoader(splits.train, batch_size=plan.batch_size, rank=layout.dp_rank(rt.rank),
@@ -136,5 +139,5 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     attach_fsdp_mark(wrapped, timed)
     return Job(cfg, rt, plan, module, wrapped, optimizer, build_scheduler(optimizer, cfg.schedule, plan.total_steps),
                scaler, loader, splits.eval, loss_fn or default_loss, batcher, guard,
-               Chaos(cfg.chaos, rt.rank, rt.world_size), strategy, reason, timer=timer, flops=flops,
-               tokens_per_sample=one.tokens_per_sample(), layout=layout)
+               Chaos(cfg.chaos, rt.rank, rt.world_size), layout, reason, timer=timer, flops=flops,
+               tokens_per_sample=one.tokens_per_sample())

@@ -328,7 +328,7 @@ class Loop:
         return {"format": FORMAT_FULL, "step": job.step, "epoch": job.loader.epoch + 1, "world_size": job.rt.world_size,
                 "global_batch": job.plan.global_batch, "batch_size": job.plan.batch_size,
                 "accum_steps": job.plan.accum_steps, "loader": job.loader.state_dict(),
-                **({"layout": job.layout.as_dict()} if job.layout is not None else {}),
+                "layout": job.layout.as_dict(),
                 "config_digest": job.cfg.digest(), "config": job.cfg.to_toml(), **describe_versions()}
 
     def _save(self, *, final: bool) -> float:

@@ -94,8 +94,7 @@ def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any]) -> dict[s
     rt, plan = job.rt, job.plan
     rate = summary["samples_per_s"]
     return plan_vs_actual(job.cfg, splits.task, splits.info, *splits.train[0][:2], job.module, device=rt.device,
-                          world=rt.world_size, gpus_per_node=rt.local_world_size, strategy=job.strategy,
-                          batch_size=plan.batch_size, accum_steps=plan.accum_steps, flops=job.flops,
+                          parallel=job.layout, batch_size=plan.batch_size, accum_steps=plan.accum_steps, flops=job.flops,
                           state=summary["mem"], peak_bytes=summary["peak_mem_bytes"],
                           step_s=plan.global_batch / rate if rate else None, mfu=summary.get("hfu", summary.get("mfu")))
 
