@@ -153,8 +153,9 @@ def eval_indices(size: int, *, batch_size: int, world: int, max_batches: int = 0
 def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num_workers: int = 0,
                 pin_memory: bool = False, max_batches: int = 0) -> DataLoader:
     """Rank r evaluates samples r, r + W, ... of eval_indices: every one exactly once across ranks, none
-    padded."""
+    padded. Its own generator: an evaluation draws nothing from the global RNG, so evaluating (or not) between
+    two steps leaves training, and a resume, exactly as they were."""
     chosen = eval_indices(len(dataset), batch_size=batch_size, world=world,  # type: ignore[arg-type]
                           max_batches=max_batches)
     return DataLoader(dataset, batch_size=batch_size, sampler=chosen[rank::world], num_workers=num_workers,
-                      pin_memory=pin_memory)
+                      pin_memory=pin_memory, generator=torch.Generator().manual_seed(0))
