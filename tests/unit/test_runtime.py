@@ -61,3 +61,17 @@ def test_warnings_are_said_once_by_rank_0(capsys: pytest.CaptureFixture[str],
         speak_once(0)
         logger.warning("hsdp with dp_replicate = 1 is fsdp")
         assert capsys.readouterr().err == "scaletrain: warning: hsdp with dp_replicate = 1 is fsdp\n"
+
+
+def test_the_worker_named_first_is_the_one_killed_not_the_survivor_reporting_it():
+    """torchrun records failures in whole seconds. A worker killed by a signal from outside (SIGKILL, the OOM
+    killer) in the same second as a survivor exiting on the collective it left is the root; the agent's own
+    SIGKILL follows its SIGTERM by the shutdown timeout (>= 30 s) and is never the root."""
+    from types import SimpleNamespace as Failure
+
+    from scaletrain.cluster.torchrun import root_failure
+
+    assert root_failure({0: Failure(exitcode=1, timestamp=100), 1: Failure(exitcode=-9, timestamp=100)}) == (1, -9)
+    assert root_failure({0: Failure(exitcode=1, timestamp=100), 1: Failure(exitcode=-9, timestamp=131)}) == (0, 1)
+    assert root_failure({0: Failure(exitcode=-15, timestamp=100), 1: Failure(exitcode=1, timestamp=101)}) == (1, 1)
+    assert root_failure({0: Failure(exitcode=1, timestamp=100), 1: Failure(exitcode=1, timestamp=100)}) == (0, 1)

@@ -58,9 +58,17 @@ def root_failure(failures: dict[int, Any]) -> tuple[int, int]:
     """(global rank, exit code) of the worker that most likely failed first.
 
     A worker the agent stopped because another one failed comes last; then the earliest failure (torch
-    records whole seconds), then the lowest rank.
+    records whole seconds); within the same second a worker killed by a signal (SIGKILL, the OOM killer) before
+    one that exited with an error (a survivor reporting the collective its dead peer left), then the lowest rank.
     """
-    rank = min(failures, key=lambda r: (failures[r].exitcode in _STOPPED_BY_AGENT, failures[r].timestamp, r))
+    first = min(f.timestamp for f in failures.values())
+
+    def by_agent(failure: Any) -> bool:
+        # The agent's SIGKILL follows its SIGTERM by the shutdown timeout (>= 30 s): one sooner came from elsewhere.
+        return failure.exitcode in _STOPPED_BY_AGENT and not (
+            failure.exitcode == -signal.SIGKILL and failure.timestamp - first < 30)
+
+    rank = min(failures, key=lambda r: (by_agent(failures[r]), failures[r].timestamp, failures[r].exitcode >= 0, r))
     return rank, failures[rank].exitcode
 
 
