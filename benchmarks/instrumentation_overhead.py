@@ -52,25 +52,27 @@ def in_process(recipe: str, blocks: int, steps: int) -> dict[str, list[float]]:
     from scaletrain.data import build_splits
     from scaletrain.observe.timing import NullTimer, StepTimer
     from scaletrain.runtime import init
-    from scaletrain.train.job import build_job
-    from scaletrain.train.loop import train_step
+    from scaletrain.train.run import open_stepper, step
 
     torch.set_num_threads(1)
-    cfg = load(recipe, {"dist.device": "cpu"})
-    job = build_job(cfg, init(cfg.dist), build_splits(cfg.data, cfg.model))
-    batches = iter(job.loader)
-    timers = {"on": StepTimer(job.rt.device), "off": NullTimer(job.rt.device)}
-    for _ in range(steps):  # warm-up
-        train_step(job, batches)
-    out: dict[str, list[float]] = {"on": [], "off": []}
-    for b in range(blocks):
-        for mode in (("on", "off") if b % 2 == 0 else ("off", "on")):
-            job.timer = timers[mode]
-            started = time.perf_counter()
-            for _ in range(steps):
-                train_step(job, batches)
-            out[mode].append((time.perf_counter() - started) / steps)
-            timers["on"].collect()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load(recipe, {"dist.device": "cpu", "run.dir": str(Path(tmp) / "run"), "log.every": 1_000_000})
+        job, batches = open_stepper(cfg, init(cfg.dist), build_splits(cfg.data, cfg.model))
+        assert job.st is not None
+        timers = {"on": StepTimer(job.rt.device), "off": NullTimer(job.rt.device)}
+        for _ in range(steps):  # warm-up
+            step(job, batches)
+        out: dict[str, list[float]] = {"on": [], "off": []}
+        for b in range(blocks):
+            for mode in (("on", "off") if b % 2 == 0 else ("off", "on")):
+                job.st.timer = timers[mode]
+                job.st.timer.start()  # the session starts the next step's timing as the previous one ends
+                started = time.perf_counter()
+                for _ in range(steps):
+                    step(job, batches)
+                out[mode].append((time.perf_counter() - started) / steps)
+                timers["on"].collect()
+        job.st.close(finished=False)
     return out
 
 

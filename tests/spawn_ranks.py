@@ -71,16 +71,17 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
 
 def trained_digits_job(settings: dict[str, Any], steps: int) -> Any:
     """Inside a rank: the Job that ``settings`` build on digits (this rank's process group, if any, from the
-    launcher's variables), after ``steps`` training steps."""
+    launcher's variables), on its session (run dir: a new temporary directory unless given), after ``steps``
+    training steps taken as scaletrain train takes them."""
+    import tempfile
+
     from scaletrain import runtime
     from scaletrain.config import load
     from scaletrain.data import digits
-    from scaletrain.train.job import build_job
-    from scaletrain.train.loop import train_step
+    from scaletrain.train.run import open_stepper, step
 
-    cfg = load(None, settings)
-    job = build_job(cfg, runtime.init(cfg.dist), digits(0.2))
-    batches = iter(job.loader)
+    cfg = load(None, {"run.dir": tempfile.mkdtemp(prefix="scaletrain-test-"), **settings})
+    job, batches = open_stepper(cfg, runtime.init(cfg.dist), digits(0.2))
     for _ in range(steps):
-        train_step(job, batches)
+        step(job, batches)
     return job

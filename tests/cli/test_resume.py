@@ -282,7 +282,7 @@ def test_a_nan_on_one_rank_is_skipped_on_every_rank_or_stops_the_job(tmp_path):
     nan = ["--chaos.nan_rank=1", "--chaos.nan_step=6", "--checkpoint.every=4", "--checkpoint.keep=0"]
     code, out, err = train(*JOB, "--run.dir=skip", "--train.nonfinite=skip", *nan, cwd=tmp_path)
     assert code == 0, err[-3000:]
-    assert "non-finite loss on rank 1 at step 6: step skipped (1 skipped so far)" in out
+    assert "warning: non-finite loss on rank 1 at step 6: not applied (1 optimizer step(s) skipped so far)" in out
     summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
     assert summary["skipped_steps"] == 1 and math.isfinite(summary["train_loss"])
     for _, path in commit.committed(tmp_path / "skip" / "checkpoints"):

@@ -10,8 +10,6 @@ from scaletrain import runtime
 from scaletrain.config import load
 from scaletrain.data import digits
 from scaletrain.train.evaluate import evaluate
-from scaletrain.train.job import build_job
-from scaletrain.train.loop import train_step
 from scaletrain.train.state import full_model_state
 
 STEPS = 5
@@ -23,8 +21,8 @@ def _train(rank: int, world: int, overrides: dict) -> dict:
     job = trained_digits_job({**BASE, **overrides}, STEPS)
     metrics = evaluate(job)
     params = {k: v.detach().clone() for k, v in full_model_state(job.module, sharded=job.sharded).items()}
-    return {"params": params, "state": job.state_bytes.as_dict(), "sharded": job.sharded, "eval": metrics,
-            "skipped": float(job.guard.skipped)}
+    return {"params": params, "state": job.st._state_bytes.as_dict(), "sharded": job.sharded, "eval": metrics,
+            "skipped": float(job.st.guard.skipped)}
 
 
 def _worst(got: dict, want: dict) -> float:

@@ -18,26 +18,28 @@ STEPS = 3  # DDP's first step runs with one 1 MB first bucket; it rebuilds bucke
 
 
 def _events(rank: int, world: int, overlap: bool) -> dict:
+    import tempfile
+
     from scaletrain import runtime
     from scaletrain.config import load
     from scaletrain.data import digits
-    from scaletrain.train.job import build_job
-    from scaletrain.train.loop import train_step
+    from scaletrain.train.run import open_stepper, step
 
     cfg = load(None, {"model.name": "cnn", "model.dropout": 0.0, "optim.name": "sgd", "optim.lr": 0.1,
                       "dist.device": "cpu", "run.seed": 7, "data.batch_size": 16,
-                      "parallel.bucket_mb": 0.01, "parallel.overlap": overlap})
-    job = build_job(cfg, runtime.init(cfg.dist), digits(0.2))
+                      "parallel.bucket_mb": 0.01, "parallel.overlap": overlap,
+                      "run.dir": tempfile.mkdtemp(prefix="scaletrain-test-")})
+    job, batches = open_stepper(cfg, runtime.init(cfg.dist), digits(0.2))
     events: list[str] = []
-    ready = job.timer.bucket_ready  # the comm hook calls it as each bucket is filled, before anything else
-    job.timer.bucket_ready = lambda: (events.append("ready"), ready())[1]
+    timer = job.st.timer
+    ready = timer.bucket_ready  # the comm hook calls it as each bucket is filled, before anything else
+    timer.bucket_ready = lambda: (events.append("ready"), ready())[1]
     real = dist.all_reduce  # DDP's allreduce_hook looks it up on torch.distributed at each call
     dist.all_reduce = lambda *a, **k: (events.append("start"), real(*a, **k))[1]
     try:
-        batches = iter(job.loader)
         for _ in range(STEPS):
             events.append("step")
-            train_step(job, batches)
+            step(job, batches)
     finally:
         dist.all_reduce = real
     return {"events": events, "params": {k: v.detach().clone() for k, v in job.module.state_dict().items()}}

@@ -127,14 +127,24 @@ def real_run(tmp_path_factory):
 
 
 def _restore_into_fresh_job(run_dir: Path, step_dir: Path):
+    """A job built from ``run_dir``'s config, set up on a session (in a new run directory) that resumes from
+    ``step_dir``: (the job, the trainer state read, this rank's state read)."""
     from scaletrain.data import digits
+    from scaletrain.observe.console import Console
     from scaletrain.train.job import build_job
-    from scaletrain.train.resume import restore
+    from scaletrain.train.preempt import PreemptFlag
+    from scaletrain.train.session import Opened, Session
 
-    cfg = load("digits", {"run.dir": str(run_dir), "train.progress": False})
+    cfg = load("digits", {"run.dir": str(step_dir.parent / "fresh"), "train.progress": False})
     rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "none")
     job = build_job(cfg, rt, digits(0.2))
-    return (job, *restore(job, Resume(step_dir, commit.verify(step_dir))))
+    resume = Resume(step_dir, commit.verify(step_dir))
+    st = Session(cfg, opened=Opened(rt, Console(False), resume, PreemptFlag(), job.layout, 0.0))
+    try:
+        job.attach(st)
+    finally:
+        st.close(finished=False)
+    return job, st._trainer, st._rank_state
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "rank-00000.safetensors",
@@ -171,8 +181,9 @@ def test_a_tampered_file_without_a_new_manifest_falls_back(real_run, tmp_path):
 def test_restore_reproduces_the_saved_state(real_run):
     step_dir = real_run / "checkpoints" / "step-00000006"
     job, trainer, rank_state = _restore_into_fresh_job(real_run, step_dir)
-    assert job.step == trainer["step"] == 6 and trainer["loader"]["cursor"] == 6 * 32
-    assert rank_state is not None and set(rank_state) >= {"rng", "loss_sum", "since", "guard"}
+    assert job.step == trainer["step"] == 6 and trainer["loaders"][0]["cursor"] == 6 * 32
+    assert job.loader.inner.state_dict()["cursor"] == 6 * 32
+    assert rank_state is not None and set(rank_state) >= {"rng", "sums", "since", "guard"}
     final = safetensors.torch.load_file(str(real_run / "model.safetensors"))  # the run's own final weights
     for name, value in job.module.state_dict().items():
         assert torch.equal(value, final[name]), name

@@ -26,8 +26,8 @@ from scaletrain.config import CheckpointConfig, load
 from scaletrain.errors import DiskFull, exit_code, is_disk_full, one_line
 from scaletrain.observe import metrics
 from scaletrain.runtime import Runtime
+from scaletrain.train import run as run_module
 from scaletrain.train.checkpointing import Checkpointer, Resume, read_model
-from scaletrain.train.loop import Loop
 from scaletrain.train.resume import truncate_metrics
 from scaletrain.train.run import run
 
@@ -207,14 +207,14 @@ def test_a_resume_on_a_full_disk_writes_nothing_before_its_first_step(tmp_path, 
     def no_room(path: Path, *args: object, **kwargs: object) -> int:
         raise OSError(ENOSPC.errno, ENOSPC.strerror, str(path))
 
-    def room_again(loop: Loop) -> str:  # the first step frees space (as a user would, or retention)
+    def room_again(job, console) -> None:  # the first step frees space (as a user would, or retention)
         monkeypatch.undo()
-        return run_loop(loop)
+        return train(job, console)
 
-    run_loop = Loop.run
+    train = run_module._train
     monkeypatch.setattr(Path, "write_bytes", no_room)
     monkeypatch.setattr(Path, "write_text", no_room)
-    monkeypatch.setattr(Loop, "run", room_again)
+    monkeypatch.setattr(run_module, "_train", room_again)
     _resumes_and_finishes(run_dir, 2, capsys)
 
 

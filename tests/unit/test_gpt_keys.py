@@ -3,6 +3,8 @@ they are exactly the model as it was; on, they compute the same training within 
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -11,8 +13,7 @@ from scaletrain.config import load
 from scaletrain.data import build_splits
 from scaletrain.errors import ConfigError
 from scaletrain.models import build_model
-from scaletrain.train.job import build_job
-from scaletrain.train.loop import train_step
+from scaletrain.train.run import open_stepper, step
 
 TINY = {"data.source": "stdlib", "model.name": "gpt", "model.n_layer": 2, "model.n_embd": 32, "model.n_head": 2,
         "data.seq_len": 32, "data.batch_size": 4, "dist.device": "cpu", "optim.lr": 3e-3}
@@ -20,10 +21,10 @@ STEPS = 5
 
 
 def _train(**overrides):
-    cfg = load(None, {**TINY, **overrides})
-    job = build_job(cfg, runtime.init(cfg.dist), build_splits(cfg.data, cfg.model))
-    batches = iter(job.loader)
-    losses = [train_step(job, batches).item() for _ in range(STEPS)]
+    cfg = load(None, {**TINY, **overrides, "run.dir": tempfile.mkdtemp(prefix="scaletrain-test-")})
+    job, batches = open_stepper(cfg, runtime.init(cfg.dist), build_splits(cfg.data, cfg.model))
+    losses = [step(job, batches).item() for _ in range(STEPS)]
+    job.st.close(finished=False)
     return losses, {k: v.detach().clone() for k, v in job.module.state_dict().items()}, job
 
 

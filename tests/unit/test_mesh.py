@@ -81,7 +81,7 @@ def test_layout_checked_before_any_worker_starts():
         check_layout(ParallelConfig(strategy="ddp"), MemoryConfig(cpu_offload=True), 8)
 
 
-def test_the_layout_is_one_immutable_value_resolved_once_per_run(monkeypatch):
+def test_the_layout_is_one_immutable_value_resolved_once_per_run(monkeypatch, tmp_path):
     """A run resolves its Layout once (the degree arithmetic runs once, the precision check once) and every part
     reads it: parallelize() is given it, the loader takes its data-parallel rank and size from it."""
     import dataclasses
@@ -91,6 +91,7 @@ def test_the_layout_is_one_immutable_value_resolved_once_per_run(monkeypatch):
     from scaletrain import runtime
     from scaletrain.data import digits
     from scaletrain.layout import Layout, resolve_layout
+    from scaletrain.train.run import open_stepper
 
     calls = {"degrees": 0, "precision": 0}
 
@@ -102,11 +103,13 @@ def test_the_layout_is_one_immutable_value_resolved_once_per_run(monkeypatch):
 
     monkeypatch.setattr(layout_module, "resolve_degrees", counted("degrees", layout_module.resolve_degrees))
     monkeypatch.setattr(job_module, "check_precision", counted("precision", job_module.check_precision))
-    cfg = load(None, {"model.name": "mlp", "dist.device": "cpu", "parallel.strategy": "fsdp"})
-    job = job_module.build_job(cfg, runtime.init(cfg.dist), digits(0.2))
+    cfg = load(None, {"model.name": "mlp", "dist.device": "cpu", "parallel.strategy": "fsdp",
+                      "run.dir": str(tmp_path / "run")})
+    job, _ = open_stepper(cfg, runtime.init(cfg.dist), digits(0.2))  # built, set up on its session
+    job.st.close(finished=False)
     assert calls == {"degrees": 1, "precision": 1}
     assert job.layout == Layout("fsdp", 1, 1, 1, 1) and job.strategy == "fsdp"
-    assert (job.loader.sampler.rank, job.loader.sampler.world) == (0, 1)
+    assert (job.loader.inner.sampler.rank, job.loader.inner.sampler.world) == (0, 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         job.layout.dp_shard = 2  # type: ignore[misc]
     hsdp = resolve_layout(ParallelConfig(strategy="hsdp"), MemoryConfig(), 16, 2)

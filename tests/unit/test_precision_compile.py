@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
 from scaletrain import runtime
 from scaletrain.config import load
 from scaletrain.data import digits
-from scaletrain.train.job import build_job
-from scaletrain.train.loop import train_step
 from scaletrain.train.precision import autocast, grad_scaler
+from scaletrain.train.run import open_stepper, step
 
 STEPS = 20
 
 
 def _train(**overrides):
     cfg = load(None, {"model.name": "mlp", "optim.name": "sgd", "optim.lr": 0.1, "dist.device": "cpu",
-                      **overrides})
-    job = build_job(cfg, runtime.init(cfg.dist), digits(0.2))
-    batches = iter(job.loader)
-    losses = [train_step(job, batches).item() for _ in range(STEPS)]
+                      "run.dir": tempfile.mkdtemp(prefix="scaletrain-test-"), **overrides})
+    job, batches = open_stepper(cfg, runtime.init(cfg.dist), digits(0.2))
+    losses = [step(job, batches).item() for _ in range(STEPS)]
+    job.st.close(finished=False)
     return losses, {k: v.detach().clone() for k, v in job.module.state_dict().items()}
 
 

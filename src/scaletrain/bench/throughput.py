@@ -5,7 +5,7 @@ show that small models and small batches starve a GPU. Each device is measured i
 (``python -m scaletrain.bench.throughput SPEC OUT``), so one device's threads, CUDA context and memory
 never touch another's numbers. In it, for each batch size: build the recipe's job at world size 1, run
 ``warmup`` steps untimed, then ``repeats`` x ``steps`` timed steps (the device synchronised at both ends of
-each repeat); samples/s is the median over repeats. A step is the trainer's own ``train_step``: the next
+each repeat); samples/s is the median over repeats. A step is the trainer's own (train/run.py ``step``): the next
 batch from the loader, its copy to the device, forward, backward, clipping and the optimizer.
 
 Peak memory is the trainer's measure (scaletrain.observe.metrics.peak_memory_bytes): the CUDA allocator's
@@ -42,20 +42,23 @@ class Stepper:
 
 
 def build_stepper(cfg: Config, device: torch.device) -> Stepper:
-    """The one place this module reaches into the trainer (whose loop is still changing: adapt it here):
-    a world-size-1 job built from the config, and a function running one of its optimizer steps."""
+    """The one place this module reaches into the trainer: a world-size-1 job built from the config, on its
+    session (run dir: a temporary directory; no checkpoints), and a function running one of its steps as
+    scaletrain train does (train/run.py step)."""
+    import dataclasses
+    import tempfile
+
     from scaletrain.data import build_splits
     from scaletrain.runtime import Runtime
-    from scaletrain.train.job import build_job
-    from scaletrain.train.loop import train_step
+    from scaletrain.train.run import open_stepper, step
 
     rt = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device, backend="none")
     splits = build_splits(cfg.data, cfg.model)
-    job = build_job(cfg, rt, splits)
-    job.model.train()
-    batches = iter(job.loader)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=tempfile.mkdtemp(prefix="scaletrain-bench-")),
+                              checkpoint=dataclasses.replace(cfg.checkpoint, every=0))
+    job, batches = open_stepper(cfg, rt, splits)
     tokens = int(splits.info["seq_len"]) if splits.task == "lm" else 0
-    return Stepper(lambda: train_step(job, batches), job.plan.global_batch, tokens)
+    return Stepper(lambda: step(job, batches), job.plan.global_batch, tokens)
 
 
 def _sync(device: torch.device) -> None:

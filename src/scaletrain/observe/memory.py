@@ -105,16 +105,15 @@ def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
-def model_state_bytes(module: nn.Module, optimizer: Optimizer | None = None) -> MemoryBreakdown:
+def model_state_bytes(module: nn.Module, optimizer: Optimizer | list[Optimizer] | None = None) -> MemoryBreakdown:
     """Parameters, gradients and optimizer state held by this rank, from the live tensors (activations 0)."""
     seen: set[int] = set()
     params = list(module.parameters())
     p_bytes = _unique_bytes(params, seen)
     g_bytes = _unique_bytes((p.grad for p in params if p.grad is not None), seen)
-    o_bytes = 0
-    if optimizer is not None:
-        states = (v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-        o_bytes = _unique_bytes(states, seen)
+    optimizers = [] if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
+    states = (v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    o_bytes = _unique_bytes(states, seen)
     return MemoryBreakdown(p_bytes, g_bytes, o_bytes)
 
 

@@ -1,11 +1,11 @@
-"""The log interval's sync point, one implementation for fit()'s loop and a session's.
+"""The log interval's sync point (train/session.py's, which fit() and scaletrain train run on).
 
-Between log steps every rank sums what it logs on the device (nothing waits for it). At a log step (and at a
-checkpoint step that is not one) one all_gather brings every rank's row to every rank and one host-device sync
+Between log steps every rank sums what it logs on the device (nothing waits for it). At a log step (a
+checkpoint step is one) one all_gather brings every rank's row to every rank and one host-device sync
 reads it: the logged sums, the non-finite guard's counters (train/guard.py), a fingerprint of the logged names
 (a session's ranks must log the same ones), the preemption signal the rank received, its memory peak, the
 samples and tokens it drew, and its phase times. float64 throughout: byte counts and step numbers stay exact.
-What the loops decide from the rows (the loss's mean, a non-finite step, a stop) is theirs.
+What the session decides from the rows (the means, a non-finite step, a stop) is its own.
 """
 
 from __future__ import annotations

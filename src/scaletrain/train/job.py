@@ -1,9 +1,9 @@
-"""Everything one training run holds, built once from the config, the runtime and the data."""
+"""What scaletrain train and fit() build from the config, the runtime and the data, for a session to train."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,49 +16,46 @@ from torch.utils.data import Dataset
 
 from scaletrain.batch import Batcher, BatchFn, collate_one, default_loss
 from scaletrain.config import Config, OptimConfig
-from scaletrain.data import ShardedLoader, Splits
+from scaletrain.data import Splits
 from scaletrain.models import GPT, build_model
-from scaletrain.observe.memory import MemoryBreakdown
 from scaletrain.observe.throughput import flops_per_sample
-from scaletrain.observe.timing import NullTimer, StepTimer, attach_comm_hook, attach_fsdp_mark
-from scaletrain.parallel import Layout, is_fsdp, parallelize, resolve_layout, resolve_strategy
+from scaletrain.parallel import Layout, gradient_sync, is_fsdp, resolve_layout, resolve_strategy
 from scaletrain.runtime import Runtime, seed_all, set_deterministic
 from scaletrain.train.batching import BatchPlan, plan_batches
-from scaletrain.train.chaos import Chaos
-from scaletrain.train.guard import NonFiniteGuard, supports_device_skip
 from scaletrain.train.lr import build_scheduler
-from scaletrain.train.precision import check_precision, grad_scaler, set_tf32
+from scaletrain.train.precision import check_precision, set_tf32
+from scaletrain.train.state import load_scheduler_tree, scheduler_tree
 
 if TYPE_CHECKING:
-    from scaletrain.train.trace import Tracer
+    from scaletrain.train.session import Loader, Session
 
 LossFn = Callable[[Any, Any], torch.Tensor]  # (the model's output as it returned it, the batch's target)
 
 
 @dataclass
 class Job:
+    """A run of scaletrain train / fit(): the model built, its batch plan, how its batches become inputs and a
+    loss; and, once attached to the session that trains it (attach()), the model wrapped for the layout,
+    the optimizer, the LR schedule and the loader."""
     cfg: Config
     rt: Runtime
     plan: BatchPlan
     module: nn.Module  # the bare model: evaluation and saving
-    model: nn.Module  # what forward and backward go through (DDP-wrapped when world > 1)
-    optimizer: Optimizer
-    scheduler: LambdaLR
-    scaler: torch.amp.GradScaler
-    loader: ShardedLoader
+    optimizer: Optimizer  # before attach(): built on the bare model, to check a checkpoint against
+    train_data: Dataset
     eval_data: Dataset | None
     loss_fn: LossFn
     batcher: Batcher  # a loader's batch -> the model's inputs and the loss's target
-    guard: NonFiniteGuard
-    chaos: Chaos
     layout: Layout  # the parallel layout, resolved once (scaletrain/layout.py)
     strategy_reason: str = ""
-    step: int = 0  # optimizer steps completed
-    tracer: Tracer | None = None  # per-step fingerprints (debug.trace)
-    state_bytes: MemoryBreakdown | None = None  # model state on this rank, counted after the first step
-    timer: StepTimer = dataclasses.field(default_factory=lambda: NullTimer(torch.device("cpu")))  # phase times
     flops: float = 0.0  # model FLOPs per training sample (forward + backward)
     tokens_per_sample: int = 0  # sequence models: tokens per sample
+    model: nn.Module | None = None  # what forward and backward go through (DDP-wrapped when world > 1)
+    scheduler: LambdaLR | None = None
+    loader: Loader | None = None
+    st: Session | None = None
+    last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+    eval_step: int = -1  # the step of the last evaluation
 
     @property
     def strategy(self) -> str:
@@ -68,11 +65,74 @@ class Job:
     @property
     def sharded(self) -> bool:
         """FSDP/HSDP: parameters, gradients and optimizer state are DTensor shards; forward is collective."""
-        return is_fsdp(self.model)
+        return self.model is not None and is_fsdp(self.model)
 
-    def release(self) -> None:
-        """Drop the parallel wrapper (it holds the process group) so closing the group really ends it."""
-        self.model = self.module
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self.st.steps if self.st is not None else 0
+
+    def attach(self, st: Session) -> None:
+        """Set the model up in ``st`` (wrapped for the layout, restored on resume), with its optimizer (weight
+        decay on matrices only), LR schedule (tracked: in every checkpoint) and loader (``plan``'s batches)."""
+        cfg, plan = self.cfg, self.plan
+        st.total_steps, st.flops_per_sample = plan.total_steps, self.flops
+        self.st = st
+        self.model, self.optimizer = st.setup(self.module, lambda _: build_optimizer(self.module, cfg.optim,
+                                                                                     plan.peak_lr), name="model")
+        for group in self.optimizer.param_groups:  # this run's peak (a restored group holds the saved one)
+            group["initial_lr"] = plan.peak_lr
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, plan.total_steps)
+        st.track(Schedule(self.scheduler, self.optimizer, skip="scheduler" in st.skip, step=st.steps),
+                 name="scheduler")
+        self.loader = st.loader(self.train_data, batch_size=plan.batch_size, accum=plan.accum_steps)
+
+
+class Schedule:
+    """The LR schedule's position, as a session tracks it: the schedule itself is rebuilt from the config, so a
+    resume at another peak lr (another global batch under the linear scaling rule) follows the new peak
+    (train/state.py load_scheduler_tree). ``skip`` (debug.skip_restore): only the step count is restored."""
+
+    def __init__(self, scheduler: LambdaLR, optimizer: Optimizer, *, skip: bool, step: int) -> None:
+        self.scheduler, self.optimizer, self.skip, self.step = scheduler, optimizer, skip, step
+
+    def state_dict(self) -> dict[str, Any]:
+        return scheduler_tree(self.scheduler)
+
+    def load_state_dict(self, tree: dict[str, Any]) -> None:
+        if self.skip:
+            self.scheduler.last_epoch = self.step  # at least at the right step count, so the run ends where it should
+            return
+        load_scheduler_tree(self.scheduler, self.optimizer, tree)
+
+
+def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
+    """One optimizer step over accum_steps micro-batches, inside ``with job.st.step():``; returns the step's
+    mean loss on the device (logged as ``loss``). The session times the phases, watches the loss and the
+    gradient norm, clips, steps through the loss scaler and decides when to log and save."""
+    st, model, accum = job.st, job.model, job.plan.accum_steps
+    assert st is not None and model is not None and job.scheduler is not None
+    step_loss = torch.zeros((), device=st.device)
+    for micro in range(accum):
+        batch = job.batcher(next(batches)).to(st.device)
+        # Only the last micro-step all-reduces (or reduce-scatters) gradients; the others accumulate locally.
+        with gradient_sync(model, micro == accum - 1):
+            with st.autocast():
+                loss = job.loss_fn(batch(model), batch.target) / accum
+            st.backward(loss)
+        step_loss += loss.detach()
+    st.optimizer_step(job.optimizer)
+    job.optimizer.zero_grad(set_to_none=True)
+    job.scheduler.step()
+    st.log(loss=step_loss)
+    return step_loss
+
+
+def batches_of(job: Job) -> Iterator[Any]:
+    """The job's loader, epoch after epoch."""
+    assert job.loader is not None
+    while True:
+        yield from job.loader
 
 
 def build_optimizer(module: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer:
@@ -124,20 +184,5 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     if strategy != cfg.parallel.strategy:
         check_precision(cfg.train.precision, rt.device, strategy)
     layout = resolve_layout(cfg.parallel, cfg.memory, rt.world_size, nnodes, strategy=strategy)  # once, read below
-    wrapped = parallelize(module, rt.device, rt.world_size, cfg.parallel, compile=cfg.train.compile,
-                          precision=cfg.train.precision, memory=cfg.memory, layout=layout)
-    torch.manual_seed(cfg.run.seed + rt.rank)  # dropout masks differ between ranks
-    optimizer = build_optimizer(module, cfg.optim, plan.peak_lr)
-    loader = ShardedLoader(splits.train, batch_size=plan.batch_size, rank=layout.dp_rank(rt.rank),
-                           world=layout.dp_size, accum=plan.accum_steps, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
-                           num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda")
-    scaler = grad_scaler(cfg.train.precision, rt.device)
-    guard = NonFiniteGuard(rt.device, scaler_owns_skips=scaler.is_enabled(), device_skip=supports_device_skip(optimizer))
-    timer = StepTimer(rt.device) if cfg.log.phase_times else NullTimer(rt.device)
-    timed = timer if cfg.log.phase_times else None  # the hooks need not be attached for a NullTimer
-    attach_comm_hook(wrapped, timed, overlap=cfg.parallel.overlap)
-    attach_fsdp_mark(wrapped, timed)
-    return Job(cfg, rt, plan, module, wrapped, optimizer, build_scheduler(optimizer, cfg.schedule, plan.total_steps),
-               scaler, loader, splits.eval, loss_fn or default_loss, batcher, guard,
-               Chaos(cfg.chaos, rt.rank, rt.world_size), layout, reason, timer=timer, flops=flops,
-               tokens_per_sample=one.tokens_per_sample())
+    return Job(cfg, rt, plan, module, build_optimizer(module, cfg.optim, plan.peak_lr), splits.train, splits.eval,
+               loss_fn or default_loss, batcher, layout, reason, flops=flops, tokens_per_sample=one.tokens_per_sample())

@@ -1,4 +1,5 @@
-"""Continuing a run from a checkpoint: load every part into a freshly built job, and say what changed."""
+"""Continuing a run from a checkpoint: the checkpoint that fits the model built, the metrics cut back to its
+step, DCP and consolidated state into sharded or whole models, and what changed."""
 
 from __future__ import annotations
 
@@ -35,9 +36,6 @@ from scaletrain.train.checkpointing import (
     aliases_of,
     check_contents,
     fallback_allowed,
-    rank_file,
-    read_model,
-    read_trainer,
     read_tree,
     resuming_from,
     same_everywhere,
@@ -47,51 +45,9 @@ from scaletrain.train.job import Job
 from scaletrain.train.state import (
     dedupe,
     keep_implementation,
-    load_model_tensors,
-    load_optimizer_tree,
-    load_scheduler_tree,
     sorted_by_name,
     with_aliases,
 )
-
-
-def restore(job: Job, resume: Resume, skip: set[str] = frozenset()) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Load model, optimizer, schedule, scaler, loader position and step into ``job``. Returns the trainer
-    state and this rank's own saved state (RNG, running loss) for the loop to restore last; the latter is
-    None when the checkpoint has no state for this rank (it was made with fewer ranks)."""
-    fmt = resume.meta.get("format", FORMAT_FULL)
-    if fmt == FORMAT_DCP:
-        load_dcp(job.module, job.optimizer, resume, job.rt.rank, skip)
-    elif job.sharded:
-        load_full_into_sharded(job.module, job.optimizer,
-                               None if "weights" in skip else with_aliases(*read_model(resume)),
-                               None if "optimizer" in skip else read_tree(resume, OPTIMIZER))
-    else:
-        where = str(resume.path)
-        if "weights" not in skip:
-            tensors, aliases = read_model(resume)
-            load_model_tensors(job.module, {k: v.to(job.rt.device) for k, v in tensors.items()}, aliases, where)
-        if "optimizer" not in skip:
-            load_optimizer_tree(job.module, job.optimizer, read_tree(resume, OPTIMIZER),
-                                str(resume.path / OPTIMIZER))
-    trainer = read_trainer(resume)
-    job.step = int(trainer["step"])
-    if "scheduler" not in skip:
-        load_scheduler_tree(job.scheduler, job.optimizer, trainer["scheduler"])
-    else:
-        job.scheduler.last_epoch = job.step  # at least at the right step count, so the run ends where it should
-    if trainer.get("scaler") and job.scaler.is_enabled():
-        job.scaler.load_state_dict(trainer["scaler"])
-    if "data" not in skip:
-        job.loader.load_state_dict(trainer["loader"])
-    name = rank_file(job.rt.rank)
-    if name not in resume.manifest["files"]:
-        return trainer, None
-    state = read_tree(resume, name)
-    if "rng" in skip:
-        state.pop("rng", None)
-    return trainer, state
-
 
 Shape = tuple[int, ...]
 

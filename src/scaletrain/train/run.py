@@ -1,18 +1,15 @@
-"""One run, start to end: runtime -> data -> job -> loop -> final weights and summary -> close."""
+"""scaletrain train and fit(): runtime -> data -> job -> a session that trains it -> final weights and summary."""
 
 from __future__ import annotations
 
 import functools
-import json
-import statistics
+import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from scaletrain import __version__, runtime
@@ -21,7 +18,7 @@ from scaletrain.config import Config, load
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory
 from scaletrain.errors import DiskFull, Reported, Stopped, TrainingFailed, install_excepthook
 from scaletrain.observe.console import Console
-from scaletrain.observe.goodput import describe, run_totals
+from scaletrain.observe.goodput import describe
 from scaletrain.observe.memory import (
     device_capacity_bytes,
     fmt_bytes,
@@ -29,24 +26,21 @@ from scaletrain.observe.memory import (
     oom_advice,
     peak_bytes,
 )
-from scaletrain.observe.metrics import MetricsWriter, peak_memory_bytes, write_json, write_whole
 from scaletrain.observe.sinks import check_tensorboard
-from scaletrain.observe.stragglers import bottleneck, phase_fractions
-from scaletrain.observe.throughput import throughput
 from scaletrain.parallel import units_line
 from scaletrain.plan.actual import describe as describe_plan
 from scaletrain.runtime import Runtime
 from scaletrain.train.batching import plan_batches
 from scaletrain.train.checkpointing import Resume, find_resume
-from scaletrain.train.job import Job, LossFn, ModelArg, build_job
-from scaletrain.train.loop import DONE, PREEMPTED, Loop
+from scaletrain.train.evaluate import evaluate
+from scaletrain.train.job import Job, LossFn, ModelArg, batches_of, build_job, train_step
 from scaletrain.train.precision import slow_here
-from scaletrain.train.preempt import Interrupted, PreemptFlag, restart_line
-from scaletrain.train.resume import config_changes, fitting, restore
+from scaletrain.train.preempt import Preempted, PreemptFlag, restart_line
+from scaletrain.train.resume import config_changes, fitting
 from scaletrain.train.rundir import agree_run_dir
-from scaletrain.train.services import WEIGHTS, RunServices, write_outputs
-from scaletrain.train.state import dedupe, full_model_state, stored_once
-from scaletrain.train.trace import Tracer
+from scaletrain.train.session import Opened, Session
+
+DONE, PREEMPTED, INTERRUPTED = "done", "preempted", "interrupted"
 
 
 def _header(job: Job, splits: Splits, console: Console) -> None:
@@ -99,61 +93,21 @@ def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any]) -> dict[s
                           step_s=plan.global_batch / rate if rate else None, mfu=summary.get("hfu", summary.get("mfu")))
 
 
-def _finish(job: Job, loop: Loop, wall_s: float, startup_s: float) -> dict[str, Any]:
-    rt, plan = job.rt, job.plan
-    peak = torch.tensor([peak_memory_bytes(rt.device)], device=rt.device)
-    if rt.distributed:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    samples = job.step * plan.global_batch
-    overall = samples / loop.train_time if loop.train_time else 0.0
-    # Throughput and MFU in steady state: the log intervals after the warm-up (compile included).
-    totals = loop.services.phase_totals
-    steady, steady_rate, good = run_totals(loop.records, wall_s=wall_s, startup_s=startup_s, phase_totals=totals,
-                                           eval_s=loop.eval_s, checkpoint_s=loop.checkpoint_s,
-                                           earlier=loop.services.earlier)
-    samples_per_s = overall if steady_rate is None else steady_rate
-    rates = throughput(samples_per_s, flops=job.flops, tokens_per_sample=job.tokens_per_sample,
-                       world_size=rt.world_size, peak=loop.peak_flops)
-    if "mfu" in rates and job.cfg.memory.activation_checkpointing == "full":
-        rates["hfu"] = rates["mfu"] * 4 / 3  # the hardware also recomputes each block's forward in backward
-    fractions = phase_fractions(totals)
-    return {
-        "steps": job.step, "samples": samples, "epochs": job.step / plan.steps_per_epoch,
-        "world_size": rt.world_size, "global_batch": plan.global_batch, "accum_steps": plan.accum_steps,
-        "peak_lr": plan.peak_lr, "wall_s": wall_s, "train_s": loop.train_time, "train_loss": loop.last_loss,
-        "eval": loop.last_eval, "samples_per_s": samples_per_s, **rates, "samples_per_s_overall": overall,
-        "steady_state": steady, "goodput": good,
-        "phase_frac": fractions,
-        "bottleneck": bottleneck(loop.services.phase_totals, device=rt.device.type, num_workers=job.cfg.data.num_workers,
-                                 bucket_mb=job.cfg.parallel.bucket_mb, precision=job.cfg.train.precision,
-                                 compiled=job.cfg.train.compile,
-                                 gpu_lead=statistics.median(loop.lead_fracs) if loop.lead_fracs else None),
-        "stragglers": loop.services.stragglers.summary(),
-        "peak_mem_bytes": int(peak.item()), "device": str(rt.device), "backend": rt.backend,
-        "params": sum(p.numel() for p in job.module.parameters()), "config_digest": job.cfg.digest(),
-        "skipped_steps": int(loop.skipped_seen), "mem": loop.last_mem, "strategy": job.strategy,
-        "torch": torch.__version__, "scaletrain": __version__,
-    }
-
-
-def save_weights(job: Job, path: Path) -> None:
-    """The bare model's weights (no DDP prefix; tied tensors stored once), written whole or not at all by
-    rank 0. Every rank calls this: under FSDP the full weights are gathered from the shards first."""
-    meta = {"config_digest": job.cfg.digest(), "step": str(job.step)}
-    full = full_model_state(job.module, sharded=job.sharded)  # collective under FSDP
-    if not job.rt.is_main:
-        return
-    if job.sharded:
-        tensors, aliases = stored_once(job.module, full, sharded=True)
-        write_whole(path, _nbytes(tensors), lambda tmp: safetensors.torch.save_file(
-            tensors, str(tmp), metadata={**meta, "aliases": json.dumps(aliases)}))
-    else:
-        write_whole(path, _nbytes(dedupe(job.module.state_dict())[0]),
-                    lambda tmp: safetensors.torch.save_model(job.module, str(tmp), metadata=meta))
-
-
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.nbytes for t in tensors.values())
+def _summarize(job: Job, splits: Splits, model_given: bool) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """What scaletrain train / fit() add to the session's summary: the batch plan, epochs, the training loss,
+    the last evaluation, the parameter count, and plan vs actual."""
+    def add(summary: dict[str, Any]) -> dict[str, Any]:
+        plan, st = job.plan, job.st
+        assert st is not None
+        summary.update({"samples": st.steps * plan.global_batch, "epochs": st.steps / plan.steps_per_epoch,
+                        "global_batch": plan.global_batch, "accum_steps": plan.accum_steps, "peak_lr": plan.peak_lr,
+                        "train_loss": st.last_metrics.get("loss", math.nan), "eval": job.last_eval,
+                        "params": sum(p.numel() for p in job.module.parameters()), "strategy": job.strategy})
+        # The planner builds the model the config names; the comparison needs a step counted in this process.
+        if job.cfg.log.plan_vs_actual and not model_given and "params_bytes" in summary["mem"]:
+            summary["plan_vs_actual"] = _plan_vs_actual(job, splits, summary)
+        return summary
+    return add
 
 
 def _memory_row(mem: dict[str, Any]) -> list[tuple[str, str]]:
@@ -203,30 +157,26 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
     console.print(f"bottleneck: {verdict['verdict']}; fix: {verdict['fix']}")
 
 
-def _resumed(job: Job, loop: Loop, resume: Resume, console: Console, writer: MetricsWriter) -> None:
-    """Load the checkpoint into the built job and say so, in one line (plus one per change)."""
+def _resumed(job: Job, st: Session, resume: Resume, console: Console) -> None:
+    """Say what was restored, in one line (plus one per change)."""
     cfg, rt = job.cfg, job.rt
-    trainer, rank_state = restore(job, resume, cfg.debug.skipped())
-    loop.train_time, loop.last_loss = float(trainer.get("train_time_s", 0.0)), float(trainer.get("last_loss", "nan"))
-    loop.load_rank_state(rank_state)  # the RNG last: nothing may draw from it between here and the loop
-    loader = job.loader.state_dict()
-    console.print(f"resumed from {resume.path}: step {job.step} of {job.plan.total_steps}, epoch "
+    assert job.loader is not None
+    loader = job.loader.inner.state_dict()
+    console.print(f"resumed from {resume.path}: step {st.steps} of {job.plan.total_steps}, epoch "
                   f"{loader['epoch'] + 1}, {loader['cursor']:,} of {loader['size']:,} samples of the epoch done")
     if job.plan.note:
         console.print(f"resume: {job.plan.note}")
-    if rank_state is None and "rng" not in cfg.debug.skipped():
+    if int(resume.meta["world_size"]) < rt.world_size and "rng" not in cfg.debug.skipped():
         console.print(f"resume: the checkpoint was made with {resume.meta['world_size']} ranks; ranks without "
-                      "saved state keep RNG seeded from run.seed + rank")
+                      "saved state seed their RNG from run.seed + rank")
     changes = config_changes(resume.meta.get("config", ""), cfg)
     if changes:
         console.print(f"warning: the configuration differs from the checkpoint's: {'; '.join(changes)}")
     if cfg.debug.skipped():
         console.print(f"resume: NOT restored (debug.skip_restore): {', '.join(sorted(cfg.debug.skipped()))}")
-    writer.write({"kind": "resume", "step": job.step, "path": str(resume.path),
-                  "world_size_was": resume.meta["world_size"], "world_size": rt.world_size,
-                  "global_batch_was": resume.meta["global_batch"], "global_batch": job.plan.global_batch})
-    if job.tracer is not None:
-        job.tracer.resumed(job)
+    st.writer.write({"kind": "resume", "step": st.steps, "path": str(resume.path),
+                     "world_size_was": resume.meta["world_size"], "world_size": rt.world_size,
+                     "global_batch_was": resume.meta["global_batch"], "global_batch": job.plan.global_batch})
 
 
 def _job_and_resume(cfg: Config, rt: Runtime, build: Callable[..., Job], train_size: int,
@@ -242,21 +192,16 @@ def _job_and_resume(cfg: Config, rt: Runtime, build: Callable[..., Job], train_s
     job = build(resume=resume.meta if resume else None)
     if resume is None:
         return job, None
-    try:
-        fits = fitting(job, resume, cfg.checkpoint, warn, cfg.debug.skipped())
-    except BaseException:
-        job.release()
-        raise
+    fits = fitting(job, resume, cfg.checkpoint, warn, cfg.debug.skipped())
     if fits.path != resume.path and plan_batches(cfg, rt.world_size, train_size, fits.meta) != job.plan:
-        job.release()
         job = build(resume=fits.meta)
     return job, fits
 
 
 def _out_of_memory(job: Job) -> TrainingFailed:
     """A CUDA out-of-memory on this rank, reported once: where the memory went and what to change."""
-    rt, cfg = job.rt, job.cfg
-    state = job.state_bytes or model_state_bytes(job.module, job.optimizer)
+    rt, cfg, st = job.rt, job.cfg, job.st
+    state = (st._state_bytes if st is not None else None) or model_state_bytes(job.module, job.optimizer)
     peak = peak_bytes(rt.device)
     advice = oom_advice(state.with_activations(max(0, peak - state.model_state_bytes)),
                         capacity_bytes=device_capacity_bytes(rt.device, rt.local_world_size), strategy=job.strategy,
@@ -267,12 +212,71 @@ def _out_of_memory(job: Job) -> TrainingFailed:
                           f"{advice}")
 
 
-def _stopped(job: Job, loop: Loop, outcome: str) -> dict[str, Any]:
-    reason = PreemptFlag.name(loop.stopped_by) if outcome == PREEMPTED else "chaos.interrupt_step"
-    record = loop.services.stopped(job.step, reason)
-    if reason == "SIGINT":  # Ctrl-C: the work is saved; now stop the caller too, as Ctrl-C does
-        raise Interrupted(record)
-    return {"stopped": outcome, **record, "steps": job.step, "world_size": job.rt.world_size}
+def _evaluate(job: Job, console: Console) -> None:
+    st = job.st
+    assert st is not None and job.loader is not None
+    with st.evaluating():
+        metrics = evaluate(job)
+    job.last_eval, job.eval_step = metrics, st.steps
+    epoch = job.loader.epoch + 1 if st.steps else 0
+    st.writer.write({"kind": "eval", "step": st.steps, "epoch": epoch, **{f"eval_{k}": v for k, v in metrics.items()}})
+    text = f"eval  @ step {st.steps} (epoch {epoch}) | loss {metrics['loss']:.4f}"
+    if "accuracy" in metrics:
+        text += f" | accuracy {100 * metrics['accuracy']:.2f}% ({metrics['correct']:.0f}/{metrics['count']:.0f})"
+    console.print(text)
+
+
+def _train(job: Job, console: Console) -> None:
+    """Steps to the plan's end, evaluating at the start, every train.eval_every steps (default: each epoch)
+    and at the end."""
+    st, plan = job.st, job.plan
+    assert st is not None and job.model is not None
+    every = job.cfg.train.eval_every or plan.steps_per_epoch
+    job.model.train()
+    if job.eval_data is not None and st.steps == 0:
+        _evaluate(job, console)  # the untrained baseline, so every curve has its starting point
+    batches = batches_of(job)
+    while not st.done:
+        with st.step():
+            train_step(job, batches)
+        if job.eval_data is not None and (st.steps % every == 0 or st.done):
+            _evaluate(job, console)
+    if job.eval_data is not None and job.eval_step != st.steps:
+        _evaluate(job, console)
+
+
+def open_job(cfg: Config, rt: Runtime, splits: Splits, *, console: Console, preempt: PreemptFlag,
+             model: ModelArg = None, loss_fn: LossFn | None = None, batch_fn: BatchFn | None = None,
+             started: float | None = None) -> Job:
+    """The job built and attached to its session: the checkpoint to continue from chosen for the model built
+    (train/resume.py fitting), the session opened on it, the model set up and restored. ``cfg``'s run dir
+    is agreed already."""
+    build = functools.partial(build_job, cfg, rt, splits, model, loss_fn, batch_fn=batch_fn)
+    job, resume = _job_and_resume(cfg, rt, build, len(splits.train), console)  # type: ignore[arg-type]
+    st = Session(cfg, opened=Opened(rt, console, resume, preempt, job.layout,
+                                    time.perf_counter() if started is None else started))
+    try:
+        job.attach(st)
+    except BaseException:
+        st.close(finished=False)
+        raise
+    return job
+
+
+def open_stepper(cfg: Config, rt: Runtime, splits: Splits, **kwargs: Any) -> tuple[Job, Iterator[Any]]:
+    """A job on its session and its batches, for benchmarks and tests that step the trainer by hand
+    (``step(job, batches)``) and close it themselves (``job.st.close(finished=False)``)."""
+    job = open_job(agree_run_dir(cfg, rt), rt, splits, console=Console(False), preempt=PreemptFlag(), **kwargs)
+    assert job.model is not None
+    job.model.train()
+    return job, batches_of(job)
+
+
+def step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
+    """One step of the trainer, as run() takes it: train_step inside the session's step."""
+    assert job.st is not None
+    with job.st.step():
+        return train_step(job, batches)
 
 
 def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
@@ -282,11 +286,10 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
     summary (the same dict on every rank), or, when preempted, ``{"stopped": ..., "steps": ...}``. After
     Ctrl-C (SIGINT) it saves a checkpoint and raises preempt.Interrupted, a KeyboardInterrupt. ``started``:
     time.perf_counter() when the run began (the CLI: its process's start), for the wall time and its
-    account; default now."""
+    account; default now. The steps run on a session (train/session.py), as a loop of one's own does."""
     started = time.perf_counter() if started is None else started
     rt = rt or runtime.init(cfg.dist)
     job: Job | None = None
-    services: RunServices | None = None
     preempt = PreemptFlag(f"[rank {rt.rank}] " if rt.world_size > 1 else "").install()
     try:
         if cfg.log.tensorboard:
@@ -294,52 +297,38 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         cfg = agree_run_dir(cfg, rt)
         console = Console(rt.is_main, cfg.train.progress)
         splits = splits or build_splits(cfg.data, cfg.model)
-        build = functools.partial(build_job, cfg, rt, splits, model, loss_fn, batch_fn=batch_fn)
-        job, resume = _job_and_resume(cfg, rt, build, len(splits.train), console)  # type: ignore[arg-type]
-        run_dir = cfg.run_dir
-        services = RunServices.open(cfg, rt, console, resume, started=started)
-        if cfg.debug.trace:
-            job.tracer = Tracer(run_dir, rt.rank)
-            job.loader.track_indices = True
-        loop = Loop(job, console, services, preempt=preempt)
+        job = open_job(cfg, rt, splits, console=console, preempt=preempt, model=model, loss_fn=loss_fn,
+                       batch_fn=batch_fn, started=started)
+        st = job.st
+        assert st is not None
+        resume = st.resume
         _header(job, splits, console)
         if (restarted := restart_line(rt, resume.step if resume else None)) is not None:
             console.print(restarted)  # after torchrun restarted the group: which worker failed, how, where
         if resume is not None:
-            _resumed(job, loop, resume, console, services.writer)
-        loop_started = time.perf_counter()
+            _resumed(job, st, resume, console)
+        st.summarize = _summarize(job, splits, model is not None)
         try:
-            outcome = loop.run()
+            _train(job, console)
         except torch.OutOfMemoryError as err:
             raise _out_of_memory(job) from err
+        except Preempted as stop:
+            outcome = INTERRUPTED if stop.record["reason"] == "chaos.interrupt_step" else PREEMPTED
+            return {"stopped": outcome, **stop.record, "steps": stop.record["step"], "world_size": rt.world_size}
         except RuntimeError as err:
-            raise runtime.collective_failure(err, job.rt, job.step + 1, job.cfg.dist.timeout_s) from err
-        services.settle(preempt)
-        if outcome != DONE:
-            return _stopped(job, loop, outcome)
-        summary = _finish(job, loop, time.perf_counter() - started, loop_started - started)
-        # The planner builds the model the config names; the comparison needs a step counted in this process.
-        if cfg.log.plan_vs_actual and model is None and "params_bytes" in summary["mem"]:
-            summary["plan_vs_actual"] = _plan_vs_actual(job, splits, summary)
-        write_outputs(job.step, services.checkpointer, [
-            (WEIGHTS, lambda: save_weights(job, run_dir / WEIGHTS)),
-            *([("summary.json", lambda: write_json(run_dir / "summary.json", summary))] if rt.is_main else [])])
-        _summary_table(summary, run_dir, console)
+            raise runtime.collective_failure(err, rt, st.steps + 1, cfg.dist.timeout_s) from err
+        summary = st.close()
+        _summary_table(summary, cfg.run_dir, console)
         return summary
     except DiskFull as err:  # metrics.jsonl, or a final save at a stop: say what stays the latest checkpoint
-        if services is None:
+        if job is None or job.st is None or job.st.services is None:
             raise
-        raise services.disk_full(err) from None
+        raise job.st.services.disk_full(err) from None
     finally:
         preempt.uninstall()
-        try:
-            if services is not None:
-                services.close()  # a save in flight completes even when training failed
-        finally:
-            if job is not None:
-                if job.tracer is not None:
-                    job.tracer.close()
-                job.release()
+        if job is not None and job.st is not None:
+            job.st.close(finished=False)  # after a failure: a save in flight completes; nothing when closed
+        else:
             runtime.close(rt)
 
 

@@ -1,5 +1,4 @@
-"""The run around the steps, one copy for every loop here: fit()'s and scaletrain train's (train/loop.py) and a
-loop of one's own (train/session.py). Whoever writes the steps, a run has
+"""The run around the steps (train/session.py's, which scaletrain train and fit() drive too). A run has
 
 - its directory: config.toml (rewritten only when it changed), metrics.jsonl (cut back to the checkpoint's step
   on resume, then appended to);
@@ -212,6 +211,25 @@ def _unfinished(step: int, checkpointer: Checkpointer | None, failed: list[tuple
         return first.then("; ".join(notes))
     return TrainingFailed(f"the checkpoint of step {step} was not saved ({type(first).__name__}: {first}); "
                           + "; ".join(notes))
+
+
+def save_weights(module: Any, path: Path, *, sharded: bool, is_main: bool, meta: dict[str, str]) -> None:
+    """The model's final weights (no wrapper prefix; tied tensors stored once, their other names in the
+    metadata's ``aliases`` where the shards were gathered), written whole or not at all by rank 0. Every rank
+    calls this: under FSDP the full weights are gathered from the shards first."""
+    import safetensors.torch
+
+    from scaletrain.train.state import full_model_state, stored_once
+
+    full = full_model_state(module, sharded=sharded)  # collective under FSDP
+    if not is_main:
+        return
+    # The first name of a tied weight is kept (by the module's order, whatever the layout), the others are
+    # aliases: safetensors.torch.load_model takes the file as it is, scaletrain's loaders restore the aliases.
+    tensors, aliases = stored_once(module, full, sharded=sharded)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    write_whole(path, sum(t.nbytes for t in tensors.values()), lambda tmp: safetensors.torch.save_file(
+        tensors, str(tmp), metadata={**meta, "aliases": json.dumps(aliases)}))
 
 
 def write_config(path: Path, text: str) -> None:

@@ -25,7 +25,15 @@ as an optimizer built on the model's parameters. A checkpoint holds every model 
 loader's position, the step, every rank's RNG and the running metric sums: a resumed run continues bit for bit.
 The same file runs under ``python``, ``torchrun`` and ``scaletrain launch``. ``st.cfg`` is the resolved config
 (defaults < the config given < argv), for the loop's own knobs; ``st.steps`` the steps completed;
-``st.last_metrics`` the last logged means.
+``st.last_metrics`` the last logged means (over the finite values logged in the interval, on every rank).
+
+``scaletrain train`` and ``fit()`` are a loop on a session too (train/run.py: ``with st.step():
+train_step(job, batches)``): one trainer, whose log records (epoch, the logged means, lr, samples/s and
+tokens/s, MFU where the model's FLOPs are known, phase times per rank, memory) and summary (steady-state
+throughput, the goodput account, the bottleneck, stragglers) are the same for both; set ``st.flops_per_sample``
+(the model's FLOPs per training sample, forward and backward) for MFU in them. A session of one model
+with one optimizer writes its checkpoints as fit() does, by the model's own parameter names (``scaletrain
+checkpoint export`` reads them); with more, every model and optimizer is under its name.
 
 FSDP (``--parallel.strategy=fsdp`` or ``hsdp``): every model set up is sharded per block (parallel/units.py)
 and its optimizers are built on (or moved to) the sharded parameters; the checkpoint is one DCP checkpoint
@@ -54,7 +62,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import math
+import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -83,9 +92,10 @@ from scaletrain.errors import (
 )
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import run_totals
-from scaletrain.observe.memory import peak_bytes
-from scaletrain.observe.metrics import MetricsWriter, write_json, write_whole
-from scaletrain.observe.stragglers import phase_fractions
+from scaletrain.observe.memory import MemoryBreakdown, model_state_bytes, peak_bytes
+from scaletrain.observe.metrics import MetricsWriter, write_json
+from scaletrain.observe.stragglers import bottleneck, phase_fractions
+from scaletrain.observe.throughput import device_peak, throughput
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_fsdp_mark
 from scaletrain.parallel import Layout, is_fsdp, parallelize, resolve_layout, units_line
 from scaletrain.runtime import Runtime
@@ -110,14 +120,13 @@ from scaletrain.train.precision import autocast, check_precision, grad_scaler, s
 from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, restart_line
 from scaletrain.train.resume import load_dcp, load_full_into_sharded, model_misfit, saved_model_shapes
 from scaletrain.train.rundir import agree_run_dir
-from scaletrain.train.services import WEIGHTS, RunServices, write_outputs
+from scaletrain.train.services import WEIGHTS, RunServices, save_weights, write_outputs
 from scaletrain.train.state import (
     dedupe,
-    full_model_state,
     load_model_tensors,
     load_optimizer_tree,
+    model_tensors,
     optimizer_tree,
-    stored_once,
     with_aliases,
 )
 from scaletrain.train.trace import TraceFile, digest
@@ -131,6 +140,47 @@ class _Model:
     module: nn.Module  # the bare model: saving and restoring
     wrapped: nn.Module  # what the user calls: DDP-wrapped when the world is larger than 1
     optimizers: list[Optimizer]
+
+
+@dataclasses.dataclass
+class Opened:
+    """What scaletrain train and fit() resolve before their session opens (train/run.py): the runtime, the console,
+    the checkpoint chosen for the model they built (an older one where the newest does not fit it), the stop
+    flag, the layout (auto resolved from the model) and when the run began."""
+    rt: Runtime
+    console: Console
+    resume: Resume | None
+    preempt: PreemptFlag
+    layout: Layout
+    started: float
+
+
+def _as_session(trainer: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's trainer state in a session's terms. fit() before it ran on a session (scaletrain 0.x)
+    saved one model, one loader and the LR schedule at the top level."""
+    if "models" in trainer:
+        return trainer
+    return {**trainer, "models": ["model"], "loaders": [trainer["loader"]] if "loader" in trainer else [],
+            "tracked": {"scheduler": trainer["scheduler"]} if "scheduler" in trainer else {}}
+
+
+def _rank_as_session(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A rank's saved state with the logged sums and their counts (name#n). fit() before sessions kept one
+    running loss; sessions before counts logged every name every step (so the count is the steps)."""
+    if state is None:
+        return None
+    sums = dict(state.get("sums", {}))
+    if "loss_sum" in state:
+        sums.update({"loss": state["loss_sum"], "loss#n": state["loss_count"]})
+    for name in [k for k in sums if not k.endswith("#n")]:
+        sums.setdefault(f"{name}#n", float(state.get("since", 0)))
+    return {**state, "sums": sums}
+
+
+def _bare(resume: Resume) -> bool:
+    """Whether a checkpoint holds one model and one optimizer by their own names (the layout fit() writes, and
+    a session of one model and one optimizer), not under the model's name."""
+    return bool(resume.meta.get("bare")) or not resume.meta.get("session")
 
 
 class Loader:
@@ -153,22 +203,29 @@ class Loader:
         return self.inner.steps_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
-        batches = self.inner.epoch_batches()
+        batches, st = self.inner.epoch_batches(), self._session
         while True:
-            self._session._start_training()  # the RNG is restored before anything can draw from it
+            st._start_training()  # the RNG is restored before anything can draw from it
             started = time.perf_counter()
-            self._session.chaos.delay("data")
+            st.chaos.delay("data")
             try:
                 batch = next(batches)
             except StopIteration:
                 return
-            self.waited += time.perf_counter() - started
+            waited = time.perf_counter() - started
             self.drawn += 1
             if self.tokens_per_sample < 0:
                 self.tokens_per_sample = tokens_per_sample(batch)
-            if self._session._trace is not None:
-                self._session._trace.batch(batch, self.inner.last_indices)
-            yield to_device(batch, self._session.device)
+            if st._trace is not None:
+                st._trace.batch(batch, self.inner.last_indices)
+            if st._in_step:  # drawn inside the step (micro-batches of an accumulation): its wait and copy
+                st.timer.host("data", waited)
+                batch = to_device(batch, st.device)
+                st.timer.mark("h2d")
+                yield batch
+            else:  # before the step: st.step() counts the wait in the step it begins
+                self.waited += waited
+                yield to_device(batch, st.device)
 
 
 class Session:
@@ -176,10 +233,11 @@ class Session:
     checkpoint, writes summary.json and the final weights, and ends the process group."""
 
     def __init__(self, config: Config | Mapping[str, Any] | str | None = None, *,
-                 argv: list[str] | None = None) -> None:
+                 argv: list[str] | None = None, opened: Opened | None = None) -> None:
         from scaletrain.cli.options import parse_overrides
 
-        self.started = time.perf_counter()
+        self._opened = opened
+        self.started = time.perf_counter() if opened is None else opened.started
         cli = parse_overrides(argv or [])
         if isinstance(config, Config):
             cfg = load(None, overrides=_flat(config), cli_overrides=cli) if cli else config
@@ -187,16 +245,18 @@ class Session:
             cfg = load(config, cli_overrides=cli)
         else:
             cfg = load(None, overrides={"run.name": "session", **(config or {})}, cli_overrides=cli)
-        self.rt: Runtime = runtime.init(cfg.dist)
-        # A stop (preemption, Ctrl-C) or one of our errors leaving the user's script ends it as the CLI does;
-        # installed after init_process_group, which wraps the hook it finds in one that buffers stderr.
-        install_excepthook()
+        self.rt: Runtime = runtime.init(cfg.dist) if opened is None else opened.rt
+        if opened is None:
+            # A stop (preemption, Ctrl-C) or one of our errors leaving the user's script ends it as the CLI
+            # does; installed after init_process_group, which wraps the hook it finds in one that buffers stderr.
+            install_excepthook()
         self._closed, self._in_step, self._training, self._timing = False, False, False, False
         self._models: list[_Model] = []
         self._tracked: dict[str, Any] = {}  # st.track(): name -> an object with state_dict()
         self._loaders: list[Loader] = []
-        self.preempt = PreemptFlag(f"[rank {self.rt.rank}] " if self.rt.world_size > 1 else "").install()
-        self.services: RunServices | None = None  # run dir, metrics, checkpoints, stragglers: as fit()'s loop's
+        self.preempt = opened.preempt if opened is not None else \
+            PreemptFlag(f"[rank {self.rt.rank}] " if self.rt.world_size > 1 else "").install()
+        self.services: RunServices | None = None  # run dir, metrics, checkpoints, stragglers, preemption
         self.writer = MetricsWriter(None)
         self.checkpointer: Checkpointer | None = None
         try:
@@ -206,24 +266,30 @@ class Session:
             raise
 
     def _open(self, cfg: Config) -> None:
-        rt = self.rt
-        check_precision(cfg.train.precision, rt.device, cfg.parallel.strategy)  # fp16-mixed: CUDA, not sharded
+        rt, opened = self.rt, self._opened
         self._nnodes = max(1, rt.world_size // rt.local_world_size)
-        # The layout, once for every model set up (auto: per model, from its memory, in parallelize)
-        self.layout: Layout | None = None if cfg.parallel.strategy == "auto" else \
-            resolve_layout(cfg.parallel, cfg.memory, rt.world_size, self._nnodes)
         self.chaos = Chaos(cfg.chaos, rt.rank, rt.world_size)  # first: a rank beyond the world writes nothing
-        runtime.set_deterministic(cfg.train.deterministic)
-        runtime.seed_all(cfg.run.seed)  # the models built next get the same initial weights on every rank
-        self.cfg = cfg = agree_run_dir(cfg, rt)
-        self.console = Console(rt.is_main, progress=False)
-        self.resume: Resume | None = find_resume(cfg.checkpoint, cfg.run_dir, rt,
-                                                 lambda m: self.console.print(f"warning: {m}"))
-        self._trainer = read_trainer(self.resume) if self.resume else {}
-        self._rank_state = self._read_rank_state()
+        self.total_steps = cfg.train.max_steps  # 0: the loop decides when it is done
+        self.flops_per_sample = 0.0  # model FLOPs per training sample, where known: MFU in the records
+        self.skip: set[str] = cfg.debug.skipped()  # debug.skip_restore: parts a resume leaves as built
+        if opened is not None:  # scaletrain train / fit(): the run resolved these before building its model
+            self.layout: Layout | None = opened.layout
+            self.cfg, self.console, self.resume = cfg, opened.console, opened.resume
+        else:
+            check_precision(cfg.train.precision, rt.device, cfg.parallel.strategy)  # fp16-mixed: CUDA, unsharded
+            # The layout, once for every model set up (auto: per model, from its memory, in parallelize)
+            self.layout = None if cfg.parallel.strategy == "auto" else \
+                resolve_layout(cfg.parallel, cfg.memory, rt.world_size, self._nnodes)
+            runtime.set_deterministic(cfg.train.deterministic)
+            runtime.seed_all(cfg.run.seed)  # the models built next get the same initial weights on every rank
+            self.cfg = cfg = agree_run_dir(cfg, rt)
+            self.console = Console(rt.is_main, progress=cfg.train.progress and cfg.train.max_steps > 0)
+            self.resume = find_resume(cfg.checkpoint, cfg.run_dir, rt,
+                                      lambda m: self.console.print(f"warning: {m}"))
+        self._trainer = _as_session(read_trainer(self.resume)) if self.resume else {}
+        self._rank_state = _rank_as_session(self._read_rank_state())
         self.steps = int(self._trainer.get("step", 0))  # optimizer steps completed (st.step() blocks)
         self.train_time = float(self._trainer.get("train_time_s", 0.0))
-        run_dir = cfg.run_dir
         self.services = services = RunServices.open(cfg, rt, self.console, self.resume, started=self.started)
         self.writer, self.checkpointer = services.writer, services.checkpointer
         self.timer: StepTimer = StepTimer(rt.device) if cfg.log.phase_times else NullTimer(rt.device)
@@ -249,10 +315,22 @@ class Session:
         self._records: list[dict[str, Any]] = []  # this process's log intervals (steady state, goodput)
         self._checkpoint_s = 0.0  # seconds the loop was blocked by saves
         self._eval_s = 0.0  # seconds in st.evaluating()
-        self._trace = _Trace(run_dir, rt.rank) if cfg.debug.trace else None
+        self._trace = _Trace(cfg.run_dir, rt.rank) if cfg.debug.trace else None
         self.last_metrics: dict[str, float] = {}
+        self.last_mem: dict[str, Any] = {}  # the last log step's memory record
+        self.summarize: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # adds to the summary at close
+        self._eval_before = 0.0  # seconds evaluated before the first step (start-up's, counted as eval)
+        self._state_bytes: MemoryBreakdown | None = None  # model state on this rank, counted after the first step
+        self._lead_fracs: list[float] = []  # GPU: per log interval, the median rank's lead over its step time
+        _, self._peak_flops = device_peak(rt.device, cfg.train.precision, tf32=cfg.train.tf32)
+        if opened is None:  # scaletrain train / fit() say all of this in their own header
+            self._say_opened()
+
+    def _say_opened(self) -> None:
+        rt, cfg = self.rt, self.cfg
         where = f"{rt.backend} on {rt.device}" if rt.distributed else f"single process on {rt.device}"
-        self.console.print(f"scaletrain {__version__} session | world {rt.world_size} ({where}) | run dir {run_dir}")
+        self.console.print(f"scaletrain {__version__} session | world {rt.world_size} ({where}) | run dir "
+                           f"{cfg.run_dir}")
         slow = slow_here(cfg.train.precision, rt.device)
         if slow:
             self.console.print(f"warning: {slow}")
@@ -286,8 +364,9 @@ class Session:
 
     @property
     def done(self) -> bool:
-        """True once train.max_steps steps ran (never when max_steps is 0: the loop decides)."""
-        return 0 < self.cfg.train.max_steps <= self.steps
+        """True once ``total_steps`` steps ran (train.max_steps; scaletrain train: the batch plan's steps);
+        never when it is 0: the loop decides."""
+        return 0 < self.total_steps <= self.steps
 
     def setup(self, model: nn.Module, *optimizers: OptimizerArg, name: str = "") -> tuple[Any, ...]:
         """Move ``model`` to the device, wrap it for the layout (DDP when the world is larger than 1), build or
@@ -336,7 +415,7 @@ class Session:
                 opt.register_step_pre_hook(self._unscaled_step)
         units = units_line(model, cfg.parallel.fsdp_units, sharded=is_fsdp(wrapped),
                            blocks=cfg.memory.activation_checkpointing != "none" or cfg.train.compile)
-        if units:
+        if units and self._opened is None:  # scaletrain train / fit() name the units in their header
             self.console.print(f"{name} ({type(model).__name__.removeprefix('FSDP')}): {units}")
         entry = _Model(name, model, wrapped, built)
         if self.resume is not None:
@@ -344,25 +423,28 @@ class Session:
         self._models.append(entry)
         return (wrapped, *built)
 
-    def loader(self, dataset: Any, *, batch_size: int = 0, shuffle: bool | None = None) -> Loader:
+    def loader(self, dataset: Any, *, batch_size: int = 0, shuffle: bool | None = None, accum: int = 1) -> Loader:
         """This rank's shard of ``dataset`` (a torch Dataset, or (inputs, targets) tensors), ``batch_size`` per
-        rank (0 = data.batch_size), reshuffled every epoch from run.seed, in the same order at any world size."""
+        rank (0 = data.batch_size), reshuffled every epoch from run.seed, in the same order at any world size.
+        ``accum``: batches per optimizer step (gradient accumulation): the epoch ends on a whole step, and a
+        checkpoint's loader position is kept in steps, so a resume at another world size can keep the global
+        batch by accumulating more (scaletrain train does)."""
         from scaletrain.data import in_memory
 
         self._usable("loader")
         data = in_memory(dataset, eval_data=dataset).train if not isinstance(dataset, torch.utils.data.Dataset) \
             else dataset
         b = batch_size or self.cfg.data.batch_size
-        if len(data) < b * self.world_size:  # type: ignore[arg-type]
+        if len(data) < b * self.world_size * accum:  # type: ignore[arg-type]
             raise UserError(f"session.loader(): {len(data)} samples cannot give every one of {self.world_size} "  # type: ignore[arg-type]
-                            f"rank(s) a batch of {b}; fix: a smaller batch_size or more data")
+                            f"rank(s) {accum} batch(es) of {b}; fix: a smaller batch_size or more data")
         dp_rank, dp_size = (self.layout.dp_rank(self.rank), self.layout.dp_size) if self.layout else \
             (self.rank, self.world_size)
-        inner = ShardedLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=1,
+        inner = ShardedLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=accum,
                               seed=self.cfg.run.seed, shuffle=self.cfg.data.shuffle if shuffle is None else shuffle,
                               num_workers=self.cfg.data.num_workers, pin_memory=self.device.type == "cuda")
         saved = self._trainer.get("loaders", [])
-        if len(saved) > len(self._loaders):
+        if len(saved) > len(self._loaders) and "data" not in self.skip:
             inner.load_state_dict(saved[len(self._loaders)])
         inner.track_indices = self._trace is not None
         loader = Loader(self, inner)
@@ -414,9 +496,17 @@ class Session:
         """True when the models set up are sharded (FSDP/HSDP): the checkpoints are DCP."""
         return any(is_fsdp(m.wrapped) for m in self._models)
 
-    def _box(self, models: list[_Model] | None = None) -> nn.Module:
-        """The models in one container, each under its name: one state dict for DCP (keys ``name.param``)."""
-        return nn.ModuleDict({m.name: m.module for m in (self._models if models is None else models)})
+    def _box(self, models: list[_Model] | None = None, *, bare: bool | None = None) -> nn.Module:
+        """The models in one container, each under its name: one state dict for DCP (keys ``name.param``);
+        ``bare`` (default: one model with one optimizer set up): the one model itself, keys as it names them."""
+        models = self._models if models is None else models
+        if self._single() if bare is None else bare:
+            return models[0].module
+        return nn.ModuleDict({m.name: m.module for m in models})
+
+    def _single(self) -> bool:
+        """One model with one optimizer: its checkpoints are in fit()'s layout, by the model's own names."""
+        return len(self._models) == 1 and len(self._models[0].optimizers) == 1
 
     # -- inside the loop -----------------------------------------------------------------------------------
 
@@ -436,11 +526,9 @@ class Session:
             self.timer.start()
             self._timing = True
         self.timer.host("data", sum(loader.waited for loader in self._loaders))
-        for loader in self._loaders:
-            drawn = loader.drawn * loader.inner.micro_samples // self.world_size
-            self._samples += drawn
-            self._tokens += drawn * max(loader.tokens_per_sample, 0)
-            loader.waited, loader.drawn = 0.0, 0
+        self._count_drawn()
+        if self._trace is not None:
+            self._trace.started(self)
         try:
             yield
             if self._scaled:
@@ -448,16 +536,31 @@ class Session:
                 self._scaled = False
             self.timer.mark("optim")
             self.timer.end()
+            self._count_drawn()  # batches drawn inside the step (accumulation)
             self.steps = step
             self._since += 1
             self._ran += 1
             self.preempt.tick()
+            self.console.advance()
             self._after_step()
         except RuntimeError as err:  # a peer died or hung in a collective: one line naming it
             raise runtime.collective_failure(err, self.rt, step, self.cfg.dist.timeout_s) from err
         finally:
             self._in_step = False
         self.timer.start()  # the next step begins now: waiting for its batch is part of it
+
+    def _count_drawn(self) -> None:
+        for loader in self._loaders:
+            drawn = loader.drawn * loader.inner.micro_samples // self.world_size
+            self._samples += drawn
+            self._tokens += drawn * max(loader.tokens_per_sample, 0)
+            loader.waited, loader.drawn = 0.0, 0
+
+    def _model_state(self) -> MemoryBreakdown:
+        """Parameters, gradients and optimizer state on this rank, counted from the live tensors."""
+        parts = [model_state_bytes(m.module, m.optimizers) for m in self._models]
+        return MemoryBreakdown(*(sum(getattr(b, f) for b in parts) for f in ("params_bytes", "grads_bytes",
+                                                                             "optim_bytes")))
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` (of the scaled loss under fp16-mixed), timed (compute and the exposed gradient
@@ -509,6 +612,11 @@ class Session:
             self._stepping = None
             self.guard.disarm(optimizer)
         self._scaled = self._scaled or self.scaler.is_enabled()
+        if self.steps == 0 or self._state_bytes is None:  # the first step's: gradients and optimizer state exist
+            now = self._model_state()
+            self._state_bytes = now if self._state_bytes is None else MemoryBreakdown(
+                *(max(getattr(a, f), getattr(now, f)) for a in [self._state_bytes]
+                  for f in ("params_bytes", "grads_bytes", "optim_bytes")))
         return norm
 
     def _unscaled_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -525,7 +633,11 @@ class Session:
         for key, value in metrics.items():
             v = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else \
                 torch.tensor(float(value), device=self.device)
-            self._sums[key] = self._sums.get(key, torch.zeros((), device=self.device)) + v.to(self.device)
+            v = v.to(self.device)
+            finite = torch.isfinite(v)  # a NaN (a skipped step's loss) is named by the guard, not averaged in
+            zero = torch.zeros((), device=self.device)
+            self._sums[key] = self._sums.get(key, zero) + torch.where(finite, v, 0.0)
+            self._sums[f"{key}#n"] = self._sums.get(f"{key}#n", zero) + finite
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -544,6 +656,8 @@ class Session:
             spent = time.perf_counter() - started
             self._eval_s += spent
             self._interval_started += spent
+            if not self._training:
+                self._eval_before += spent
             if self._timing:
                 self.timer.start()  # the next step's time begins after the evaluation
 
@@ -558,38 +672,44 @@ class Session:
         if self._training:
             return
         self._training = True
-        if self._rank_state is not None and "rng" in self._rank_state:
+        if self._rank_state is not None and "rng" in self._rank_state and "rng" not in self.skip:
             rng.restore(self._rank_state["rng"], self.device)
         else:  # a new run, or a rank the checkpoint's smaller world did not have: dropout and noise differ by rank
             torch.manual_seed(self.cfg.run.seed + self.rank)
         if self._trace is not None and self.resume is not None:
             self._trace.resumed(self)
+        if self.total_steps:
+            self.console.start_progress(self.total_steps, self.steps)
         self._interval_started = self._first_step_at = time.perf_counter()
 
     def _after_step(self) -> None:
         cfg = self.cfg
         ckpt = self.checkpointer
         assert ckpt is not None
-        due = ckpt.due(self.steps, cfg.train.max_steps or -1)
-        # A checkpoint step is a log step too: nothing is saved after a non-finite step unchecked.
-        log_step = self.steps % cfg.log.every == 0 or self.done or due
+        due = ckpt.due(self.steps, self.total_steps or -1)
+        log_step = self.steps % cfg.log.every == 0 or self.done
         assert self.services is not None
         stop = self._log() if log_step else self.services.stop_signal(self.preempt)
         if self._trace is not None:
             self._trace.step(self)
         interrupt = self.chaos.interrupt_after(self.steps)  # the same on every rank: no agreement needed
         if stop or interrupt or due:
+            if not log_step:  # nothing is saved after a non-finite step unchecked: the counters, gathered now
+                rows = self._gather(phases=False)
+                self._nonfinite(rows)
+                stop = stop or next((r.signal for r in rows if r.signal), 0)
             self._save(final=bool(stop or interrupt))
         self.services.log_saves()
         if stop or interrupt:
             self._stopped(PreemptFlag.name(stop) if stop else "chaos.interrupt_step")
 
-    def _gather(self) -> list[RankReport]:
-        """Every rank's RankReport (train/interval.py): one all_gather, one host sync."""
+    def _gather(self, *, phases: bool = True) -> list[RankReport]:
+        """Every rank's RankReport (train/interval.py): one all_gather, one host sync. The phase times only with
+        ``phases`` (collecting them starts a new interval: a log step's)."""
         try:
             return gather(self.rt, self._sums, self.guard, signal=self.preempt.signum, peak=peak_bytes(self.device),
-                          times=self.timer.collect(), lead=self.timer.lead_s, samples=self._samples,
-                          tokens=self._tokens)
+                          times=self.timer.collect() if phases else [0.0] * len(PHASES),
+                          lead=self.timer.lead_s if phases else 0.0, samples=self._samples, tokens=self._tokens)
         except RuntimeError as err:  # rows of other lengths: other numbers of names
             raise UserError("session.log(): the ranks logged different names (or numbers of them) in this "
                             f"interval ({type(err).__name__}); fix: log the same names on every rank") from err
@@ -602,33 +722,72 @@ class Session:
         self._nonfinite(rows)
         elapsed = time.perf_counter() - self._interval_started
         self.train_time += elapsed
-        steps, ran = max(self._since, 1), max(self._ran, 1)
-        means = {name: sum(r.sums[name] for r in rows) / (len(rows) * steps) for name in sorted(self._sums)}
+        ran = max(self._ran, 1)
+        means = {}
+        for name in sorted(k for k in self._sums if not k.endswith("#n")):  # over the finite values logged
+            count = sum(r.sums[f"{name}#n"] for r in rows)
+            means[name] = sum(r.sums[name] for r in rows) / count if count else math.nan
         samples, tokens = sum(r.samples for r in rows), sum(r.tokens for r in rows)
         self._seen = [self._seen[0] + samples, self._seen[1] + tokens]
+        rate = samples / elapsed if elapsed > 0 else 0.0
         phases = [r.phases for r in rows]
         assert self.services is not None
         straggler = self.services.interval(phases, ran)
-        record: dict[str, Any] = {"kind": "train", "step": self.steps, **means,
-                                  "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
-                                  **({"tokens_per_s": tokens / elapsed} if tokens and elapsed > 0 else {}),
-                                  "step_time_s": elapsed / ran}
-        self._records.append({"step": self.steps, "steps": ran, "step_time_s": elapsed / ran,
-                              "samples_per_s": record["samples_per_s"]})
+        epoch = self._loaders[0].epoch + 1 if self._loaders else None
+        lr = self._models[0].optimizers[0].param_groups[0]["lr"] if self._models and self._models[0].optimizers \
+            else None
+        record: dict[str, Any] = {"kind": "train", "step": self.steps, **({"epoch": epoch} if epoch else {}),
+                                  **means, **({"lr": float(lr)} if lr is not None else {}), "samples_per_s": rate,
+                                  **throughput(rate, flops=self.flops_per_sample, tokens_per_sample=tokens / samples
+                                               if samples else 0, world_size=self.world_size, peak=self._peak_flops),
+                                  "step_time_s": elapsed / ran, "skipped_steps": int(self._skipped_seen)}
         if self.cfg.log.phase_times:
-            record["phase_s"] = {p: [r[p] for r in phases] for p in PHASES}
+            record.update(self._phases(rows))
+        record["mem"] = self._memory(rows)
+        self._records.append({"step": self.steps, "steps": ran, "step_time_s": elapsed / ran, "samples_per_s": rate})
         if straggler is not None:
             record["straggler"] = straggler
         self.writer.write(record)
-        text = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
-        self.console.print(f"step {self.steps:>6} | {text + ' | ' if text else ''}"
-                           f"{record['samples_per_s']:,.0f} samples/s | {record['step_time_s']:.4f} s/step")
+        if "loss" in means:
+            self.console.status(f"loss {means['loss']:.4f}")
+        parts = [f"step {self.steps:>6}" + (f"/{self.total_steps}" if self.total_steps else "")]
+        parts += [f"epoch {epoch}"] if epoch else []
+        parts += [f"{k} {v:.4f}" for k, v in means.items()]
+        parts += [f"lr {lr:.3e}"] if lr is not None else []
+        parts += [f"{rate:,.0f} samples/s", f"{record['step_time_s']:.4f} s/step"]
+        self.console.print(" | ".join(parts))
         self.last_metrics = means
         for value in self._sums.values():
             value.zero_()
         self._since, self._ran, self._samples, self._tokens = 0, 0, 0, 0
         self._interval_started = time.perf_counter()
         return next((r.signal for r in rows if r.signal), 0)
+
+    def _phases(self, rows: list[RankReport]) -> dict[str, Any]:
+        """``phase_s`` (per rank) and ``phase_stats`` (over ranks) of the interval; on a GPU ``gpu_lead_s``."""
+        per_rank = {phase: [r.phases[phase] for r in rows] for phase in PHASES}
+        stats = {phase: {"min": min(v), "median": statistics.median(v), "max": max(v),
+                         "slowest_rank": max(range(len(v)), key=v.__getitem__)} for phase, v in per_rank.items()}
+        if self.device.type != "cuda":
+            return {"phase_s": per_rank, "phase_stats": stats}
+        leads = [r.lead_s for r in rows]
+        step_s = statistics.median(per_rank["step"])
+        if step_s > 0:
+            self._lead_fracs.append(statistics.median(leads) / step_s)
+        return {"phase_s": per_rank, "phase_stats": stats, "gpu_lead_s": leads}
+
+    def _memory(self, rows: list[RankReport]) -> dict[str, Any]:
+        """metrics.jsonl's ``mem``: per-rank peaks, and this rank's model state counted from the live tensors."""
+        peaks = [r.peak_bytes for r in rows]
+        mem: dict[str, Any] = {"peak_bytes": max(peaks), "rank_peak_bytes": peaks}
+        if self._state_bytes is not None:
+            mem.update(self._state_bytes.as_dict())
+            # On a GPU the allocator's peak is model state + activations (+ temporaries); a CPU's RSS also
+            # holds the interpreter and the data, so the rest of the peak is not activations there.
+            mem["activations_bytes"] = max(0, peaks[0] - self._state_bytes.model_state_bytes) \
+                if self.device.type == "cuda" else 0
+        self.last_mem = mem
+        return mem
 
     def _nonfinite(self, rows: list[RankReport]) -> None:
         """Act on the guard's counters (skipped, first skipped step, first non-finite loss): train.nonfinite=raise
@@ -657,22 +816,34 @@ class Session:
         assert ckpt is not None
         if not self._models or self.steps == 0:
             return
+        partial = time.perf_counter() - self._interval_started if self._ran else 0.0  # since the last log step
         trainer = {"step": self.steps, "loaders": [loader.inner.state_dict() for loader in self._loaders],
-                   "train_time_s": self.train_time, "models": [m.name for m in self._models],
+                   "train_time_s": self.train_time + partial, "models": [m.name for m in self._models],
                    "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()},
                    "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {}}
         rank_state = {"rng": rng.capture(self.device), "since": self._since, "guard": self.guard.state_dict(),
                       "sums": {k: float(v.item()) for k, v in self._sums.items()}}
-        meta = {"format": FORMAT_FULL, "session": True, "step": self.steps, "world_size": self.world_size,
-                "global_batch": 0, "batch_size": 0, "accum_steps": 1,
+        first = self._loaders[0].inner if self._loaders else None
+        single = self._single()
+        meta = {"format": FORMAT_FULL, "session": True, "bare": single, "step": self.steps,
+                "world_size": self.world_size,
+                # the first loader's batch: a resume at another world size keeps this global batch if it can
+                "global_batch": first.step_samples if first else 0,
+                "batch_size": first.loader.batch_size if first else 0,
+                "accum_steps": first.step_samples // first.micro_samples if first else 1,
+                "epoch": first.epoch + 1 if first else 0,
                 **({"layout": self.layout.as_dict()} if self.layout is not None else {}),
-                "loader": self._loaders[0].inner.state_dict() if self._loaders else {},
+                "loader": first.state_dict() if first else {},
                 "config_digest": self.cfg.digest(), "config": self.cfg.to_toml(), **describe_versions()}
         with self.preempt.saving():
             if self.sharded:  # every rank writes its shards of every model and optimizer through DCP
                 blocked = ckpt.save_sharded(self.steps, self._box(), [o for m in self._models for o in m.optimizers],
                                             trainer, rank_state, {**meta, "format": FORMAT_DCP},
                                             background=not final)
+            elif single:  # the model's own names, as fit() writes them and scaletrain export reads them
+                m = self._models[0]
+                blocked = ckpt.save(self.steps, model_tensors(m.module), optimizer_tree(m.module, m.optimizers[0]),
+                                    trainer, rank_state, meta, background=not final)
             else:
                 models: dict[str, torch.Tensor] = {}
                 optims: dict[str, Any] = {}
@@ -686,7 +857,7 @@ class Session:
                 ckpt.wait()
         self.timer.add("ckpt", blocked)
         self._checkpoint_s += blocked
-        self._interval_started += blocked  # as fit()'s loop: a save's stall is not training time
+        self._interval_started += blocked  # a save's stall is not training time
 
     def _read_rank_state(self) -> dict[str, Any] | None:
         if self.resume is None:
@@ -697,76 +868,79 @@ class Session:
         return read_tree(self.resume, name)
 
     def _restore(self, entry: _Model) -> None:
+        """The checkpoint's state of one model and its optimizers (debug.skip_restore leaves weights or
+        optimizer as built). Either layout: a single model and optimizer by their own names (fit()'s, and a
+        one-model session's), or every model under its name."""
         resume = self.resume
         assert resume is not None
-        if not resume.meta.get("session"):
-            raise CheckpointError(resume.path, "it was made by scaletrain train / fit(), not by a session",
-                                  "resume it with the command that made it, or start a new --run.dir")
         saved_names = self._trainer.get("models", [])
         if entry.name not in saved_names:
             raise CheckpointError(resume.path, f"it holds the models {saved_names}, not {entry.name!r}",
                                   "set up the same models, in the same order (or with the same name=)")
-        prefix = f"{entry.name}."
-        box = self._box([entry])
-        want = {k: tuple(v.shape) for k, v in box.state_dict().items() if isinstance(v, torch.Tensor)}
-        saved = {k: v for k, v in saved_model_shapes(resume).items() if k.startswith(prefix)}
-        misfit = model_misfit(want, saved)
+        bare = _bare(resume)
+        prefix = "" if bare else f"{entry.name}."
+        box = self._box([entry], bare=bare)
+        # compared by the model's name and its parameters' (net.lin.weight), whichever layout was saved
+        named = f"{entry.name}."
+        want = {named + k: tuple(v.shape) for k, v in entry.module.state_dict().items() if isinstance(v, torch.Tensor)}
+        saved = {named + k[len(prefix):]: v for k, v in saved_model_shapes(resume).items() if k.startswith(prefix)}
+        misfit = model_misfit(want, saved) if "weights" not in self.skip else None
         if misfit is not None:
             raise CheckpointError(resume.path, misfit, "set up the model the checkpoint was made with (the same "
                                   "configuration), or start a new --run.dir")
+        weights, optimizers = "weights" not in self.skip, "optimizer" not in self.skip
         if resume.meta.get("format") == FORMAT_DCP:
-            self._restore_dcp(entry, box)
-        elif is_fsdp(entry.wrapped):
-            self._restore_full_into_sharded(entry, box)
+            self._restore_dcp(entry, box, bare)
+        elif is_fsdp(entry.wrapped):  # a consolidated checkpoint (a DDP or one-process run) into shards
+            tensors = {k: v for k, v in with_aliases(*read_model(resume)).items() if k.startswith(prefix)}
+            trees = self._optimizer_trees(entry, bare)
+            tree = {"state": {prefix + k: v for t in trees for k, v in t["state"].items()},
+                    "param_groups": [{**g, "params": [prefix + p for p in g["params"]]}
+                                     for t in trees for g in t["param_groups"]]}
+            load_full_into_sharded(box, entry.optimizers, tensors if weights else None,
+                                   tree if optimizers else None)
         else:
-            tensors, aliases = read_model(resume)
-            full = with_aliases(tensors, aliases)
-            mine = {k[len(prefix):]: v.to(self.device) for k, v in full.items() if k.startswith(prefix)}
-            load_model_tensors(entry.module, mine, {}, str(resume.path))
-            trees = self._optimizer_trees(entry)
-            for opt, tree in zip(entry.optimizers, trees):
-                load_optimizer_tree(entry.module, opt, tree, str(resume.path / OPTIMIZER))
-        if self._rank_state is not None and entry is not None:
+            if weights:
+                tensors, aliases = read_model(resume)
+                if not bare:
+                    tensors = {k[len(prefix):]: v for k, v in with_aliases(tensors, aliases).items()
+                               if k.startswith(prefix)}
+                    aliases = {}
+                load_model_tensors(entry.module, {k: v.to(self.device) for k, v in tensors.items()}, aliases,
+                                   str(resume.path))
+            if optimizers:
+                for opt, tree in zip(entry.optimizers, self._optimizer_trees(entry, bare)):
+                    load_optimizer_tree(entry.module, opt, tree, str(resume.path / OPTIMIZER))
+        if self._rank_state is not None:
             self._since = int(self._rank_state.get("since", 0))
             for k, v in self._rank_state.get("sums", {}).items():
                 self._sums[k] = torch.tensor(float(v), device=self.device)
 
-    def _optimizer_trees(self, entry: _Model) -> list[dict[str, Any]]:
+    def _optimizer_trees(self, entry: _Model, bare: bool) -> list[dict[str, Any]]:
         """The saved optimizer trees of ``entry`` (consolidated format), one per optimizer set up."""
         assert self.resume is not None
         trees = read_tree(self.resume, OPTIMIZER)
+        if bare:
+            trees = {f"{entry.name}/0": trees}
         for i in range(len(entry.optimizers)):
             if f"{entry.name}/{i}" not in trees:
                 raise CheckpointError(self.resume.path, f"no optimizer {i} for {entry.name!r}",
                                       "set up the same optimizers for each model")
         return [trees[f"{entry.name}/{i}"] for i in range(len(entry.optimizers))]
 
-    def _restore_dcp(self, entry: _Model, box: nn.Module) -> None:
-        """A DCP checkpoint (made by a sharded session) into one model and its optimizers, sharded or not, at
-        any world size (DCP reshards). Collective: every rank sets up the same models in the same order."""
+    def _restore_dcp(self, entry: _Model, box: nn.Module, bare: bool) -> None:
+        """A DCP checkpoint (made by a sharded run) into one model and its optimizers, sharded or not, at any
+        world size (DCP reshards). Collective: every rank sets up the same models in the same order."""
         resume = self.resume
         assert resume is not None
-        prefix = f"{entry.name}."
+        prefix = "" if bare else f"{entry.name}."
         groups = [g for g in read_tree(resume, OPTIMIZER_GROUPS) if g["params"] and g["params"][0].startswith(prefix)]
         names = {id(p): name for name, p in box.named_parameters()}
         live = [sorted(names[id(p)] for p in g["params"]) for opt in entry.optimizers for g in opt.param_groups]
-        if [sorted(g["params"]) for g in groups] != live:
+        if [sorted(g["params"]) for g in groups] != live and "optimizer" not in self.skip:
             raise CheckpointError(resume.path, f"the optimizer param groups of {entry.name!r} differ",
                                   "set up the same optimizers, with the same parameter groups")
-        load_dcp(box, entry.optimizers, resume, self.rank, groups=groups)
-
-    def _restore_full_into_sharded(self, entry: _Model, box: nn.Module) -> None:
-        """A consolidated checkpoint (a DDP or one-process session) into a sharded model (load_full_into_sharded),
-        its names and its optimizers' under the model's name, as the container ``box`` has them."""
-        resume = self.resume
-        assert resume is not None
-        prefix = f"{entry.name}."
-        tensors = {k: v for k, v in with_aliases(*read_model(resume)).items() if k.startswith(prefix)}
-        trees = self._optimizer_trees(entry)
-        tree = {"state": {prefix + k: v for t in trees for k, v in t["state"].items()},
-                "param_groups": [{**g, "params": [prefix + p for p in g["params"]]}
-                                 for t in trees for g in t["param_groups"]]}
-        load_full_into_sharded(box, entry.optimizers, tensors, tree)
+        load_dcp(box, entry.optimizers, resume, self.rank, self.skip, groups=groups)
 
     def _stopped(self, reason: str) -> None:
         assert self.services is not None
@@ -806,41 +980,50 @@ class Session:
         return summary
 
     def _summary(self) -> dict[str, Any]:
+        """The run's summary (the same on every rank): throughput and MFU in steady state (the log intervals
+        after the warm-up, compile included), the goodput account, phases, the bottleneck, stragglers, memory;
+        then whatever ``self.summarize`` adds (scaletrain train / fit(): epochs, evaluation, plan vs actual)."""
         assert self.services is not None
+        cfg = self.cfg
         peak = torch.tensor([float(peak_bytes(self.device))], device=self.device)
         if self.rt.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         wall = time.perf_counter() - self.started
         totals = self.services.phase_totals
-        steady, rate, good = run_totals(self._records, wall_s=wall, startup_s=self._first_step_at - self.started,
+        steady, rate, good = run_totals(self._records, wall_s=wall, startup_s=self._first_step_at - self.started - self._eval_before,
                                         phase_totals=totals, eval_s=self._eval_s, checkpoint_s=self._checkpoint_s,
                                         earlier=self.services.earlier)
-        if rate is None:  # no steady state: the last interval's
-            rate = self._records[-1]["samples_per_s"] if self._records else 0.0
+        timed = sum(r["step_time_s"] * r["steps"] for r in self._records)
+        overall = self._seen[0] / timed if timed else 0.0
+        rate = overall if rate is None else rate
         per = self._seen[1] / self._seen[0] if self._seen[0] else 0.0  # tokens per sample drawn
-        return {"steps": self.steps, "world_size": self.world_size, "wall_s": wall, "samples_per_s": rate,
-                **({"tokens_per_s": rate * per} if per else {}),
-                "steady_state": steady, "goodput": good, "train_s": self.train_time, "metrics": self.last_metrics,
-                "phase_frac": phase_fractions(totals),
-                "stragglers": self.services.stragglers.summary(), "peak_mem_bytes": int(peak.item()),
-                "models": [m.name for m in self._models], "device": str(self.device), "backend": self.rt.backend,
-                "config_digest": self.cfg.digest(), "torch": torch.__version__, "scaletrain": __version__}
+        rates = throughput(rate, flops=self.flops_per_sample, tokens_per_sample=per, world_size=self.world_size,  # type: ignore[arg-type]
+                           peak=self._peak_flops)
+        if "mfu" in rates and cfg.memory.activation_checkpointing == "full":
+            rates["hfu"] = rates["mfu"] * 4 / 3  # the hardware also recomputes each block's forward in backward
+        summary = {
+            "steps": self.steps, "world_size": self.world_size, "wall_s": wall, "train_s": self.train_time,
+            "samples_per_s": rate, **rates, "samples_per_s_overall": overall, "steady_state": steady, "goodput": good,
+            "metrics": self.last_metrics, "phase_frac": phase_fractions(totals),
+            "bottleneck": bottleneck(totals, device=self.device.type, num_workers=cfg.data.num_workers,
+                                     bucket_mb=cfg.parallel.bucket_mb, precision=cfg.train.precision,
+                                     compiled=cfg.train.compile,
+                                     gpu_lead=statistics.median(self._lead_fracs) if self._lead_fracs else None),
+            "stragglers": self.services.stragglers.summary(), "peak_mem_bytes": int(peak.item()),
+            "mem": self.last_mem, "skipped_steps": int(self._skipped_seen), "models": [m.name for m in self._models],
+            **({"strategy": self.layout.strategy} if self.layout is not None else {}),
+            "device": str(self.device), "backend": self.rt.backend, "config_digest": cfg.digest(),
+            "torch": torch.__version__, "scaletrain": __version__}
+        return self.summarize(summary) if self.summarize is not None else summary
 
     def _write_weights(self) -> None:
-        import safetensors.torch
-
-        box = self._box()
-        full = full_model_state(box, sharded=self.sharded)  # collective under FSDP: every rank gathers
-        if not self.rt.is_main:
-            return
-        tensors, aliases = stored_once(box, {k: v.detach().cpu().contiguous() for k, v in full.items()},
-                                       sharded=self.sharded)
-        meta = {"config_digest": self.cfg.digest(), "step": str(self.steps), "aliases": json.dumps(aliases)}
-        write_whole(self.cfg.run_dir / WEIGHTS, sum(t.nbytes for t in tensors.values()),
-                    lambda tmp: safetensors.torch.save_file(tensors, str(tmp), metadata=meta))
+        save_weights(self._box(), self.cfg.run_dir / WEIGHTS, sharded=self.sharded, is_main=self.rt.is_main,
+                     meta={"config_digest": self.cfg.digest(), "step": str(self.steps)})
 
     def _release(self) -> None:
         self._closed = True
+        if hasattr(self, "console"):
+            self.console.stop_progress()
         self.preempt.uninstall()
         if self.services is not None:
             self.services.close()
@@ -894,8 +1077,13 @@ class _Trace(TraceFile):
                                      {name: obj.state_dict() for name, obj in st._tracked.items()}]),
                 "loader": digest([loader.inner.state_dict() for loader in st._loaders])}
 
+    lr = 0.0  # the lr the step runs at (the first param group's), read as it starts
+
+    def started(self, st: Session) -> None:
+        self.lr = next((g["lr"] for m in st._models for o in m.optimizers for g in o.param_groups), 0.0)
+
     def step(self, st: Session) -> None:
-        lr = next((g["lr"] for m in st._models for o in m.optimizers for g in o.param_groups), 0.0)
+        lr = self.lr
         logged = {k: float(v.item()) for k, v in st._sums.items()}  # host sync: debug.trace only
         self.write({"step": st.steps, "lr": lr, "loss": digest(logged), **self.drawn(), **self._state(st)})
 

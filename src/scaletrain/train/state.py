@@ -169,7 +169,9 @@ IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 def keep_implementation(saved_groups: list[dict[str, Any]],
                         optimizer: Optimizer | Sequence[Optimizer]) -> list[dict[str, Any]]:
     """The saved param groups with the live optimizer's implementation flags (several optimizers: their groups
-    in order, as torch's optimizer state dicts of several list them)."""
+    in order, as torch's optimizer state dicts of several list them). A key the saved group has and the live one
+    not yet (``initial_lr``, which an LR scheduler adds once built) is given to the live group first: torch's
+    distributed loader takes only the keys the live optimizer has."""
     live = [g for opt in ([optimizer] if isinstance(optimizer, Optimizer) else optimizer) for g in opt.param_groups]
     out = []
     for i, group in enumerate(saved_groups):
@@ -177,6 +179,10 @@ def keep_implementation(saved_groups: list[dict[str, Any]],
         for key in IMPLEMENTATION:
             if i < len(live) and key in live[i]:
                 group[key] = live[i][key]
+        if i < len(live):
+            for key, value in group.items():
+                if key != "params" and key not in live[i]:
+                    live[i][key] = value
         out.append(group)
     return out
 

@@ -1,7 +1,7 @@
 """Per-step fingerprints of the whole training state, for `scaletrain verify-resume` (debug.trace).
 
-After every optimizer step each rank appends one JSON line to RUN_DIR/trace/rank-NNNNN.jsonl: the step's
-loss (this rank's, exact), the learning rate it ran at, SHA-256 digests of the batch it trained on and of
+After every optimizer step each rank appends one JSON line to RUN_DIR/trace/rank-NNNNN.jsonl: a digest of
+the values logged since the last log step (this rank's, exact), the learning rate, SHA-256 digests of the batch it trained on and of
 the state after the step (weights, optimizer, every RNG, LR schedule, loader position), and the batch's
 sample indices. A resumed run also writes one ``"event": "resume"`` line with the state as loaded, which
 must equal the uninterrupted run's state after that step. Costs a host sync and a pass over the state
@@ -17,16 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-)
-
-from scaletrain.batch import Batch
-from scaletrain.checkpoint import rng
-from scaletrain.train.job import Job
-from scaletrain.train.state import IMPLEMENTATION, optimizer_tree, scheduler_tree
 
 PARTS = ("weights", "optimizer", "rng", "scheduler", "data")
 
@@ -53,29 +43,8 @@ def digest(node: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def fingerprint(job: Job) -> dict[str, str]:
-    """Digests of the state between steps, of whole tensors (gathered from the shards under FSDP, so they
-    compare across world sizes and layouts). The optimizer's param groups count without their lr, which the
-    scheduler part covers, and without implementation flags (fused, foreach), which change how, not what."""
-    if job.sharded:  # collective: every rank gathers
-        full = StateDictOptions(full_state_dict=True)
-        weights = get_model_state_dict(job.module, options=full)
-        opt = get_optimizer_state_dict(job.module, job.optimizer, options=full)
-    else:
-        weights, opt = job.module.state_dict(), optimizer_tree(job.module, job.optimizer)
-    skip = ("lr", "initial_lr", *IMPLEMENTATION)
-    groups = [{k: v for k, v in g.items() if k not in skip} for g in opt["param_groups"]]
-    return {
-        "weights": digest(weights),
-        "optimizer": digest({"state": opt["state"], "param_groups": groups}),
-        "rng": digest(rng.capture(job.rt.device)),
-        "scheduler": digest({k: v for k, v in scheduler_tree(job.scheduler).items()}),
-        "loader": digest(job.loader.state_dict()),
-    }
-
-
 class TraceFile:
-    """One rank's trace file, fit()'s (Tracer) and a session's alike: the digest of the step's batches and their
+    """One rank's trace file (a session's: train/session.py, for fit() too): the digest of the step's batches and their
     sample indices as they are drawn, and one JSON line per step or resume."""
 
     def __init__(self, run_dir: Path, rank: int) -> None:
@@ -102,25 +71,3 @@ class TraceFile:
 
     def close(self) -> None:
         self._file.close()
-
-
-class Tracer(TraceFile):
-    """fit()'s trace: the step's loss (this rank's), the lr it ran at, the batches, and fingerprint(job)."""
-
-    def __init__(self, run_dir: Path, rank: int) -> None:
-        super().__init__(run_dir, rank)
-        self._lr = 0.0
-
-    def step_started(self, job: Job) -> None:
-        self.drawn()
-        self._lr = job.optimizer.param_groups[0]["lr"]
-
-    def batch(self, job: Job, batch: Batch) -> None:
-        self.batch_drawn(batch.tensors(), job.loader.last_indices)
-
-    def step_done(self, job: Job, loss: torch.Tensor) -> None:
-        self.write({"step": job.step, "loss": float(loss.item()), "lr": self._lr, **self.drawn(),
-                    **fingerprint(job)})
-
-    def resumed(self, job: Job) -> None:
-        self.write({"step": job.step, "event": "resume", **fingerprint(job)})
