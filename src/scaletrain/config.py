@@ -209,22 +209,28 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: Literal["mlp", "cnn", "gpt"] = "cnn"
-    """Built-in model: mlp, cnn (for 8x8 images) or gpt (causal transformer over tokens)."""
+    name: Literal["mlp", "cnn", "gpt", "llama"] = "cnn"
+    """Built-in model: mlp, cnn (for 8x8 images), gpt (GPT-2's causal transformer over tokens) or llama (Llama's: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases, untied head)."""
     hidden: Annotated[int, Range(1, most=I32)] = 128
     """mlp and cnn: width of the hidden dense layer."""
     channels: Annotated[int, Range(1, most=I32)] = 32
     """cnn: channels of the first convolution (the second has twice as many)."""
     n_layer: Annotated[int, Range(1, most=I32)] = 4
-    """gpt: transformer blocks."""
+    """gpt, llama: transformer blocks."""
     n_head: Annotated[int, Range(1, most=I32)] = 4
-    """gpt: attention heads (must divide n_embd)."""
+    """gpt, llama: attention (query) heads (must divide n_embd)."""
     n_embd: Annotated[int, Range(1, most=I32)] = 128
-    """gpt: embedding width."""
+    """gpt, llama: embedding width."""
+    n_kv_head: Annotated[int, Range(0, most=I32)] = 0
+    """llama: key/value heads, each shared by n_head / n_kv_head query heads (grouped-query attention; 0 = n_head: one per query head)."""
+    ffn_hidden: Annotated[int, Range(0, most=I32)] = 0
+    """llama: the SwiGLU MLP's width (0 = 8/3 x n_embd rounded up to a multiple of 256, Llama's rule)."""
+    rope_theta: Annotated[float, Range(0, low_open=True)] = 10000.0
+    """llama: the base of the rotary position embedding's frequencies (Llama 2: 10000; Llama 3: 500000)."""
     dropout: Annotated[float, Range(0, 1, high_open=True, fix="--model.dropout=0.1")] = 0.0
     """Dropout probability (0 disables it)."""
     vocab_size: Annotated[int, Range(0, most=I32)] = 0
-    """gpt: vocabulary size (0 = taken from the data)."""
+    """gpt, llama: vocabulary size (0 = taken from the data)."""
     bias: bool = True
     """gpt: biases in the linears and layer norms (false: none, as in Llama and nanoGPT's option: fewer parameters, a little faster on a GPU)."""
     loss: Literal["split", "fused"] = "split"
@@ -236,6 +242,24 @@ class ModelConfig:
         check_fields(self)
         _check(self.n_embd % self.n_head == 0, "model.n_head", self.n_head,
                f"a divisor of model.n_embd={self.n_embd}", "choose n_head so that n_embd % n_head == 0")
+        if self.name == "llama":
+            kv = self.n_kv_head or self.n_head
+            _check(self.n_head % kv == 0, "model.n_kv_head", self.n_kv_head,
+                   f"a divisor of model.n_head={self.n_head} (or 0: as many as n_head)",
+                   f"--model.n_kv_head={_divisor_below(self.n_head, kv)}")
+            _check(self.n_embd // self.n_head % 2 == 0, "model.n_head", self.n_head,
+                   f"a head width n_embd / n_head that is even (RoPE rotates pairs); {self.n_embd} / {self.n_head} "
+                   f"= {self.n_embd // self.n_head}", f"--model.n_head={_even_heads(self.n_embd, self.n_head)}")
+
+
+def _even_heads(n_embd: int, n_head: int) -> int:
+    """The most heads, up to ``n_head``, that divide ``n_embd`` into heads of an even width (1 if none)."""
+    return max([d for d in range(1, n_head + 1) if n_embd % d == 0 and n_embd // d % 2 == 0] or [1])
+
+
+def _divisor_below(n: int, k: int) -> int:
+    """The largest divisor of ``n`` not above ``k``."""
+    return max(d for d in range(1, min(n, k) + 1) if n % d == 0)
 
 
 @dataclass(frozen=True)
