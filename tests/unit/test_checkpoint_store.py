@@ -239,3 +239,44 @@ def test_a_sharded_save_commits_in_the_background_and_refuses_a_nan(tmp_path, as
         ck.save_sharded(2, model, opt, {"step": 2}, {"x": 2}, {"format": "dcp"})
     ck.close()
     assert [p.name for p in tmp_path.joinpath("checkpoints").iterdir()] == ["step-00000001"]
+
+
+def _to_fits_old_layout(step_dir: Path) -> None:
+    """Rewrite a checkpoint of a one-process scaletrain train run as fit() wrote it before it ran on the session
+    (up to commit 5b0d4c0): one loader and the LR schedule at the top of trainer.json, one running loss per rank,
+    no ``session`` or ``bare`` in the manifest. The model and optimizer files were already in this layout."""
+    trainer = json.loads((step_dir / "trainer.json").read_text())
+    old = {"step": trainer["step"], "loader": trainer["loaders"][0], "scheduler": trainer["tracked"]["scheduler"],
+           "scaler": trainer["scaler"], "train_time_s": trainer["train_time_s"], "last_loss": float("nan")}
+    (step_dir / "trainer.json").write_text(json.dumps(old))
+    rank = step_dir / "rank-00000.safetensors"
+    state, _ = tree.decode(rank.read_bytes(), str(rank))
+    sums = state.pop("sums")
+    rank.write_bytes(tree.encode({**state, "loss_sum": sums["loss"], "loss_count": sums["loss#n"]}))
+    manifest = json.loads((step_dir / commit.MANIFEST).read_text())
+    for name in ("trainer.json", rank.name):
+        record = commit.hash_file(step_dir / name)
+        manifest["files"][name] = {"bytes": record.bytes, "sha256": record.sha256}
+    manifest["meta"] = {k: v for k, v in manifest["meta"].items() if k not in ("session", "bare")}
+    (step_dir / commit.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_of_fit_before_it_ran_on_the_session_resumes_exactly(tmp_path, capsys):
+    """Nothing saved is lost to the change of trainer: a checkpoint in fit()'s old layout, taken at step 3 (between
+    log steps: the running loss of step 3 is in it), resumes and ends bit-identical to the uninterrupted run
+    (dropout on: every rank's RNG restored), with the same logged losses."""
+    base = {"train.max_steps": 8, "log.every": 2, "checkpoint.every": 100, "model.dropout": 0.1,
+            "train.progress": False, "train.eval_batches": 1}
+    run(load("digits", {**base, "run.dir": str(tmp_path / "ref")}))
+    assert run(load("digits", {**base, "run.dir": str(tmp_path / "old"), "chaos.interrupt_step": 3}))["stopped"]
+    _to_fits_old_layout(tmp_path / "old" / "checkpoints" / "step-00000003")
+    summary = run(load("digits", {**base, "run.dir": str(tmp_path / "old")}))
+    assert "resumed from" in capsys.readouterr().out and summary["steps"] == 8
+    ref, got = (safetensors.torch.load_file(str(tmp_path / d / "model.safetensors")) for d in ("ref", "old"))
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+    def losses(run_dir: Path) -> list[tuple[int, float]]:
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+
+    assert losses(tmp_path / "old") == losses(tmp_path / "ref")  # step 4's mean counts step 3's saved loss
