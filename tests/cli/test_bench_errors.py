@@ -17,8 +17,7 @@ NO_CUDA = not torch.cuda.is_available()
 
 @pytest.mark.parametrize("argv, words", [
     (["bench", "throughput", "--recipe", "nope"],
-     ["--recipe = 'nope'", "a built-in recipe (digits, gpt-stdlib, llama-tiny, llama3-405b, llama3-70b, llama3-8b)",
-      "fix: --recipe"]),
+     ["--recipe = 'nope'", "a built-in recipe (digits, gpt-stdlib, ", "fix: --recipe"]),
     (["bench", "scaling", "--recipe", "digitz"], ["--recipe = 'digitz'", "fix: --recipe digits"]),
     (["bench", "allreduce", "--sizes", "1XB"], ["--sizes = '1XB'", "expected sizes like 1KB", "fix: --sizes 1KB..256MB"]),
     (["bench", "allreduce", "--sizes", "8KB..1KB"], ["--sizes = '8KB..1KB'", "a <= b", "fix: --sizes 1KB..8KB"]),

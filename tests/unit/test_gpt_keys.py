@@ -79,3 +79,14 @@ def test_a_bf16_residual_tracks_the_fp32_one_and_needs_bf16_compute():
     with pytest.raises(ConfigError, match=r"model.residual = 'bf16': expected fp32 unless train.precision is "
                                           r"bf16-mixed .* fix: --train.precision=bf16-mixed"):
         load(None, {**TINY, "model.residual": "bf16"})
+
+
+@pytest.mark.parametrize(("recipe", "params"), [("gpt2-124m", 124_439_808), ("gpt2-350m", 354_823_168),
+                                                ("gpt2-774m", 774_030_080), ("gpt2-1.5b", 1_557_611_200)])
+def test_the_gpt2_recipes_have_the_published_models_parameter_counts(recipe, params):
+    """GPT-2 small, medium, large and XL as transformers' GPT2LMHeadModel counts them (tied head, biases, learned
+    positions for 1,024 tokens), from the recipes' shapes on the meta device: the planner's named shapes."""
+    cfg = load(recipe)
+    with torch.device("meta"):
+        model = build_model(cfg.model, "lm", {"vocab_size": 256, "seq_len": cfg.data.seq_len})
+    assert sum(p.numel() for p in model.parameters()) == params
