@@ -63,6 +63,12 @@ class MemoryBreakdown:
     def total_bytes(self) -> int:
         return self.model_state_bytes + self.activations_bytes
 
+    def largest(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        """Each part's larger of the two."""
+        return MemoryBreakdown(max(self.params_bytes, other.params_bytes), max(self.grads_bytes, other.grads_bytes),
+                               max(self.optim_bytes, other.optim_bytes),
+                               max(self.activations_bytes, other.activations_bytes))
+
     def with_activations(self, activations_bytes: int) -> MemoryBreakdown:
         return MemoryBreakdown(self.params_bytes, self.grads_bytes, self.optim_bytes, activations_bytes)
 

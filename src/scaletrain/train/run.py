@@ -40,7 +40,7 @@ from scaletrain.train.resume import config_changes, fitting
 from scaletrain.train.rundir import agree_run_dir
 from scaletrain.train.session import Opened, Session
 
-DONE, PREEMPTED, INTERRUPTED = "done", "preempted", "interrupted"
+PREEMPTED, INTERRUPTED = "preempted", "interrupted"
 
 
 def _header(job: Job, splits: Splits, console: Console) -> None:

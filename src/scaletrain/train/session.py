@@ -558,9 +558,7 @@ class Session:
 
     def _model_state(self) -> MemoryBreakdown:
         """Parameters, gradients and optimizer state on this rank, counted from the live tensors."""
-        parts = [model_state_bytes(m.module, m.optimizers) for m in self._models]
-        return MemoryBreakdown(*(sum(getattr(b, f) for b in parts) for f in ("params_bytes", "grads_bytes",
-                                                                             "optim_bytes")))
+        return model_state_bytes(self._box(), [opt for m in self._models for opt in m.optimizers])
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` (of the scaled loss under fp16-mixed), timed (compute and the exposed gradient
@@ -613,10 +611,8 @@ class Session:
             self.guard.disarm(optimizer)
         self._scaled = self._scaled or self.scaler.is_enabled()
         if self.steps == 0 or self._state_bytes is None:  # the first step's: gradients and optimizer state exist
-            now = self._model_state()
-            self._state_bytes = now if self._state_bytes is None else MemoryBreakdown(
-                *(max(getattr(a, f), getattr(now, f)) for a in [self._state_bytes]
-                  for f in ("params_bytes", "grads_bytes", "optim_bytes")))
+            now = self._model_state()  # several optimizers: each part's largest over the step's optimizer steps
+            self._state_bytes = now if self._state_bytes is None else self._state_bytes.largest(now)
         return norm
 
     def _unscaled_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
