@@ -45,11 +45,14 @@ __all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile",
 log = logging.getLogger(__name__)
 
 
-def apply_compile(model: nn.Module, units: Units | None = None) -> None:
-    """torch.compile in place (state_dict keys unchanged), block by block when there are blocks (``units``:
-    find_units(model) unless given)."""
+def apply_compile(model: nn.Module, units: Units | None = None, *, whole: bool = False) -> None:
+    """torch.compile in place (state_dict keys unchanged): the whole model as one graph with ``whole`` (an
+    unsharded model: the embedding, the head and a loss the model computes fuse with the blocks; under DDP,
+    dynamo's DDPOptimizer splits the graph at bucket boundaries so the all-reduce still overlaps backward),
+    else block by block when there are blocks (``units``: find_units(model) unless given), as FSDP needs: its
+    hooks sit between the blocks."""
     units = units if units is not None else find_units(model)
-    if units.modules:
+    if units.modules and not whole:
         for block in units:
             block.compile()
         log.info("compiled %s", units.describe())
@@ -148,7 +151,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
         log.warning("%s", line)
     apply_activation_checkpointing(model, memory.activation_checkpointing, units)
     if compile:
-        apply_compile(model, units)
+        apply_compile(model, units, whole=strategy not in ("fsdp", "hsdp"))
     if strategy in ("fsdp", "hsdp"):
         if mesh is None:
             ignored = " (memory.cpu_offload ignored)" if memory.cpu_offload else ""

@@ -153,6 +153,13 @@ def build_optimizer(module: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer
 ModelArg = nn.Module | Callable[[], nn.Module] | None
 
 
+def _default_loss(compile: bool) -> LossFn:
+    """The built-in loss, compiled with the model when train.compile is on: eager, the cross-entropy upcasts
+    the bf16 logits to an fp32 copy and writes an fp32 log-softmax beside it; compiled, one fused pass. A
+    loss the user gives is left as given."""
+    return torch.compile(default_loss) if compile else default_loss
+
+
 def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
               loss_fn: LossFn | None = None, resume: dict[str, Any] | None = None,
               batch_fn: BatchFn | None = None) -> Job:
@@ -185,4 +192,4 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         check_precision(cfg.train.precision, rt.device, strategy)
     layout = resolve_layout(cfg.parallel, cfg.memory, rt.world_size, nnodes, strategy=strategy)  # once, read below
     return Job(cfg, rt, plan, module, build_optimizer(module, cfg.optim, plan.peak_lr), splits.train, splits.eval,
-               loss_fn or default_loss, batcher, layout, reason, flops=flops, tokens_per_sample=one.tokens_per_sample())
+               loss_fn or _default_loss(cfg.train.compile), batcher, layout, reason, flops=flops, tokens_per_sample=one.tokens_per_sample())
