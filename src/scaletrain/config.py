@@ -233,10 +233,10 @@ class ModelConfig:
     """gpt, llama: vocabulary size (0 = taken from the data)."""
     bias: bool = True
     """gpt: biases in the linears and layer norms (false: none, as in Llama and nanoGPT's option: fewer parameters, a little faster on a GPU)."""
-    loss: Literal["split", "fused"] = "split"
-    """gpt: the output head and the cross-entropy: split (the logits, then the loss) or fused (models.losses.linear_cross_entropy, chunk by chunk: the logits are never kept, so no token accuracy at eval; less memory and time at large vocabularies)."""
-    residual: Literal["fp32", "bf16"] = "fp32"
-    """gpt under train.precision=bf16-mixed: the residual stream's dtype between blocks; fp32 (autocast's, the embeddings being fp32) or bf16 (as FSDP's bf16 policy has it: half the bytes for every add, norm and saved input)."""
+    loss: Literal["auto", "split", "fused"] = "auto"
+    """gpt: the output head and the cross-entropy in training: split (the logits, then the loss) or fused (models.losses.linear_cross_entropy, chunk by chunk: the logits are never kept; less memory, and with the bf16 residual less time at large vocabularies); evaluation forms the logits either way. auto: fused on a GPU with train.compile (measured faster there, benchmarks/RESULTS.md 5d), else split."""
+    residual: Literal["auto", "fp32", "bf16"] = "auto"
+    """gpt under train.precision=bf16-mixed: the residual stream's dtype between blocks; fp32 (autocast's, the embeddings being fp32) or bf16 (as FSDP's bf16 policy has it: half the bytes for every add, norm and saved input). auto: bf16 on a GPU under bf16-mixed (measured faster there, benchmarks/RESULTS.md 5d), else fp32."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -503,12 +503,22 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
-        _check(self.model.residual == "fp32" or self.train.precision == "bf16-mixed", "model.residual",
-               self.model.residual, "fp32 unless train.precision is bf16-mixed (a bf16 residual needs bf16 compute)",
+        _check(self.model.residual != "bf16" or self.train.precision == "bf16-mixed", "model.residual",
+               self.model.residual, "fp32 or auto unless train.precision is bf16-mixed (a bf16 residual needs bf16 compute)",
                "--train.precision=bf16-mixed, or --model.residual=fp32")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    def for_device(self, device: str) -> Config:
+        """This config with model.loss and model.residual's ``auto`` decided for a run on ``device`` ("cuda",
+        "cpu", ...): the settings measured fastest on a GPU there (GPT-2 124M on an H100, benchmarks/RESULTS.md
+        5d), off elsewhere (not measured faster on a CPU, and a CPU run computes what it always did)."""
+        gpu, m = device == "cuda", self.model
+        loss = m.loss if m.loss != "auto" else "fused" if gpu and self.train.compile else "split"
+        residual = m.residual if m.residual != "auto" else (
+            "bf16" if gpu and self.train.precision == "bf16-mixed" else "fp32")
+        return dataclasses.replace(self, model=dataclasses.replace(m, loss=loss, residual=residual))
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())

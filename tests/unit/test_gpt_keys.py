@@ -76,7 +76,7 @@ def test_a_bf16_residual_tracks_the_fp32_one_and_needs_bf16_compute():
         job.module(torch.randint(0, 256, (1, 32)))
     hook.remove()
     assert seen == [torch.bfloat16]
-    with pytest.raises(ConfigError, match=r"model.residual = 'bf16': expected fp32 unless train.precision is "
+    with pytest.raises(ConfigError, match=r"model.residual = 'bf16': expected fp32 or auto unless train.precision is "
                                           r"bf16-mixed .* fix: --train.precision=bf16-mixed"):
         load(None, {**TINY, "model.residual": "bf16"})
 

@@ -189,7 +189,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     check_types(overrides)
     if overrides.get("dist.nnodes", "1") != "1":  # a plan needs no rendezvous; the run will
         overrides.setdefault("dist.rdzv_endpoint", "planned:29500")
-    cfg = load(args.config, cli_overrides=overrides)
+    cfg = load(args.config, cli_overrides=overrides).for_device("cuda")  # a plan is for a GPU (--gpu)
     world = cfg.dist.nproc * cfg.dist.nnodes
     splits = build_splits(cfg.data, cfg.model)
     batches = plan_batches(cfg, world, len(splits.train))  # type: ignore[arg-type]

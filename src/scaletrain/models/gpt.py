@@ -79,9 +79,10 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The logits (B, T, vocab); with ``fused_loss`` and ``targets`` (B, T), ``{"loss": mean cross-entropy}``
-        instead (the trainer passes the targets then: scaletrain.batch.Batcher's target_kwarg)."""
-        if self.fused_loss and targets is not None:
+        """The logits (B, T, vocab); with ``fused_loss`` and ``targets`` (B, T), in training,
+        ``{"loss": mean cross-entropy}`` instead (the trainer passes the targets then: scaletrain.batch.Batcher's
+        target_kwarg). In eval mode the logits, for the loss and token accuracy."""
+        if self.fused_loss and targets is not None and self.training:
             return {"loss": linear_cross_entropy(self.hidden(idx), self.head.weight, targets,
                                                  chunk_rows=self.loss_chunk_rows)}
         return self.head(self.hidden(idx))  # (B, T, vocab)

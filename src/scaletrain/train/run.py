@@ -251,6 +251,7 @@ def open_job(cfg: Config, rt: Runtime, splits: Splits, *, console: Console, pree
     """The job built and attached to its session: the checkpoint to continue from chosen for the model built
     (train/resume.py fitting), the session opened on it, the model set up and restored. ``cfg``'s run dir
     is agreed already."""
+    cfg = cfg.for_device(rt.device.type)  # once: the job, its session and the run dir's config see what runs
     build = functools.partial(build_job, cfg, rt, splits, model, loss_fn, batch_fn=batch_fn)
     job, resume = _job_and_resume(cfg, rt, build, len(splits.train), console)  # type: ignore[arg-type]
     st = Session(cfg, opened=Opened(rt, console, resume, preempt, job.layout,
