@@ -322,12 +322,30 @@ def test_the_default_mfu_is_the_nearest_measured_run_and_says_which(capsys):
     from scaletrain.plan.catalog import default_mfu
 
     assert default_mfu("h100", compiled=False, params=6.7e9)[0] == 0.30
-    assert default_mfu("h200", compiled=True, params=124e6)[0] == 0.37
+    assert default_mfu("h200", compiled=True, params=124e6)[0] == 0.41
     assert default_mfu("h100", compiled=True, params=3e9)[0] == 0.50  # nearer 1B than 124M
-    assert default_mfu("h100", compiled=True, params=300e6)[0] == 0.37
+    assert default_mfu("h100", compiled=True, params=300e6)[0] == 0.41
     mfu, source = default_mfu("l4", compiled=True, params=1e9)
     assert mfu == 0.40 and source.startswith("not measured on l4") and "--calibrate" in source
     text = " ".join(_plan_text(["gpt-stdlib", "--gpu", "h100", "--train.compile=true",
                                 *(f"--{k}={v}" for k, v in SMALL.items())], capsys).split())
-    assert "MFU 0.37 assumed" in text and "MFU: the nearest measured run: GPT-2 124M through scaletrain train, " \
+    assert "MFU 0.41 assumed" in text and "MFU: the nearest measured run: GPT-2 124M through scaletrain train, " \
         "compiled" in text
+
+
+@pytest.mark.parametrize("loss, whole, sharded", [("split", 0.55, 1.0), ("fused", 0.37, 0.80)])
+def test_compiled_activations_are_the_eager_measurement_times_the_measured_ratio(loss, whole, sharded):
+    """train.compile: the built-in GPT's activations are planned as the eager (fake-tensor) measurement times
+    the ratio measured on an H100 for its compile scope (whole graph for DDP, block by block for FSDP) and
+    loss, nearest in size (plan/catalog.py COMPILED_ACTIVATIONS); split block by block was not measured: eager."""
+    eager_cfg = load("gpt-stdlib", {**{k: str(v) for k, v in SMALL.items()}, "model.loss": loss})
+    splits = build_splits(eager_cfg.data, eager_cfg.model)
+    sample, target = splits.train[0][0], splits.train[0][1]
+    eager = measure_model(eager_cfg, splits.task, splits.info, sample, target=target)
+    compiled_cfg = load("gpt-stdlib", {**{k: str(v) for k, v in SMALL.items()}, "model.loss": loss,
+                                       "train.compile": "true"})
+    compiled = measure_model(compiled_cfg, splits.task, splits.info, sample, target=target)
+    for key, value in eager.activations.items():
+        ratio = sharded if key.startswith("sharded-") else whole
+        assert compiled.activations[key] == round(value * ratio), key
+    assert compiled.params == eager.params and compiled.flops_per_sample == eager.flops_per_sample

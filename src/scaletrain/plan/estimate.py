@@ -193,6 +193,28 @@ def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Te
     ``modes``/``sharded``: the checkpointing modes and layouts (DDP, FSDP) to measure activations for (a run's
     own plan needs one of each); ``flops``: FLOPs per sample known already (not counted again); ``target``:
     the sample's target, which a GPT with model.loss=fused takes in forward (its logits are never kept)."""
+    return _compiled(cfg, _measure_eager(cfg, task, info, sample, target=target, modes=modes, sharded=sharded,
+                                         flops=flops))
+
+
+def _compiled(cfg: Config, facts: ModelFacts) -> ModelFacts:
+    """Activations as torch.compile keeps them (train.compile, the built-in GPT): the eager measurement times
+    the measured ratio of plan/catalog.py's COMPILED_ACTIVATIONS, whole-graph for DDP's keys and block by block
+    for FSDP's ("sharded-")."""
+    from scaletrain.plan.catalog import compiled_activations
+
+    if not cfg.train.compile or cfg.model.name != "gpt":
+        return facts
+    acts = {}
+    for key, value in facts.activations.items():
+        m = compiled_activations(whole=not key.startswith("sharded-"), loss=cfg.model.loss, params=facts.params)
+        acts[key] = round(value * m.ratio) if m is not None else value
+    return replace(facts, activations=acts)
+
+
+def _measure_eager(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
+                   target: torch.Tensor | None, modes: tuple[str, ...], sharded: tuple[bool, ...],
+                   flops: float | None) -> ModelFacts:
     layers = cfg.model.n_layer if cfg.model.name == "gpt" else 0
     if layers <= 2 * MEASURED_LAYERS[-1]:  # as quick to measure whole
         return _measure(cfg, task, info, sample, target=target, modes=modes, sharded=sharded, flops=flops)
