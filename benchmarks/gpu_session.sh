@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks of one lent-GPU session, in priority order, each with its own time limit (1,335 s in all), results under $OUT.
+# The GPU checks of one lent-GPU session, in priority order, each with its own time limit, results under $OUT.
 # Run on the device machine from the repository root: PYTHONPATH=src (tomli_w carried in .h4carry).
-# A device call runs at most 600 s, so run it in three: `bash benchmarks/gpu_session.sh 1 2 3 4 5`, then `... 6 7`,
-# then `... 8` (no arguments: every step).
+# A device call runs at most 600 s, so run it in three: `bash benchmarks/gpu_session.sh 1 2 3 4 5`, then `... 8`,
+# then `... 9 10 11`, then `... 6 7` (no arguments: every step).
 set -u
 export PYTHONPATH=src:.h4carry PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-STEPS=" ${*:-1 2 3 4 5 6 7 8} "
+STEPS=" ${*:-1 2 3 4 5 8 9 10 11 6 7} "
 on() { [[ $STEPS == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+GPT124="--model.n_layer=12 --model.n_head=12 --model.n_embd=768 --model.vocab_size=50304 --data.seq_len=1024"
+OFF="--model.loss=split --model.residual=fp32"  # the speed keys off (auto is on, on a GPU)
+ON="--model.bias=false --model.loss=fused --model.residual=bf16"
 if on 1; then
 echo "== 1. the GPU path of the trainer (tests/unit/test_cuda.py: digits fp32, bf16-mixed, fp16-mixed; a session under fp16-mixed)"
 timeout 80 python -m pytest -q -p no:cacheprovider tests/unit/test_cuda.py 2>&1 | tail -4 | tee "$OUT/test_cuda.txt"
@@ -61,15 +64,46 @@ for sdpa in flash efficient; do
 done
 fi
 if on 8; then
-echo "== 8. issue 14: the trainer's own speed keys at GPT-2 124M (vocab 50304, seq 1024, batch 16, bf16, compiled),"
-echo "   off and on, side by side in one call: steady-state tokens/s, MFU, peak memory and plan vs actual"
-for keys in "" "--model.bias=false --model.loss=fused --model.residual=bf16"; do
-  name=keys-$([ -z "$keys" ] && echo off || echo on)
-  timeout 200 python -m scaletrain train gpt-stdlib --model.n_layer=12 --model.n_head=12 --model.n_embd=768 \
-    --model.vocab_size=50304 --data.seq_len=1024 --data.batch_size=16 --train.precision=bf16-mixed \
+echo "== 8. issue 14: the trainer at GPT-2 124M (vocab 50304, seq 1024, bf16, compiled: the whole model and the loss"
+echo "   one graph), its speed keys off and on, beside gpu_mfu.py (a minimal hand-written loop of the same model) at"
+echo "   the same batch and flags, in one call: steady-state tokens/s, MFU, peak memory, plan vs actual, goodput"
+for run in "16 off" "16 default" "16 on" "64 on"; do  # default: auto (fused loss, bf16 residual on a GPU), biases
+  set -- $run; name=keys-$2-b$1; keys=$([ "$2" = on ] && echo "$ON"; [ "$2" = off ] && echo "$OFF")
+  timeout 200 python -m scaletrain train gpt-stdlib $GPT124 --data.batch_size=$1 --train.precision=bf16-mixed \
     --train.compile=true --train.max_steps=120 --log.every=20 --train.eval_batches=1 --train.progress=false \
-    --run.dir="$OUT/$name" $keys > "$OUT/$name.txt" 2>&1
-  python -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[2], round(s.get('tokens_per_s', 0)), s.get('mfu'), s['steady_state'], s['peak_mem_bytes'], s.get('plan_vs_actual', {}).get('error'))" \
-    "$OUT/$name/summary.json" "$name"
+    --run.dir="/tmp/$name" $keys > "/tmp/$name.txt" 2>&1 || tail -5 "/tmp/$name.txt"
+  python benchmarks/summary_line.py "/tmp/$name/summary.json" "$name"
+  if [ "$2" = on ]; then
+    timeout 120 python benchmarks/gpu_mfu.py --shape 124m --no-bias --steps 30 --warmup 5 --residual bf16 --loss fused \
+      --batch-size $1 2>&1 | grep -A1 "^124m"
+  fi
 done
+fi
+if on 9; then
+echo "== 9. issue 14: ~1B (18 x 2048, 16 heads) on one GPU through the trainer, bf16, compiled, speed keys on"
+for strategy in ${STRATEGIES:-ddp fsdp}; do  # one process: ddp = the plain model compiled whole, fsdp = compiled per block
+  name=1b-$strategy
+  timeout 240 python -m scaletrain train gpt-stdlib --model.n_layer=18 --model.n_head=16 --model.n_embd=2048 \
+    --model.vocab_size=50304 --data.seq_len=1024 --data.batch_size=16 --train.precision=bf16-mixed \
+    --train.compile=true --train.max_steps=60 --log.every=10 --train.eval_batches=1 --train.progress=false \
+    --parallel.strategy=$strategy --model.bias=false --model.loss=fused --model.residual=bf16 \
+    --run.dir="/tmp/$name" > "/tmp/$name.txt" 2>&1 || tail -5 "/tmp/$name.txt"
+  python benchmarks/summary_line.py "/tmp/$name/summary.json" "$name"
+done
+fi
+if on 10; then
+echo "== 10. issue 14: each speed key alone at GPT-2 124M, batch 16 (what each buys; step 8 has all off and all on)"
+for keys in "--model.bias=false $OFF" "--model.loss=fused --model.residual=fp32" "--model.residual=bf16 --model.loss=split"; do
+  name=key-${keys#--model.}; name=${name%% *}; name=${name/=/-}
+  timeout 150 python -m scaletrain train gpt-stdlib $GPT124 --data.batch_size=16 --train.precision=bf16-mixed \
+    --train.compile=true --train.max_steps=120 --log.every=20 --train.eval_batches=1 --train.progress=false \
+    --run.dir="/tmp/$name" $keys > "/tmp/$name.txt" 2>&1 || tail -5 "/tmp/$name.txt"
+  python benchmarks/summary_line.py "/tmp/$name/summary.json" "$name"
+done
+fi
+if on 11; then
+echo "== 11. issue 14: peers on the GPU: the trainer against a minimal hand-written loop of the same model (GPT-2"
+echo "   124M with biases, bf16, compiled, fused AdamW; the trainer with its defaults), interleaved rounds in one call"
+timeout 330 python benchmarks/peers/run.py --job gpt2-124m --nproc 1 --impls ddp,scaletrain --device cuda \
+  --steps 60 --log-every 10 --rounds ${ROUNDS:-3} --json "$OUT/peers-cuda-124m.json" 2>&1 | tail -12
 fi

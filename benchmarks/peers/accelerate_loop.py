@@ -17,9 +17,10 @@ def main() -> None:
     accelerator = Accelerator(cpu=args.device == "cpu")
     set_seed(common.SEED)
     loader = DataLoader(common.train_data(), batch_size=common.BATCH, shuffle=True, drop_last=True)
-    model = common.build_model()
+    model = common.build_model().to(accelerator.device)  # on the device before a fused AdamW sees it
     optimizer = common.build_optimizer(model)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    loss_of = common.step_loss(model)
 
     def reduce_sum(t: torch.Tensor) -> torch.Tensor:
         return accelerator.reduce(t, reduction="sum")
@@ -31,7 +32,7 @@ def main() -> None:
     while step < args.steps:
         loader.set_epoch(epoch)
         for x, y in loader:
-            loss = common.loss_fn(model(x), y)
+            loss = loss_of(x, y)
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(model.parameters(), common.GRAD_CLIP)

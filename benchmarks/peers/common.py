@@ -31,10 +31,15 @@ from scaletrain.observe.metrics import peak_memory_bytes
 
 # Which job (run.py --job sets it for every process it starts): gpt-stdlib, or digits (the CNN on sklearn's
 # 8x8 digits, 32 images per rank per step, where one all-reduce costs about as much as the compute).
+# gpt2-124m: GPT-2 124M's shape (12 x 768, 12 heads, 1,024 tokens, vocab 50,304 = 50,257 padded to a multiple
+# of 128) on the same bytes, 16 sequences per rank, bf16 autocast and torch.compile, fused AdamW: a GPU job. The
+# hand-written loop is a one-GPU script's: the model and its loss compiled as one function, as nanoGPT does.
 JOB = os.environ.get("SCALETRAIN_PEERS_JOB", "gpt-stdlib")
-SEQ_LEN, SEED = 128, 0
-BATCH = 16 if JOB == "gpt-stdlib" else 32
-N_LAYER, N_HEAD, N_EMBD = 4, 4, 128
+GPT_JOBS = ("gpt-stdlib", "gpt2-124m")
+SEQ_LEN, SEED = (1024 if JOB == "gpt2-124m" else 128), 0
+BATCH = 16 if JOB in GPT_JOBS else 32
+N_LAYER, N_HEAD, N_EMBD, VOCAB = (12, 12, 768, 50304) if JOB == "gpt2-124m" else (4, 4, 128, 256)
+FAST = JOB == "gpt2-124m"  # bf16 autocast + torch.compile + fused AdamW in every implementation
 LR, BETAS, WEIGHT_DECAY, GRAD_CLIP = 2e-3, (0.9, 0.99), 0.1, 1.0
 
 # The same job for scaletrain's CLI: the recipe with its schedule turned into a constant lr.
@@ -42,9 +47,11 @@ SCALETRAIN_OVERRIDES = {"data.batch_size": BATCH, "optim.name": "adamw", "optim.
                         "optim.beta2": BETAS[1], "optim.weight_decay": WEIGHT_DECAY, "optim.grad_clip": GRAD_CLIP,
                         "schedule.warmup_steps": 0, "schedule.decay": "constant", "optim.scale_lr": "false",
                         "run.seed": SEED, "model.dropout": 0.0}
-if JOB == "gpt-stdlib":
+if JOB in GPT_JOBS:
     SCALETRAIN_OVERRIDES.update({"data.seq_len": SEQ_LEN, "model.n_layer": N_LAYER, "model.n_head": N_HEAD,
-                                 "model.n_embd": N_EMBD})
+                                 "model.n_embd": N_EMBD, "model.vocab_size": VOCAB})
+if FAST:  # the trainer with its defaults on a GPU (model.loss and model.residual auto: fused, bf16); biases kept
+    SCALETRAIN_OVERRIDES.update({"train.precision": "bf16-mixed", "train.compile": "true", "model.bias": "true"})
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,13 +70,13 @@ def local_device(kind: str) -> torch.device:
 
 
 def train_data() -> torch.utils.data.Dataset:
-    return stdlib_text(SEQ_LEN).train if JOB == "gpt-stdlib" else digits(0.2).train
+    return stdlib_text(SEQ_LEN).train if JOB in GPT_JOBS else digits(0.2).train
 
 
 def build_model() -> torch.nn.Module:
     torch.manual_seed(SEED)  # the same initial weights on every rank and in every implementation
-    if JOB == "gpt-stdlib":
-        return GPT(256, SEQ_LEN, N_LAYER, N_HEAD, N_EMBD, dropout=0.0)
+    if JOB in GPT_JOBS:
+        return GPT(VOCAB, SEQ_LEN, N_LAYER, N_HEAD, N_EMBD, dropout=0.0)
     return CNN((1, 8, 8), 10, channels=32, hidden=128, dropout=0.0)  # the digits recipe's model
 
 
@@ -77,7 +84,16 @@ def build_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=LR, betas=BETAS)
+    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, fused=FAST)
+
+
+def step_loss(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss of a batch: forward and loss, under bf16 autocast and compiled as one function for FAST jobs."""
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=FAST):
+            return loss_fn(model(x), y)
+
+    return torch.compile(loss_of) if FAST else loss_of
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

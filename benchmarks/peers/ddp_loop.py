@@ -1,4 +1,5 @@
-"""The job as a hand-written DDP loop, as in the lecture: DistributedSampler + DDP + a plain loop.
+"""The job as a hand-written DDP loop, as in the lecture: DistributedSampler + DDP + a plain loop (one process:
+no DDP, as a one-GPU script).
 
 Run by run.py under torchrun (through `scaletrain launch`): torchrun sets RANK, WORLD_SIZE, LOCAL_RANK.
 """
@@ -23,9 +24,11 @@ def main() -> None:
     sampler = DistributedSampler(data, shuffle=True, seed=common.SEED, drop_last=True)
     loader = DataLoader(data, batch_size=common.BATCH, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
-    model = common.build_model().to(device)
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = common.build_optimizer(model.module)
+    module = common.build_model().to(device)
+    # One process: a one-GPU script's plain model, no DDP (nothing to average; scaletrain does not wrap either).
+    model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else module
+    optimizer = common.build_optimizer(module)
+    loss_of = common.step_loss(model)
 
     def reduce_sum(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
@@ -38,7 +41,7 @@ def main() -> None:
         sampler.set_epoch(epoch)
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = common.loss_fn(model(x), y)
+            loss = loss_of(x, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), common.GRAD_CLIP)

@@ -22,9 +22,10 @@ def main() -> None:
     fabric.seed_everything(common.SEED, verbose=False)
     loader = fabric.setup_dataloaders(DataLoader(common.train_data(), batch_size=common.BATCH, shuffle=True,
                                                  drop_last=True))
-    model = common.build_model()
+    model = common.build_model().to(fabric.device)  # on the device before a fused AdamW sees it
     optimizer = common.build_optimizer(model)
     model, optimizer = fabric.setup(model, optimizer)
+    loss_of = common.step_loss(model)
 
     def reduce_sum(t: torch.Tensor) -> torch.Tensor:
         return fabric.all_reduce(t, reduce_op="sum")
@@ -36,7 +37,7 @@ def main() -> None:
     while step < args.steps:
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
-            loss = common.loss_fn(model(x), y)
+            loss = loss_of(x, y)
             optimizer.zero_grad(set_to_none=True)
             fabric.backward(loss)
             fabric.clip_gradients(model, optimizer, max_norm=common.GRAD_CLIP)

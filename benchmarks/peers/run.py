@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", default="2", help="ranks (world size); several (1,2) also give each one's weak "
                    "scaling efficiency [default: 2]")
-    p.add_argument("--job", choices=("gpt-stdlib", "digits"), default="gpt-stdlib",
+    p.add_argument("--job", choices=("gpt-stdlib", "gpt2-124m", "digits"), default="gpt-stdlib",
                    help="the job all four run [default: gpt-stdlib]")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run [default: 60]")
     p.add_argument("--log-every", type=int, default=10,
@@ -130,8 +130,8 @@ def main() -> int:
           f"{common.BATCH} samples per rank per step, {args.steps} steps in intervals of {args.log_every} (first "
           f"one warm-up), {args.rounds} interleaved rounds of {', '.join(args.impls)}")
     if 1 in args.nprocs:
-        print("note: at 1 rank scaletrain does not wrap the model in DDP (nothing to synchronise) while the others "
-              "do: compare their step times at 2 ranks or more")
+        print("note: at 1 rank scaletrain and the hand-written loop do not wrap the model in DDP (nothing to "
+              "synchronise) while Fabric and Accelerate do: compare those at 2 ranks or more")
     if args.device == "cpu" and max(args.nprocs) * args.threads > usable_cores():
         print(f"note: {max(args.nprocs)} ranks x {args.threads} thread(s) exceed the {usable_cores()} cores here")
     runs: dict[int, dict[str, list[dict[str, Any]]]] = {n: {impl: [] for impl in args.impls} for n in args.nprocs}
