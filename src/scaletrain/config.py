@@ -456,6 +456,14 @@ class ParallelConfig:
     """Ranks holding replicas of each shard, the mesh's dp_replicate degree (0 = from strategy, -1 = the remaining ranks)."""
     dp_shard: Annotated[int, Range(1, most=I32, special=DEGREE, what="a degree", fix="--parallel.dp_shard=-1")] = 0
     """Ranks each replica is sharded over, the mesh's dp_shard degree (0 = from strategy, -1 = the remaining ranks)."""
+    tp: Annotated[int, Range(1, most=I32, what="a degree", fix="--parallel.tp=2")] = 1
+    """Tensor parallelism: ranks each block's matrices are split over (attention heads and the MLP's hidden units, torch.distributed.tensor.parallel), with sequence parallelism for the norms; within a machine. 1 = none."""
+    pp: Annotated[int, Range(1, most=I32, what="a degree", fix="--parallel.pp=2")] = 1
+    """Pipeline parallelism: stages the blocks are split into, one per rank of a pipeline group (torch.distributed.pipelining). 1 = none."""
+    microbatches: Annotated[int, Range(0, most=I32, what="a count", fix="--parallel.microbatches=8")] = 0
+    """pp > 1: micro-batches each rank's batch is split into to fill the pipeline (0 = 2 x pp); the bubble is (pp - 1) / microbatches of a step."""
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """pp > 1: the pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b (one forward, one backward: at most pp micro-batches of activations in flight)."""
     reshard_after_forward: bool = True
     """fsdp/hsdp: free gathered parameters after each block's forward and gather again in backward (less memory, more communication)."""
     bucket_mb: Annotated[float, Range(0.001, most=1_048_576, what="megabytes")] = 25.0
@@ -515,7 +523,8 @@ class Config:
         "cpu", ...): the settings measured fastest on a GPU there (GPT-2 124M on an H100, benchmarks/RESULTS.md
         5d), off elsewhere (not measured faster on a CPU, and a CPU run computes what it always did)."""
         gpu, m = device == "cuda", self.model
-        loss = m.loss if m.loss != "auto" else "fused" if gpu and self.train.compile else "split"
+        split = self.parallel.tp > 1  # the fused loss reads the whole output matrix, which TP splits
+        loss = m.loss if m.loss != "auto" else "fused" if gpu and self.train.compile and not split else "split"
         residual = m.residual if m.residual != "auto" else (
             "bf16" if gpu and self.train.precision == "bf16-mixed" else "fp32")
         return dataclasses.replace(self, model=dataclasses.replace(m, loss=loss, residual=residual))

@@ -1,4 +1,4 @@
-"""Topology as degrees on two named mesh axes: ``dp_replicate`` x ``dp_shard`` = world size.
+"""Topology as degrees on named mesh axes: ``pp`` x ``dp_replicate`` x ``dp_shard`` x ``tp`` = world size.
 
 The strategy names are presets for the degrees, decided here and nowhere else:
 
@@ -13,6 +13,9 @@ hsdp       (nodes, world/nodes) sharded within a machine, replicated across mach
 ``--parallel.dp_replicate`` / ``--parallel.dp_shard`` override the preset (0 keeps it); -1 means "the
 remaining ranks", the world size divided by the other degree.
 
+``--parallel.tp`` and ``--parallel.pp`` take their share of the ranks first (tp within a machine); the data-
+parallel degrees above resolve over what is left.
+
 Pure arithmetic on the config, no torch: the CLI checks a layout (train, slurm, plan) before anything heavy
 is imported or any worker starts, and parallel/mesh.py builds the DeviceMesh from the same degrees.
 """
@@ -20,12 +23,13 @@ is imported or any worker starts, and parallel/mesh.py builds the DeviceMesh fro
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
-from scaletrain.config import MemoryConfig, ParallelConfig
+from scaletrain.config import MemoryConfig, ModelConfig, ParallelConfig
 from scaletrain.errors import ConfigError
 
-MESH_DIMS = ("dp_replicate", "dp_shard")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def _preset(strategy: str, world_size: int, nnodes: int) -> tuple[int, int]:
@@ -93,14 +97,15 @@ def resolve_degrees(strategy: str, dp_replicate: int, dp_shard: int, world_size:
 class Layout:
     """A run's parallel layout, resolved once per process (resolve_layout) and read by every part that needs
     it: parallelize() and its mesh, the loader's data-parallel rank and size, the checkpoint's metadata, the
-    header. Immutable: nothing downstream recomputes a degree. (Tensor and pipeline degrees will join the
-    data-parallel ones here; until then every rank is a data-parallel rank.)"""
+    header. Immutable: nothing downstream recomputes a degree."""
 
     strategy: str  # ddp | fsdp | hsdp ("auto" resolved before)
     world_size: int
     nnodes: int
     dp_replicate: int  # ranks holding replicas of each shard
     dp_shard: int  # ranks each replica is sharded over
+    tp: int = 1  # ranks each block's matrices are split over (innermost: neighbours on one machine)
+    pp: int = 1  # pipeline stages (outermost)
 
     @property
     def sharded(self) -> bool:
@@ -108,12 +113,39 @@ class Layout:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: each reads its own shard of every batch."""
+        """Data-parallel ranks: each reads its own shard of every batch (the ranks of one tensor-parallel group
+        read the same one, and so do the stages of one pipeline)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
+        """The mesh's axes, outermost first, torchtitan's order: (pp, dp_replicate, dp_shard, tp); a global
+        rank is its row-major index."""
+        return tuple(zip(MESH_DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.tp)))
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Global rank ``rank``'s place on each axis of the mesh."""
+        out = {}
+        for name, size in reversed(self.mesh_shape):
+            rank, out[name] = divmod(rank, size)
+        return out
+
+    def describe(self) -> str:
+        """The strategy with the model-parallel degrees: "ddp", "fsdp x tp 2", "tp 2"."""
+        parts = [] if self.dp_size == 1 and self.tp * self.pp > 1 else [self.strategy]
+        parts += [f"{name} {n}" for name, n in (("pp", self.pp), ("tp", self.tp)) if n > 1]
+        return " x ".join(parts)
+
+    def reads(self, rank: int) -> bool:
+        """True for the one rank of each tensor-parallel group and pipeline that counts its batch (the others
+        read the same samples): samples/s and eval totals are summed over these."""
+        c = self.coordinates(rank)
+        return c["tp"] == 0 and c["pp"] == 0
 
     def dp_rank(self, rank: int) -> int:
         """The data-parallel rank of global rank ``rank`` (its place among the dp_size readers of the data)."""
-        return rank
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def as_dict(self) -> dict[str, int | str]:
         return dataclasses.asdict(self)
@@ -134,13 +166,76 @@ def resolve_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, n
     if strategy == "auto":
         raise ValueError("resolve_layout: resolve parallel.strategy=auto first (parallel.resolve_strategy)")
     _check_offload(memory, strategy)
-    replicate, shard = resolve_degrees(strategy, cfg.dp_replicate, cfg.dp_shard, world_size, nnodes)
-    return Layout(strategy, world_size, nnodes, replicate, shard)
+    dp_world = _model_parallel_share(cfg, world_size, nnodes)
+    replicate, shard = resolve_degrees(strategy, cfg.dp_replicate, cfg.dp_shard, dp_world, nnodes)
+    if strategy == "ddp" and cfg.tp > 1 and replicate > 1:
+        raise ConfigError("parallel.strategy", "ddp", f"fsdp or hsdp with parallel.tp = {cfg.tp} and "
+                          f"{replicate} data-parallel ranks (FSDP2 composes with tensor-parallel DTensors; DDP "
+                          "does not)", "--parallel.strategy=fsdp")
+    return Layout(strategy, world_size, nnodes, replicate, shard, cfg.tp, cfg.pp)
 
 
-def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nnodes: int = 1) -> None:
-    """The layout checks that need no model, as one-line ConfigErrors. Call it before starting workers, so a
-    mistake is reported once rather than by every rank (each worker resolves its Layout once)."""
+def _model_parallel_share(cfg: ParallelConfig, world_size: int, nnodes: int) -> int:
+    """The ranks left for data parallelism once tp x pp take theirs, or a one-line ConfigError."""
+    tp, pp = cfg.tp, cfg.pp
+    if world_size % (tp * pp):
+        key, value = ("parallel.tp", tp) if world_size % tp else ("parallel.pp", pp)
+        raise ConfigError(key, value, f"degrees whose product divides the world size {world_size} "
+                          f"(dp x pp x tp = world; here pp {pp} x tp {tp} = {pp * tp})",
+                          f"--nproc a multiple of {pp * tp}, or smaller degrees")
+    per_node = world_size // max(nnodes, 1)
+    if tp > 1 and per_node % tp:
+        raise ConfigError("parallel.tp", tp, f"a divisor of the {per_node} ranks on each machine (tensor "
+                          "parallelism communicates every layer: it stays within a machine)",
+                          f"--parallel.tp={math.gcd(per_node, tp)}")
+    return world_size // (tp * pp)
+
+
+def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nnodes: int = 1,
+                 model: ModelConfig | None = None) -> None:
+    """The layout checks that need no built model, as one-line ConfigErrors. Call it before starting workers,
+    so a mistake is reported once rather than by every rank (each worker resolves its Layout once).
+    ``model``: the built-in model's config, whose heads and layers the tensor and pipeline degrees split."""
     _check_offload(memory, cfg.strategy)
     if cfg.strategy != "auto":
         resolve_layout(cfg, memory, world_size, nnodes)
+    else:
+        _model_parallel_share(cfg, world_size, nnodes)
+    if model is not None:
+        check_split(cfg, model)
+    check_trainer_pp(cfg.pp)
+
+
+def check_trainer_pp(pp: int) -> None:
+    """The trainer does not run pipeline stages yet (parallel/pipeline.py has them, tested on its own; the
+    trainer's step, loader and checkpoint are not wired to them): a one-line error rather than a run that
+    would replicate the model on every stage."""
+    if pp > 1:
+        raise ConfigError("parallel.pp", pp, "1 in scaletrain train and fit() for now (the pipeline stages in "
+                          "scaletrain.parallel.pipeline are not wired into the trainer yet; scaletrain plan "
+                          "plans pp)", "--parallel.pp=1, and --parallel.tp or fsdp for a model that does not fit")
+
+
+def check_split(cfg: ParallelConfig, model: ModelConfig) -> None:
+    """The built-in model can be split tp ways by heads and pp ways by blocks, or a one-line ConfigError."""
+    tp, pp = cfg.tp, cfg.pp
+    if tp > 1:
+        if model.name not in ("gpt", "llama"):
+            raise ConfigError("parallel.tp", tp, f"1 with model.name = {model.name}: tensor parallelism splits "
+                              "the built-in GPT and Llama", "--parallel.tp=1, or --model.name=llama")
+        if model.name == "gpt" and cfg.strategy in ("fsdp", "hsdp"):
+            raise ConfigError("parallel.strategy", cfg.strategy, "ddp (one data-parallel rank) with parallel.tp > "
+                              "1 on the built-in GPT: FSDP2's sharding of its fused query/key/value matrix, split "
+                              "part by part, gathers out of order", "--model.name=llama for FSDP x TP, or "
+                              "--parallel.tp=1")
+        if model.name == "gpt" and model.loss == "fused":
+            raise ConfigError("model.loss", "fused", "split with parallel.tp > 1 (the fused loss reads the whole "
+                              "output matrix, which tensor parallelism splits)", "--model.loss=split")
+        kv = (("model.n_kv_head", model.n_kv_head or model.n_head),) if model.name == "llama" else ()
+        for key, heads in (("model.n_head", model.n_head), *kv):
+            if heads % tp:
+                raise ConfigError("parallel.tp", tp, f"a divisor of {key} = {heads} (each rank takes whole "
+                                  "heads)", f"--parallel.tp={max(d for d in range(1, tp) if heads % d == 0)}")
+    if pp > 1 and model.n_layer < pp:
+        raise ConfigError("parallel.pp", pp, f"at most model.n_layer = {model.n_layer} (each stage holds at "
+                          "least one block)", f"--parallel.pp={model.n_layer}")

@@ -114,6 +114,7 @@ def test_the_layout_is_one_immutable_value_resolved_once_per_run(monkeypatch, tm
         job.layout.dp_shard = 2  # type: ignore[misc]
     hsdp = resolve_layout(ParallelConfig(strategy="hsdp"), MemoryConfig(), 16, 2)
     assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp_size, hsdp.sharded) == (2, 8, 16, True)
-    assert hsdp.as_dict() == {"strategy": "hsdp", "world_size": 16, "nnodes": 2, "dp_replicate": 2, "dp_shard": 8}
+    assert hsdp.as_dict() == {"strategy": "hsdp", "world_size": 16, "nnodes": 2, "dp_replicate": 2, "dp_shard": 8,
+                              "tp": 1, "pp": 1}
     with pytest.raises(ValueError, match="resolve parallel.strategy=auto first"):
         resolve_layout(ParallelConfig(strategy="auto"), MemoryConfig(), 2)
