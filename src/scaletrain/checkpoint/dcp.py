@@ -121,6 +121,46 @@ def said(err: BaseException) -> str:
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
 
 
+def _split_by_parts(value: Any) -> bool:
+    """A DTensor split part by part over a "tp" axis (parallel/tensor.py's FusedColwise: GPT's fused q, k, v).
+    A rank's rows are then several blocks of the whole tensor, while DCP addresses a shard as one block: it
+    would save them as one and find it overlapping the others'."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(value, DTensor) or "tp" not in (value.device_mesh.mesh_dim_names or ()):
+        return False
+    return isinstance(value.placements[value.device_mesh.mesh_dim_names.index("tp")], _StridedShard)
+
+
+def addressable(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (nested dicts) with each DTensor DCP cannot address (_split_by_parts) gathered whole
+    (Replicate): saved once, loaded at any layout. The cost: those tensors' all-gather at every save and load
+    (GPT's qkv matrices: a quarter of its block parameters and their optimizer state)."""
+    from torch.distributed.tensor import Replicate
+
+    def one(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: one(v) for k, v in value.items()}
+        if _split_by_parts(value):
+            return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim)
+        return value
+
+    return one(state)
+
+
+def placed_like(loaded: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    """After a load into ``addressable(like)``: each gathered tensor split again as its counterpart in ``like``."""
+    def one(value: Any, want: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: one(v, want.get(k) if isinstance(want, dict) else None) for k, v in value.items()}
+        if _split_by_parts(want):
+            return value.redistribute(placements=want.placements)
+        return value
+
+    return one(loaded, like)
+
+
 def save(state: dict[str, Any], directory: Path, process_group: Any = None) -> None:
     """Every rank writes its shards of ``state`` (tensors, DTensors) into directory (a shared path). A plain
     tensor that every rank holds under the same key (a buffer) is written once, by the lowest rank holding

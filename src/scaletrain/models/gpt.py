@@ -21,11 +21,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape  # (B, T, C)
-        q, k, v = self.qkv(x).split(c, dim=2)
+        # chunk and -1 heads rather than C and n_head: under tensor parallelism this rank's qkv output holds
+        # its n_head / tp heads of each of q, k and v (parallel/tensor.py)
+        q, k, v = self.qkv(x).chunk(3, dim=2)
         # (B, T, C) -> (B, heads, T, C / heads)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(b, t, -1, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
 class Block(nn.Module):

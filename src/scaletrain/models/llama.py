@@ -49,16 +49,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # Heads counted from the projections' outputs (-1), not n_head: under tensor parallelism each rank
+        # holds n_head / tp query heads and n_kv_head / tp key/value heads (parallel/tensor.py).
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_head != self.n_head:  # grouped-query attention: each key/value head serves a group
-            group = self.n_head // self.n_kv_head
+        if q.shape[1] != k.shape[1]:  # grouped-query attention: each key/value head serves a group
+            group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.wo(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletrain.batch import Batch
 from scaletrain.config import MemoryConfig, ParallelConfig
-from scaletrain.layout import Layout, check_layout, resolve_degrees, resolve_layout
+from scaletrain.layout import Layout, check_layout, check_trainer_pp, resolve_degrees, resolve_layout
 from scaletrain.observe.memory import (
     choose_strategy,
     device_capacity_bytes,
@@ -34,12 +34,13 @@ from scaletrain.observe.memory import (
     estimate_model_state,
 )
 from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from scaletrain.parallel.fsdp import apply_fsdp, fsdp_units, is_fsdp, mixed_precision_policy
-from scaletrain.parallel.mesh import build_mesh
+from scaletrain.parallel.fsdp import apply_fsdp, fsdp_units, has_dtensors, is_fsdp, mixed_precision_policy
+from scaletrain.parallel.mesh import build_mesh, dp_mesh
+from scaletrain.parallel.tensor import apply_tp, check_tp
 from scaletrain.parallel.units import Units, find_units, unit_warnings, units_line
 
-__all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "build_mesh",
-           "check_layout", "find_units", "fsdp_units", "gradient_sync", "is_fsdp", "mixed_precision_policy",
+__all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "apply_tp", "build_mesh",
+           "check_layout", "find_units", "fsdp_units", "gradient_sync", "has_dtensors", "is_fsdp", "mixed_precision_policy",
            "parallelize", "resolve_degrees", "resolve_layout", "resolve_strategy", "units_line"]
 
 log = logging.getLogger(__name__)
@@ -144,24 +145,33 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
     if strategy == "hsdp" and replicate == 1:
         log.warning("hsdp with dp_replicate = 1 is fsdp over %d ranks; set --parallel.dp_replicate to "
                     "replicate", shard)
-    # DDP runs over the default group; only sharding needs a mesh (and HSDP its two axes).
-    mesh = build_mesh(device.type, replicate, shard) if strategy in ("fsdp", "hsdp") else None
+    # DDP alone runs over the default group; sharding needs a mesh (HSDP its two axes), tensor parallelism its
+    # "tp" axis. torchtitan's order: TP, then checkpointing, compile, and FSDP over the data-parallel axes.
+    check_trainer_pp(layout.pp)
+    mesh = build_mesh(device.type, layout) if layout.sharded or layout.tp > 1 else None
+    if layout.tp > 1:
+        assert mesh is not None
+        check_tp(model, layout.tp, sharded=layout.sharded)
+        apply_tp(model, mesh["tp"])
     units = find_units(model, cfg.fsdp_units)
-    for line in unit_warnings(model, units, sharded=mesh is not None, checkpointing=memory.activation_checkpointing):
+    sharded = mesh is not None and layout.sharded
+    for line in unit_warnings(model, units, sharded=sharded, checkpointing=memory.activation_checkpointing):
         log.warning("%s", line)
     apply_activation_checkpointing(model, memory.activation_checkpointing, units)
-    if compile:
-        apply_compile(model, units, whole=strategy not in ("fsdp", "hsdp"))
-    if strategy in ("fsdp", "hsdp"):
+    if compile:  # whole when nothing splits the model between its blocks
+        apply_compile(model, units, whole=not layout.sharded and layout.tp == 1)
+    if layout.sharded:
         if mesh is None:
             ignored = " (memory.cpu_offload ignored)" if memory.cpu_offload else ""
             log.warning("%s on one process without a process group: nothing to shard, the model runs "
                         "unwrapped%s", strategy, ignored)
             return model
         policy = mixed_precision_policy(precision)
-        return apply_fsdp(model, mesh, param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+        return apply_fsdp(model, dp_mesh(mesh), param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
                           reshard_after_forward=cfg.reshard_after_forward, cpu_offload=memory.cpu_offload,
                           units=units)
+    if layout.tp > 1:  # one data-parallel rank (resolve_layout refuses DDP x TP): nothing to average
+        return model
     if replicate > 1:
         return apply_ddp(model, None, bucket_mb=cfg.bucket_mb, find_unused=cfg.find_unused)
     return model

@@ -82,3 +82,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
 def is_fsdp(model: nn.Module) -> bool:
     """True when ``model`` was sharded by fully_shard (its forward casts for mixed precision by itself)."""
     return isinstance(model, FSDPModule)
+
+
+def has_dtensors(model: nn.Module) -> bool:
+    """True when ``model``'s parameters are DTensors (FSDP's shards, tensor parallelism's splits): its state is
+    saved and loaded through DCP by every rank, and an optimizer built before must take the new parameters."""
+    from torch.distributed.tensor import DTensor
+
+    return is_fsdp(model) or any(isinstance(p, DTensor) for p in model.parameters())

@@ -64,6 +64,11 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: torch.T
                            tokens_per_sample=0, activations={checkpointing: 0, f"sharded-{checkpointing}": 0})
     parts = layout_memory(facts, strategy, checkpointing, shard=shard, precision=cfg.train.precision,
                           optimizer=cfg.optim.name)
+    if parallel.tp > 1:  # each rank holds 1/tp of the matrices (plan/parallel.py), every vector whole
+        from scaletrain.plan.parallel import stage_params, structure
+
+        share = stage_params(structure(module, 0), parallel.tp, 1, 0) / facts.params
+        parts = (*(round(p * share) for p in parts[:3]), *parts[3:])
     predicted: dict[str, Any] = dict(zip(("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes",
                                           "fsdp_buffers_bytes"), parts))
     predicted.update(model_state_bytes=sum(parts[:3]), total_bytes=sum(parts))

@@ -25,6 +25,7 @@ class BatchPlan:
     total_steps: int
     peak_lr: float  # after the linear scaling rule, if enabled
     note: str = ""  # what a resume at another world size changed or kept
+    readers: str = "rank"  # what world_size counts: "data-parallel rank" when tensor/pipeline ranks share batches
 
     @property
     def global_batch(self) -> int:
@@ -33,7 +34,7 @@ class BatchPlan:
 
     def describe(self) -> str:
         return (f"effective batch {self.global_batch} = {self.batch_size} per rank x {self.world_size} "
-                f"rank{'s' if self.world_size > 1 else ''} x {self.accum_steps} accumulation")
+                f"{self.readers}{'s' if self.world_size > 1 else ''} x {self.accum_steps} accumulation")
 
 
 def _accumulation(cfg: Config, world_size: int, resume: dict[str, Any] | None) -> tuple[int, str]:
@@ -97,7 +98,13 @@ def _total_steps(cfg: Config, steps_per_epoch: int, step_samples: int, train_siz
 
 def plan_batches(cfg: Config, world_size: int, train_size: int, resume: dict[str, Any] | None = None) -> BatchPlan:
     """Resolve accumulation (from train.global_batch, or from a resumed checkpoint's global batch), the steps
-    to run and the peak lr. ``resume``: the checkpoint's world_size, global_batch, step and loader state."""
+    to run and the peak lr. ``resume``: the checkpoint's world_size, global_batch, step and loader state.
+    ``world_size``: every rank; the batch arithmetic counts the data-parallel ones (the ranks of a
+    tensor-parallel group or a pipeline read one batch together)."""
+    world_size = world_size // (cfg.parallel.tp * cfg.parallel.pp)
+    if resume is not None and "layout" in resume:  # the readers it had, not its ranks
+        was = resume["layout"]
+        resume = {**resume, "world_size": int(was["dp_replicate"]) * int(was["dp_shard"])}
     b = cfg.data.batch_size
     accum, note = _accumulation(cfg, world_size, resume)
     step_samples = b * world_size * accum
@@ -112,4 +119,5 @@ def plan_batches(cfg: Config, world_size: int, train_size: int, resume: dict[str
     lr = cfg.optim.lr
     if cfg.optim.scale_lr:
         lr = scaled_lr(lr, step_samples, cfg.optim.base_batch)
-    return BatchPlan(b, world_size, accum, steps_per_epoch, total, lr, note)
+    readers = "data-parallel rank" if cfg.parallel.tp * cfg.parallel.pp > 1 else "rank"
+    return BatchPlan(b, world_size, accum, steps_per_epoch, total, lr, note, readers)

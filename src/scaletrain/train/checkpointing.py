@@ -263,7 +263,7 @@ class Checkpointer:
         own, mine_only = _rank_buffers(model, ranks, self.rt.rank)
         rest = _ShardedRest(step, stage, optim["param_groups"], trainer, ranks,
                             {**meta, "aliases": aliases, RANK_BUFFERS: own}, started, needed)
-        state = {"model": model, "optim": optim["state"], **mine_only}
+        state = {"model": dcp.addressable(model), "optim": dcp.addressable(optim["state"]), **mine_only}
         if self._pool is not None and background:
             staged = self._stage("dcp/", state)
             if self.rt.device.type == "cuda":

@@ -22,12 +22,14 @@ def evaluate(job: Job) -> dict[str, float]:
     Accuracy is exact at any world size; the loss agrees to float32 rounding (batch means are float32).
     Runs on the bare module: DDP's forward is not needed without gradients, and ranks may see one sample
     more or less than each other. Under FSDP the module's forward is collective, so a rank with fewer
-    batches runs uncounted forwards until every rank has run as many.
+    batches runs uncounted forwards until every rank has run as many. The ranks of a tensor-parallel group
+    evaluate the same samples together (their forward is collective too); the group's first rank counts them.
     """
-    cfg, rt, module = job.cfg, job.rt, job.module
+    cfg, rt, module, layout = job.cfg, job.rt, job.module, job.layout
     assert job.eval_data is not None
     batch_size = cfg.data.eval_batch_size or cfg.data.batch_size
-    loader = eval_loader(job.eval_data, batch_size=batch_size, rank=rt.rank, world=rt.world_size,
+    rank, world = layout.dp_rank(rt.rank), layout.dp_size  # the data-parallel readers
+    loader = eval_loader(job.eval_data, batch_size=batch_size, rank=rank, world=world,
                          num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
                          max_batches=cfg.train.eval_batches)
     module.eval()
@@ -36,20 +38,22 @@ def evaluate(job: Job) -> dict[str, float]:
     if job.sharded:
         # FSDP's forward is collective (it all-gathers parameters): every rank must run the same number of
         # forwards, though one rank may hold one sample more. The extra forwards are not counted.
-        chosen = eval_indices(len(job.eval_data), batch_size=batch_size, world=rt.world_size,  # type: ignore[arg-type]
+        chosen = eval_indices(len(job.eval_data), batch_size=batch_size, world=world,  # type: ignore[arg-type]
                               max_batches=cfg.train.eval_batches)
-        forwards = -(-len(chosen[::rt.world_size]) // batch_size)  # rank 0's share is the largest
+        forwards = -(-len(chosen[::world]) // batch_size)  # rank 0's share is the largest
     for raw in _padded(loader, forwards):
         if raw is None:  # this rank is out of samples; keep FSDP's collectives in step, count nothing
-            with autocast(cfg.train.precision, rt.device, sharded=job.sharded):
+            with autocast(cfg.train.precision, rt.device, sharded=job.fsdp):
                 job.batcher(collate_one(job.eval_data)).to(rt.device)(module)
             continue
         batch = job.batcher(raw).to(rt.device)
-        with autocast(cfg.train.precision, rt.device, sharded=job.sharded):
+        with autocast(cfg.train.precision, rt.device, sharded=job.fsdp):
             out = batch(module)
             loss = job.loss_fn(out, batch.target)
         totals += _sums(out, batch, loss)
     module.train()
+    if not layout.reads(rt.rank):
+        totals.zero_()  # counted by its group's first rank
     if rt.distributed:
         dist.all_reduce(totals)  # one collective: every rank gets the same sums, so the same metrics
     loss_sum, correct, count, other = totals.tolist()  # host-device sync: once per evaluation

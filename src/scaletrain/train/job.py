@@ -19,7 +19,7 @@ from scaletrain.config import Config, OptimConfig
 from scaletrain.data import Splits
 from scaletrain.models import GPT, build_model
 from scaletrain.observe.throughput import flops_per_sample
-from scaletrain.parallel import Layout, gradient_sync, is_fsdp, resolve_layout, resolve_strategy
+from scaletrain.parallel import Layout, gradient_sync, has_dtensors, is_fsdp, resolve_layout, resolve_strategy
 from scaletrain.runtime import Runtime, seed_all, set_deterministic
 from scaletrain.train.batching import BatchPlan, plan_batches
 from scaletrain.train.lr import build_scheduler
@@ -64,7 +64,13 @@ class Job:
 
     @property
     def sharded(self) -> bool:
-        """FSDP/HSDP: parameters, gradients and optimizer state are DTensor shards; forward is collective."""
+        """FSDP/HSDP or tensor parallelism: parameters, gradients and optimizer state are DTensors; forward is
+        collective."""
+        return self.model is not None and has_dtensors(self.model)
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP/HSDP: its mixed-precision policy casts (autocast is not needed)."""
         return self.model is not None and is_fsdp(self.model)
 
     @property

@@ -268,8 +268,9 @@ def load_dcp(module: torch.nn.Module, optimizers: Optimizer | list[Optimizer], r
     if "weights" not in skip:
         state["model"] = model
         state.update(own_buffers(model, resume, rank))  # moved out of model: each is read once
+        state["model"] = dcp.addressable(state["model"])
     if "optimizer" not in skip:
-        state["optim"] = optim["state"]
+        state["optim"] = dcp.addressable(optim["state"])
     if not state:
         return
     try:
@@ -278,10 +279,11 @@ def load_dcp(module: torch.nn.Module, optimizers: Optimizer | list[Optimizer], r
         raise dcp_failure(err, resume) from None
     if "model" in state:
         own = state.get(RANK_BUFFERS, {}).get(str(rank), {})
-        set_model_state_dict(module, with_aliases({**state["model"], **own}, aliases))
+        loaded = dcp.placed_like(state["model"], model)
+        set_model_state_dict(module, with_aliases({**loaded, **own}, aliases))
     if "optim" in state:
         saved = read_tree(resume, OPTIMIZER_GROUPS) if groups is None else groups
-        set_optimizer_state_dict(module, optimizers, {"state": state["optim"],
+        set_optimizer_state_dict(module, optimizers, {"state": dcp.placed_like(state["optim"], optim["state"]),
                                                       "param_groups": keep_implementation(saved, optimizers)})
 
 

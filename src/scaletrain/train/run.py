@@ -53,13 +53,13 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     name = type(job.module).__name__.removeprefix("FSDP")  # fully_shard renames the class
     console.print(f"model {name}: {params / 1e6:.3f}M parameters | data {cfg.data.source}: "
                   f"{len(splits.train)} train / {n_eval} held-out samples")  # type: ignore[arg-type]
-    layout = job.strategy if rt.world_size > 1 or job.sharded else "single replica"
-    units = units_line(job.module, cfg.parallel.fsdp_units, sharded=job.sharded,
+    layout = job.layout.describe() if rt.world_size > 1 or job.sharded else "single replica"
+    units = units_line(job.module, cfg.parallel.fsdp_units, sharded=job.fsdp,
                        blocks=cfg.memory.activation_checkpointing != "none" or cfg.train.compile)
     extras = [units] if units else []
     extras += [f"activation checkpointing {cfg.memory.activation_checkpointing}"] \
         if cfg.memory.activation_checkpointing != "none" else []
-    extras += ["CPU offload"] if cfg.memory.cpu_offload and job.sharded else []
+    extras += ["CPU offload"] if cfg.memory.cpu_offload and job.fsdp else []
     console.print(f"parallel: {layout}" + (f" ({job.strategy_reason})" if cfg.parallel.strategy == "auto" else "")
                   + "".join(f" | {e}" for e in extras))
     console.print(f"{plan.describe()} | {plan.steps_per_epoch} steps/epoch, {plan.total_steps} steps")
@@ -74,10 +74,12 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
         console.print(f"warning: {slow}")
     if n_eval:
         batch = cfg.data.eval_batch_size or cfg.data.batch_size
-        chosen = len(eval_indices(n_eval, batch_size=batch, world=rt.world_size, max_batches=cfg.train.eval_batches))
+        chosen = len(eval_indices(n_eval, batch_size=batch, world=job.layout.dp_size,
+                                  max_batches=cfg.train.eval_batches))
         if chosen < n_eval:
             console.print(f"eval: {chosen:,} of {n_eval:,} held-out samples, spread over the split "
-                          f"(train.eval_batches = {cfg.train.eval_batches} per rank); --train.eval_batches=0 "
+                          f"(train.eval_batches = {cfg.train.eval_batches} per {plan.readers}); "
+                          "--train.eval_batches=0 "
                           "evaluates all of them")
 
 

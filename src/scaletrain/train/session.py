@@ -97,7 +97,7 @@ from scaletrain.observe.metrics import MetricsWriter, write_json
 from scaletrain.observe.stragglers import bottleneck, phase_fractions
 from scaletrain.observe.throughput import device_peak, throughput
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_fsdp_mark
-from scaletrain.parallel import Layout, is_fsdp, parallelize, resolve_layout, units_line
+from scaletrain.parallel import Layout, has_dtensors, is_fsdp, parallelize, resolve_layout, units_line
 from scaletrain.runtime import Runtime
 from scaletrain.train.chaos import Chaos
 from scaletrain.train.checkpointing import (
@@ -396,7 +396,7 @@ class Session:
         wrapped = parallelize(model, self.device, self.world_size, cfg.parallel, compile=cfg.train.compile,
                               precision=cfg.train.precision, memory=cfg.memory, nnodes=self._nnodes,
                               optimizer=cfg.optim.name, layout=self.layout)
-        if is_fsdp(wrapped):  # fully_shard replaced the parameters: an optimizer built before takes the shards
+        if has_dtensors(wrapped):  # FSDP/TP replaced the parameters: an optimizer built before takes the new ones
             now = dict(model.named_parameters())
             for opt in given:
                 for group in opt.param_groups:
@@ -489,12 +489,13 @@ class Session:
     def autocast(self) -> contextlib.AbstractContextManager:
         """The run's compute precision (train.precision) for the forward passes inside it (under FSDP the
         sharding's mixed-precision policy casts, and this is a no-op)."""
-        return autocast(self.cfg.train.precision, self.device, sharded=self.sharded)
+        return autocast(self.cfg.train.precision, self.device, sharded=any(is_fsdp(m.wrapped) for m in self._models))
 
     @property
     def sharded(self) -> bool:
-        """True when the models set up are sharded (FSDP/HSDP): the checkpoints are DCP."""
-        return any(is_fsdp(m.wrapped) for m in self._models)
+        """True when the models set up are split across ranks (FSDP/HSDP shards, tensor parallelism): their
+        parameters are DTensors and the checkpoints are DCP."""
+        return any(has_dtensors(m.wrapped) for m in self._models)
 
     def _box(self, models: list[_Model] | None = None, *, bare: bool | None = None) -> nn.Module:
         """The models in one container, each under its name: one state dict for DCP (keys ``name.param``);
@@ -723,7 +724,9 @@ class Session:
         for name in sorted(k for k in self._sums if not k.endswith("#n")):  # over the finite values logged
             count = sum(r.sums[f"{name}#n"] for r in rows)
             means[name] = sum(r.sums[name] for r in rows) / count if count else math.nan
-        samples, tokens = sum(r.samples for r in rows), sum(r.tokens for r in rows)
+        # The ranks of a tensor-parallel group read the same batch: counted once, by the group's first rank.
+        readers = [r for i, r in enumerate(rows) if self.layout is None or self.layout.reads(i)]
+        samples, tokens = sum(r.samples for r in readers), sum(r.tokens for r in readers)
         self._seen = [self._seen[0] + samples, self._seen[1] + tokens]
         rate = samples / elapsed if elapsed > 0 else 0.0
         phases = [r.phases for r in rows]
@@ -887,7 +890,7 @@ class Session:
         weights, optimizers = "weights" not in self.skip, "optimizer" not in self.skip
         if resume.meta.get("format") == FORMAT_DCP:
             self._restore_dcp(entry, box, bare)
-        elif is_fsdp(entry.wrapped):  # a consolidated checkpoint (a DDP or one-process run) into shards
+        elif has_dtensors(entry.wrapped):  # a consolidated checkpoint (a DDP or one-process run) into shards
             tensors = {k: v for k, v in with_aliases(*read_model(resume)).items() if k.startswith(prefix)}
             trees = self._optimizer_trees(entry, bare)
             tree = {"state": {prefix + k: v for t in trees for k, v in t["state"].items()},

@@ -1,0 +1,192 @@
+"""Tensor parallelism (Megatron-LM's split of a block's matrices) with sequence parallelism, through
+torch.distributed.tensor.parallel, on a 1-D "tp" mesh (a sub-mesh of the run's DeviceMesh).
+
+Per block of the built-in Llama (Shoeybi et al. 2019; Korthikanti et al. 2022 for the sequence-parallel
+norms), torchtitan's plan:
+
+- attention: the query, key and value projections split by output (ColwiseParallel: each rank computes
+  n_head / tp query heads and n_kv_head / tp key/value heads), the output projection by input (RowwiseParallel):
+  one all-reduce per attention, or with sequence parallelism one all-gather before and one reduce-scatter after.
+- MLP: gate and up by output, down by input, the same pattern.
+- the norms (and the residual stream between blocks) sequence-parallel: each rank holds T / tp positions of the
+  residual, so the norms' activations are split too; the all-gather happens where the attention and MLP need
+  the whole sequence.
+- embedding split by vocabulary rows; the output head split by vocabulary columns, its logits gathered whole so
+  that any loss function sees ordinary logits (torch's loss_parallel would keep them split: not used yet).
+
+The built-in GPT: the same split of attention and MLP, its query, key and value (one fused matrix) split part by
+part (FusedColwise); its layer norms whole on every rank, since its learned position embedding is added to the
+whole sequence; the embedding and the head, tied, one DTensor split by vocabulary rows.
+
+Numbers: the same math as one process up to the order of floating-point sums (tests: 5 AdamW steps within
+1e-5). Every rank of a tensor-parallel group reads the same batch (Layout.dp_rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from scaletrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def check_tp(model: nn.Module, tp: int, *, sharded: bool = False) -> None:
+    """One-line ConfigErrors for a model tensor parallelism cannot split ``tp`` ways (``sharded``: and FSDP
+    then shards over the data-parallel ranks)."""
+    from scaletrain.models import GPT, Llama
+
+    if tp == 1:
+        return
+    if isinstance(model, Llama):
+        attention = model.layers[0].attention
+        heads = (("model.n_head", attention.n_head), ("model.n_kv_head", attention.n_kv_head))
+        hidden = model.layers[0].feed_forward.w1.out_features
+    elif isinstance(model, GPT):
+        if model.fused_loss:
+            raise ConfigError("model.loss", "fused", "split with parallel.tp > 1 (the fused loss reads the whole "
+                              "output matrix, which tensor parallelism splits)", "--model.loss=split")
+        if sharded:  # measured: training is right, but the gathered qkv (checkpoints, final weights) is not
+            raise ConfigError("parallel.strategy", "fsdp", "ddp (one data-parallel rank) with parallel.tp > 1 on "
+                              "the built-in GPT: FSDP2's sharding of its fused query/key/value matrix, split part "
+                              "by part, gathers out of order", "--model.name=llama for FSDP x TP, or "
+                              "--parallel.tp=1")
+        heads = (("model.n_head", model.blocks[0].attn.n_head),)
+        hidden = model.blocks[0].mlp[0].out_features
+    else:
+        raise ConfigError("parallel.tp", tp, f"1 for {type(model).__name__}: the tensor-parallel plans name the "
+                          "built-in GPT's and Llama's layers", "--parallel.tp=1, or a built-in model")
+    for key, n in heads:
+        if n % tp:
+            raise ConfigError("parallel.tp", tp, f"a divisor of {key} = {n} (each rank takes whole heads)",
+                              f"--parallel.tp={_divisor_below(n, tp)}")
+    if hidden % tp:
+        raise ConfigError("parallel.tp", tp, f"a divisor of the MLP's width {hidden}",
+                          f"--parallel.tp={_divisor_below(hidden, tp)}")
+
+
+def _divisor_below(n: int, tp: int) -> int:
+    return max(d for d in range(1, tp + 1) if n % d == 0)
+
+
+def _quiet() -> None:
+    """Two of torch's messages that every rank prints and that ask nothing of the user: DTensor's advice to
+    flatten the mesh when a scalar (the gradient norm) or a checkpointed matrix is reduced over two axes one
+    after the other (bytes, once per step or save), and FSDP2's caution that the tensor-parallel head returns
+    a view (the trainer's losses do not write into it)."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+class FusedColwise(ColwiseParallel):
+    """ColwiseParallel for a Linear whose output is ``parts`` matrices stacked (GPT's fused query, key and value):
+    each part is split over the ranks, so a rank's rows are [q_r; k_r; v_r] (DTensor's _StridedShard), not the
+    r-th slice of the stack. Its output, taken local, is this rank's heads of each part."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__(output_layouts=_StridedShard(2, split_factor=parts))  # (B, T, parts x C / tp) local
+        self.parts = parts
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for key, param in module.named_parameters():
+            split = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=self.parts)])
+            module.register_parameter(key, nn.Parameter(split, requires_grad=param.requires_grad))
+
+
+class TiedColwise(ColwiseParallel):
+    """ColwiseParallel for an output head whose weight is the token embedding's, split already (by rows, as
+    the embedding's RowwiseParallel splits it: the same Shard(0)): the one DTensor stays shared."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        assert isinstance(module.weight, DTensor) and module.weight.placements == (Shard(0),)
+
+
+class Replicated(ParallelStyle):
+    """A module every rank computes whole (GPT's layer norms and position embedding, without sequence
+    parallelism): its parameters Replicate DTensors, so their gradients (identical on every rank) are
+    DTensors like the rest for clipping and DCP; inputs and outputs local tensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs(mod: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+        def outputs(mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Split ``model`` (a built-in GPT or Llama) in place over the 1-D ``mesh``; returns it. Parameters become
+    DTensors on ``mesh`` (split or replicated): state_dict keys are unchanged, and DCP saves them whole-
+    tensor-addressable, so a checkpoint resumes at another tp."""
+    from scaletrain.models import GPT
+
+    check_tp(model, mesh.size())
+    _quiet()
+    if isinstance(model, GPT):
+        return _apply_tp_gpt(model, mesh)
+    parallelize_module(model, mesh, {
+        # Vocabulary rows split; the output is the residual stream, sequence-sharded from here on.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # Logits gathered whole: the loss is any function of ordinary logits.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    log.info("tensor parallel: %d blocks split %d ways (sequence-parallel norms)", len(model.layers), mesh.size())
+    return model
+
+
+def _apply_tp_gpt(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """The built-in GPT: Megatron's split of attention (fused qkv by heads, FusedColwise) and MLP; the layer
+    norms and the residual stream whole on every rank (no sequence parallelism: the learned position embedding
+    is added to the token embedding's full sequence); the tied embedding and head split by vocabulary."""
+    parallelize_module(model, mesh, {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "pos_emb": Replicated(),
+        "ln_f": Replicated(),
+    })
+    model.head.weight = model.tok_emb.weight  # the tie, now one DTensor split by vocabulary rows
+    parallelize_module(model.head, mesh, TiedColwise(output_layouts=Replicate()))
+    for block in model.blocks:
+        parallelize_module(block, mesh, {
+            "ln1": Replicated(),
+            "attn.qkv": FusedColwise(3),
+            "attn.proj": RowwiseParallel(),
+            "ln2": Replicated(),
+            "mlp.0": ColwiseParallel(),
+            "mlp.2": RowwiseParallel(),
+        })
+    log.info("tensor parallel: %d blocks split %d ways", len(model.blocks), mesh.size())
+    return model
