@@ -1,0 +1,378 @@
+"""Pipeline parallelism for the built-in GPT and Llama (torch.distributed.pipelining): the blocks are split
+into ``pp`` stages, one per rank of a pipeline group; each step's batch flows through them in micro-batches.
+
+    split the model (pipeline_stage) -> PipelineRunner(stage, mesh, ...) -> runner.step(inputs, target)
+    -> clip_grad_norm(stage, max_norm, pp group) -> optimizer.step() on the stage's parameters
+
+Stage 0 holds the embeddings, the last stage the final norm and the head; the blocks are split as evenly as
+possible, earlier stages taking the extra block: the last stage also runs the (B, T, vocab) head and the loss,
+the largest matmul of the model, so it is the one to lighten. Every stage keeps the whole model's parameter
+names (``blocks.3.attn.qkv.weight`` stays that in whichever stage holds block 3), so a checkpoint written
+under pp = 2 loads under pp = 1 by name and back.
+
+GPT's head shares the token embedding. With pp > 1 the two ends are on different ranks, so, as Megatron-LM
+does, the last stage holds its own copy of the weight (``head.weight``, initialised equal to
+``tok_emb.weight``), and after backward the two gradients are summed between the first and the last stage:
+both copies then get the same gradient and the same update, and stay equal. A checkpoint sees what it sees of
+one process's GPT, whose state_dict also lists the one tied tensor under both names: stage 0 writes
+``tok_emb.weight``, the last stage ``head.weight``, equal values; loading either way fills both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.tensor import DTensor
+
+from scaletrain.models.gpt import GPT
+from scaletrain.models.llama import Llama
+
+__all__ = ["PipelineRunner", "StepTimes", "bubble_fraction", "clip_grad_norm", "pipeline_stage",
+           "resolve_microbatches", "split_stages", "stage_layers"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+DP_DIMS = ("dp_replicate", "dp_shard")
+
+
+def stage_layers(n_layer: int, pp: int) -> list[range]:
+    """The block indices of each of ``pp`` stages: as even as possible, the first ``n_layer % pp`` stages one
+    block more."""
+    if n_layer < pp:
+        raise ValueError(f"parallel.pp={pp} stages need at least {pp} blocks but model.n_layer={n_layer}; "
+                         f"set --parallel.pp to at most {n_layer}")
+    base, extra = divmod(n_layer, pp)
+    start = [i * base + min(i, extra) for i in range(pp + 1)]  # the first `extra` stages one block more
+    return [range(start[i], start[i + 1]) for i in range(pp)]
+
+
+class _Stage(nn.Module):
+    """What every stage module says about itself. ``tied_param``: this stage's end of a weight tied across
+    stages (its name here), whose gradient is summed with the other end's; ``tied_copy``: that parameter is
+    the copy, left out when the norm of all the model's gradients is taken (the model counts it once)."""
+
+    def __init__(self, index: int, pp: int) -> None:
+        super().__init__()
+        self.index, self.pp = index, pp
+        self.tied_param: str | None = None
+        self.tied_copy = False
+        self.ties_stages = False  # the model has a weight tied across stages (every stage knows)
+
+
+class _GPTStage(_Stage):
+    """Stage ``index`` of a GPT: token ids (B, T) on the first stage, the residual stream (B, T, C) elsewhere;
+    logits (B, T, vocab) out of the last."""
+
+    def __init__(self, model: GPT, index: int, pp: int, layers: range) -> None:
+        super().__init__(index, pp)
+        first, last = index == 0, index == pp - 1
+        self.bf16_residual = model.bf16_residual
+        self.tok_emb = model.tok_emb if first else None
+        self.pos_emb = model.pos_emb if first else None
+        self.drop = model.drop if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        self.ln_f = model.ln_f if last else None
+        self.head = model.head if last else None
+        tied = model.head.weight is model.tok_emb.weight
+        self.ties_stages = tied and pp > 1
+        if tied and first != last:  # the two ends of the tied weight on different ranks
+            self.tied_param = "tok_emb.weight" if first else "head.weight"
+            if last:
+                self.head = nn.Linear(model.head.in_features, model.head.out_features, bias=False,
+                                      device=model.head.weight.device, dtype=model.head.weight.dtype)
+                with torch.no_grad():
+                    self.head.weight.copy_(model.tok_emb.weight)
+                self.tied_copy = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))  # (B, T, C)
+            if self.bf16_residual and torch.is_autocast_enabled(x.device.type):
+                x = x.to(torch.get_autocast_dtype(x.device.type))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(self.ln_f(x))  # (B, T, vocab)
+        return x
+
+
+class _LlamaStage(_Stage):
+    """Stage ``index`` of a Llama; each stage keeps the RoPE tables (not in the state dict) its blocks use."""
+
+    def __init__(self, model: Llama, index: int, pp: int, layers: range) -> None:
+        super().__init__(index, pp)
+        self.tok_embeddings = model.tok_embeddings if index == 0 else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        self.norm = model.norm if index == pp - 1 else None
+        self.output = model.output if index == pp - 1 else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)  # (B, T, C)
+        t = x.shape[1]
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if self.output is not None:
+            x = self.output(self.norm(x))  # (B, T, vocab)
+        return x
+
+
+def pipeline_stage(model: nn.Module, pp: int, index: int) -> nn.Module:
+    """Stage ``index`` of ``pp`` of a built-in GPT or Llama. It shares the model's modules (no copy, but for
+    GPT's tied head on the last stage when pp > 1); the caller keeps only its own stage."""
+    if not 0 <= index < pp:
+        raise ValueError(f"stage index {index} is outside parallel.pp={pp} stages (0 to {pp - 1})")
+    if isinstance(model, GPT):
+        if model.fused_loss and index == 0:  # once, where rank 0 (stage 0) logs it
+            log.warning("model.loss=fused is ignored with parallel.pp > 1: the last stage returns the logits "
+                        "and the pipeline's loss function takes the cross-entropy")
+        return _GPTStage(model, index, pp, stage_layers(len(model.blocks), pp)[index])
+    if isinstance(model, Llama):
+        return _LlamaStage(model, index, pp, stage_layers(len(model.layers), pp)[index])
+    raise ValueError(f"parallel.pp={pp} splits only the built-in models (model.name=gpt or llama), "
+                     f"not {type(model).__name__}; set --parallel.pp=1")
+
+
+def split_stages(model: nn.Module, pp: int) -> list[nn.Module]:
+    """All ``pp`` stages of a built-in GPT or Llama (one process holding them all: for tests and tools)."""
+    return [pipeline_stage(model, pp, i) for i in range(pp)]
+
+
+def resolve_microbatches(pp: int, microbatches: int, schedule: str) -> int:
+    """parallel.microbatches, 0 meaning 2 x pp; 1F1B needs at least one micro-batch per stage."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    m = microbatches or 2 * pp
+    if schedule == "1f1b" and m < pp:
+        raise ValueError(f"parallel.microbatches={m} is fewer than parallel.pp={pp} stages, which 1f1b "
+                         f"needs; set --parallel.microbatches={pp} or more")
+    return m
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle share of a pipeline step's wall time, (p - 1) / (v m + p - 1), for GPipe and 1F1B (v = 1)
+    and interleaved 1F1B (v stages per rank).
+
+    Each of the p - 1 fill and p - 1 drain slots leaves a stage idle for one micro-batch's forward (resp.
+    backward) of one stage, while the step lasts v m + p - 1 such slots (equal stages, free communication).
+    The same bubble as a share of the ideal, bubble-free time is (p - 1) / (v m) (Narayanan et al. 2021,
+    the issue's formula); this one, x / (1 + x) of it, is what a measurement of busy time over wall time
+    gives (StepTimes.bubble), so the two can be put side by side.
+    """
+    if pp < 1 or microbatches < 1 or virtual < 1:
+        raise ValueError(f"bubble_fraction needs pp, microbatches and virtual >= 1, "
+                         f"got {pp}, {microbatches}, {virtual}")
+    return (pp - 1) / (virtual * microbatches + pp - 1)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """One stage's step: seconds computing (forward, backward and loss of its micro-batches) and seconds of
+    wall time; the rest was bubble and communication. The first step's wall time also holds the schedule's
+    set-up (a forward and backward of one micro-batch to learn the shapes sent between stages): measure from
+    the second."""
+
+    busy_s: float
+    wall_s: float
+
+    @property
+    def bubble(self) -> float:
+        return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class _Clock:
+    """Accumulated seconds of timed spans: a host timer on CPU (ops run as they are called); on CUDA, event
+    pairs on the stream, read once per step (one host-device sync point per step, not per micro-batch)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._host_s = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._host_s += time.perf_counter() - t0
+
+    def take(self) -> float:
+        """The seconds accumulated since the last take."""
+        if self._cuda:
+            torch.cuda.synchronize()  # host-device sync point
+            self._host_s = sum(a.elapsed_time(b) for a, b in self._events) / 1e3  # ms -> s
+            self._events.clear()
+        seconds, self._host_s = self._host_s, 0.0
+        return seconds
+
+
+class _TimedStage(PipelineStage):
+    """A PipelineStage that times its forward and backward chunks on a clock: the stage's busy time."""
+
+    def __init__(self, *args: Any, clock: _Clock, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.clock = clock
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.span():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.span():
+            return super().backward_one_chunk(*args, **kwargs)
+
+
+def _tied_group(mesh: DeviceMesh, pp_dim: str) -> dist.ProcessGroup | None:
+    """The 2-rank group of this rank's pipeline's first and last stage (None on the stages between). Every
+    rank must call this, as it creates one group per pipeline; with pp = 2 it is the pipeline group."""
+    dim = mesh.mesh_dim_names.index(pp_dim)
+    if mesh.size(dim) == 2:
+        return mesh.get_group(pp_dim)
+    pipelines = mesh.mesh.movedim(dim, -1).reshape(-1, mesh.size(dim))  # a row per pipeline, in stage order
+    group, _ = dist.new_subgroups_by_enumeration([[int(row[0]), int(row[-1])] for row in pipelines])
+    return group
+
+
+def _sum_tied_grads(stage: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Sum the gradient of a weight tied across the first and last stage: both copies take the same step."""
+    if getattr(stage, "tied_param", None) is None:
+        return
+    assert group is not None, "a stage with a tied weight has a tied group"
+    grad = stage.get_parameter(stage.tied_param).grad
+    assert grad is not None, "step() ran backward through the tied weight"
+    dist.all_reduce(grad, group=group)
+
+
+def _average_grads(params: list[nn.Parameter], groups: list[dist.ProcessGroup]) -> None:
+    """Average gradients over the data-parallel ranks of a stage: one flat all-reduce per dp axis."""
+    if not groups:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    for group in groups:
+        dist.all_reduce(flat, group=group)
+    flat /= math.prod(dist.get_world_size(g) for g in groups)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_grad_norm(stage: nn.Module, max_norm: float, pp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Clip the stage's gradients by the norm of the whole model's gradients, the stages' squared norms summed
+    over the pipeline group (a tied weight counted once, as one process counts it); returns that norm. Data-
+    parallel replicas hold equal averaged gradients, so the pipeline group is enough."""
+    skip = stage.tied_param if getattr(stage, "tied_copy", False) else None
+    grads = [p.grad for name, p in stage.named_parameters() if p.grad is not None and name != skip]
+    device = next(stage.parameters()).device
+    sq = torch.zeros((), device=device, dtype=torch.float32)
+    for g in grads:
+        sq += g.detach().float().pow(2).sum()
+    dist.all_reduce(sq, group=pp_group)
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+    for p in stage.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return norm
+
+
+class PipelineRunner:
+    """Runs one stage of a pipeline: ``step(inputs, target)`` is one training step's forward and backward over
+    the micro-batches, leaving in the stage's parameters the gradient of the mean loss over the whole batch
+    (summed with the tied weight's other end, averaged over the data-parallel ranks of the stage).
+
+    ``mesh``: the run's DeviceMesh with a ``pp_dim`` axis; its ``dp_replicate`` / ``dp_shard`` axes, where
+    present, are the ranks holding the same stage and seeing other rows: their gradients are averaged by
+    all-reduce after the pipeline's backward. ``loss_fn(logits, target)`` -> mean loss of a micro-batch; the
+    schedule divides the gradients by the number of micro-batches, so equal micro-batches give the gradient
+    of the whole batch's mean.
+    """
+
+    def __init__(self, stage: nn.Module, mesh: DeviceMesh, *, device: torch.device, microbatches: int,
+                 schedule: str, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 pp_dim: str = "pp") -> None:
+        names = mesh.mesh_dim_names or ()
+        if pp_dim not in names:
+            raise ValueError(f"the device mesh has no {pp_dim!r} axis (axes: {', '.join(names)})")
+        extra = [n for n in names if n not in (pp_dim, *DP_DIMS) and mesh.size(names.index(n)) > 1]
+        if extra:
+            raise ValueError(f"parallel.pp does not combine with the mesh axes {', '.join(extra)} yet; "
+                             f"set their degrees to 1")
+        if any(isinstance(p, DTensor) for p in stage.parameters()):
+            raise ValueError("PipelineRunner averages a stage's gradients itself and takes a plain stage, "
+                             "not one sharded by FSDP or tensor parallelism; use --parallel.strategy=ddp")
+        if "dp_shard" in names and mesh.size(names.index("dp_shard")) > 1:
+            log.warning("parallel.pp with dp_shard > 1: each stage is replicated over the dp_shard ranks, "
+                        "not sharded (FSDP within a stage is not supported yet); gradients are averaged")
+        self.stage_module, self.device = stage, device
+        self.pp_group = mesh.get_group(pp_dim)
+        pp, index = mesh.size(names.index(pp_dim)), mesh.get_local_rank(pp_dim)
+        self.microbatches = resolve_microbatches(pp, microbatches, schedule)
+        self._dp_groups = [mesh.get_group(n) for n in DP_DIMS if n in names and mesh.size(names.index(n)) > 1]
+        self._tied_group = _tied_group(mesh, pp_dim) if getattr(stage, "ties_stages", False) else None
+        self._busy, self._wall = _Clock(device), _Clock(device)
+        self.stage = _TimedStage(stage, index, pp, device, group=self.pp_group, clock=self._busy)
+        self._schedule = SCHEDULES[schedule](self.stage, self.microbatches, loss_fn=self._timed(loss_fn))
+        self.times: StepTimes | None = None  # of the last step or eval pass
+        log.info("pipeline stage %d of %d: %s, %d micro-batches, bubble (p - 1) / (m + p - 1) = %.1f%%",
+                 index, pp, schedule, self.microbatches, 100 * bubble_fraction(pp, self.microbatches))
+
+    def _timed(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
+            with self._busy.span():
+                return loss_fn(*args, **kwargs)
+        return timed
+
+    def _run(self, run: Callable[..., Any], inputs: torch.Tensor | None,
+             target: torch.Tensor | None) -> torch.Tensor | None:
+        for name, t in (("inputs", inputs), ("target", target)):
+            if t is not None and t.shape[0] % self.microbatches:
+                raise ValueError(f"the batch of {t.shape[0]} {name} rows does not split into "
+                                 f"parallel.microbatches={self.microbatches} equal micro-batches; "
+                                 f"make the per-rank batch size a multiple of {self.microbatches}")
+        args = (inputs,) if self.stage.is_first else ()
+        losses: list[torch.Tensor] | None = [] if self.stage.is_last else None
+        self._busy.take()  # drop what an interrupted step left
+        with self._wall.span():
+            run(*args, target=target if self.stage.is_last else None, losses=losses)
+        self.times = StepTimes(busy_s=self._busy.take(), wall_s=self._wall.take())
+        return torch.stack(losses).mean().detach() if losses else None
+
+    def step(self, inputs: torch.Tensor | None, target: torch.Tensor | None) -> torch.Tensor | None:
+        """One training step's forward and backward. ``inputs`` (B, T) are read on the first stage, ``target``
+        (B, T) on the last (others may pass None). Returns the mean loss over the micro-batches on the last
+        stage (this data-parallel rank's rows), None elsewhere; the caller clips (clip_grad_norm) and steps
+        its optimizer."""
+        loss = self._run(self._schedule.step, inputs, target)
+        _sum_tied_grads(self.stage_module, self._tied_group)
+        _average_grads(list(self.stage_module.parameters()), self._dp_groups)
+        return loss
+
+    def eval_step(self, inputs: torch.Tensor | None, target: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward only (call under torch.no_grad(), with the stage in eval mode): the mean loss over the
+        micro-batches on the last stage, None elsewhere."""
+        return self._run(self._schedule.eval, inputs, target)
