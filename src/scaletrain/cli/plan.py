@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
 
@@ -18,16 +20,23 @@ from rich.table import Table
 
 from scaletrain.cli.options import add_config_argument, add_config_options, check_types, config_overrides
 from scaletrain.config import load
-from scaletrain.errors import UserError
+from scaletrain.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
+    from scaletrain.config import Config
     from scaletrain.plan.actual import Calibration
-    from scaletrain.plan.estimate import Layout, Plan
+    from scaletrain.plan.estimate import Layout, ModelFacts, Plan
+    from scaletrain.plan.parallel import Parallel, Search, Structure
 
 WIDTH = 80  # columns of the default output
+_SPLIT_BY = {2: "heads and MLP width", 3: "heads, key/value heads and MLP width"}  # Structure.tp_divides: GPT, Llama
 MEMORY = ("params", "grads", "optimizer", "activations", "fsdp buffers", "total")
 TIME = ("compute", "comm", "step", "run", "cost $")
 WIDE_COLUMNS = ("layout", "checkpointing", *MEMORY, "fits", "compute", "comm", "run", "cost $")
+PARALLEL_CAPTION = ("m: micro-batches of data.batch_size per pipeline (accumulation steps at pp 1), the global batch "
+                    "held; step = max(compute x (1 + bubble), dp comm) + tp+pp comm (exposed); bubble (pp-1)/m; "
+                    "activations per block x 1/tp (Korthikanti et al. 2022, sequence-parallel) x micro-batches in "
+                    "flight (docs/plan.md)")
 CAPTION = ("compute: model FLOPs / (GPUs x peak x MFU), MFU x 3/4 with full checkpointing (the GPU also "
            "recomputes a forward); comm: ring collectives at the link rate, a lower bound; step = max(compute, comm) "
            "(docs/plan.md)")
@@ -56,6 +65,13 @@ def add_parser(sub: Any, name: str) -> None:
                      "summary.json plan vs actual) [default: none]")
     own.add_argument("--net-gbps", default="400", help="network between machines, Gb/s per GPU [default: 400]")
     own.add_argument("--price", default="", help="US dollars per GPU-hour, for the run's cost [default: none]")
+    own.add_argument("--tokens", default="", help="a token budget (1e9, 2B, 300B; K M B T = 1e3 1e6 1e9 1e12): "
+                     "the run's steps are tokens / (global batch x seq_len), replacing train.max_steps [default: "
+                     "train.max_steps]")
+    own.add_argument("--search", action="store_true", help="also plan dp x tp x pp layouts (ddp, zero1, zero2, "
+                     "fsdp, hsdp; tp within a machine; pp dividing the blocks) of these GPUs and of fewer whole "
+                     "machines, and name the fastest and the cheapest that fit [default: only the layout "
+                     "--parallel.tp/--parallel.pp give, when either is above 1]")
     own.add_argument("--json", default="", help="also write the plan to this file")
     own.add_argument("--wide", action="store_true", help="one row per layout, one column per quantity, about 150 "
                      "columns wide [default: one column per layout, within 80 columns]")
@@ -70,6 +86,21 @@ def _number(flag: str, text: str, low: float, high: float, example: str) -> floa
     if not low < value <= high:
         raise UserError(f"{flag} = {text!r}: expected a number in ({low:g}, {high:g}]; fix: {flag} {example}")
     return value
+
+
+_COUNT = re.compile(r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?)([kmbt]?)")
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+def parse_count(text: str, flag: str = "--tokens") -> int:
+    """'2B' -> 2_000_000_000, '1e9', '300B', '1.5T', '500M', '10_000' (decimal multiples, as token budgets are
+    said); a whole number >= 1, or a one-line ConfigError."""
+    match = _COUNT.fullmatch(text.strip().lower().replace("_", "").replace(",", ""))
+    value = float(match.group(1)) * _SCALE[match.group(2)] if match else 0.0
+    if not 1 <= value < 1e18 or value != int(value):
+        raise ConfigError(flag, text, "a whole count >= 1 like 1e9, 2B, 300B, 1.5T (K, M, B, T = 1e3, 1e6, 1e9, "
+                          "1e12)", f"{flag} 2B")
+    return int(value)
 
 
 def _dollars(cost: float) -> str:
@@ -162,6 +193,115 @@ def _print_plan(name: str, plan: Plan, batch: str, width: int | None, calibratio
     _say(f"plan: {verdict}: {plan.reason}", width)
 
 
+PARALLEL_COLUMNS = ("layout", "ckpt", "dp", "tp", "pp", "m", "memory", "step", "bubble", "tp+pp", "GPU-h",
+                    "cost $")
+SHOWN = 10  # rows of the search's table (fitting layouts, fastest first); --json has every one
+
+
+def _parallel_requested(cfg: Config, search: bool) -> bool:
+    return search or cfg.parallel.tp > 1 or cfg.parallel.pp > 1
+
+
+def _structure(cfg: Config, task: str, info: dict[str, Any], search: bool) -> Structure:
+    """The model's parameters by place (meta device), its degrees checked: a one-line ConfigError for a tp or pp
+    the model or the machines cannot take, before anything is measured."""
+    import torch
+
+    from scaletrain.models import build_model
+    from scaletrain.plan.estimate import BLOCK_MODELS
+    from scaletrain.plan.parallel import structure
+
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if cfg.model.name not in BLOCK_MODELS:
+        key, value = ("parallel.tp", tp) if tp > 1 else ("parallel.pp", pp) if pp > 1 else ("--search", True)
+        raise ConfigError(key, value, f"a model of identical blocks to split ({', '.join(BLOCK_MODELS)}), not "
+                          f"model.name = {cfg.model.name!r}", "plan it without --search, --parallel.tp, --parallel.pp")
+    with torch.device("meta"):
+        shape = structure(build_model(cfg.model, task, info), int(info.get("seq_len", cfg.data.seq_len)))
+    per_node, world = cfg.dist.nproc, cfg.dist.nproc * cfg.dist.nnodes
+    if tp > 1 and shape.tp_why_not:
+        raise ConfigError("parallel.tp", tp, f"1 for this model: {shape.tp_why_not}",
+                          "--parallel.tp=1, or --model.name=llama (a built-in Llama splits)")
+    bad = next((n for n in (per_node, *shape.tp_divides) if n % tp), None)
+    if bad is not None:
+        what = (f"a divisor of the {per_node} GPUs of a machine (tensor parallelism communicates every block: it "
+                "stays within a machine)" if bad == per_node else
+                f"a divisor of the {_SPLIT_BY[len(shape.tp_divides)]} {'/'.join(map(str, shape.tp_divides))}")
+        good = max(d for d in range(1, tp) if per_node % d == 0 and all(n % d == 0 for n in shape.tp_divides))
+        raise ConfigError("parallel.tp", tp, what, f"--parallel.tp={good}")
+    if pp > shape.n_layer or world % (tp * pp):
+        raise ConfigError("parallel.pp", pp, f"at most model.n_layer = {shape.n_layer} stages, with pp x tp "
+                          f"dividing the {world} GPUs (here {pp} x {tp} = {pp * tp})",
+                          "--parallel.pp=1, or --nproc/--nnodes a multiple of pp x tp")
+    return shape
+
+
+def _search(cfg: Config, plan: Plan, facts: ModelFacts, shape: Structure, search: bool) -> Search:
+    from scaletrain.plan.parallel import Setting
+    from scaletrain.plan.parallel import search as run_search
+
+    if cfg.parallel.microbatches:
+        print(f"scaletrain: warning: parallel.microbatches = {cfg.parallel.microbatches} ignored by the plan: it "
+              "holds the global batch and splits it into micro-batches of data.batch_size samples (the m column)",
+              file=sys.stderr)
+    global_batch = plan.batch_size * plan.world * plan.accum_steps
+    setting = Setting(facts, shape, plan.accelerator, plan.gpus_per_node, plan.precision, plan.tf32,
+                      plan.batch_size, global_batch, cfg.parallel.pp_schedule, cfg.optim.name, plan.mfu,
+                      plan.net_bytes_per_s, plan.usable_bytes)
+    only = None if search else (cfg.parallel.tp, cfg.parallel.pp)
+    return run_search(setting, gpus=plan.world, nodes=plan.nodes, total_steps=plan.total_steps,
+                      price_per_gpu_hour=plan.price_per_gpu_hour, only=only)
+
+
+def _parallel_cells(found: Search, lay: Parallel) -> list[str]:
+    from scaletrain.plan.estimate import fmt_seconds
+
+    cost = found.cost(lay)
+    return [lay.kind, lay.checkpointing, str(lay.dp), str(lay.tp), str(lay.pp), str(lay.microbatches),
+            _size(lay.total_bytes) + ("" if lay.fits else " NO"), fmt_seconds(lay.step_s), f"{lay.bubble:.0%}",
+            fmt_seconds(lay.tp_comm_s + lay.pp_comm_s), _hours(found.gpu_hours(lay)),
+            "-" if cost is None else _dollars(cost)]
+
+
+def _print_search(found: Search, searched: bool, width: int | None) -> None:
+    """The dp x tp x pp layouts (the search's fitting ones, fastest first, or the given pair's all), and the
+    fastest and the cheapest that fit."""
+    rows = found.fitting()[:SHOWN] if searched else found.layouts
+    table = Table(box=box.HORIZONTALS, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1))
+    for i, name in enumerate(PARALLEL_COLUMNS):
+        table.add_column(name, justify="left" if i < 2 else "right", no_wrap=True)
+    for lay in rows:
+        table.add_row(*_parallel_cells(found, lay))
+    fits = len(found.fitting())
+    head = (f"dp x tp x pp layouts: the {len(rows)} fastest of {fits} that fit ({len(found.layouts)} planned, on "
+            f"{found.gpus} GPUs and fewer whole machines)" if searched else
+            f"dp x tp x pp layouts at tp {rows[0].tp}, pp {rows[0].pp} on {found.gpus} GPUs")
+    _say(head + "; memory per GPU of the largest stage (NO: does not fit)", width)
+    _show(table, width)
+    _say(PARALLEL_CAPTION, width)
+    for word, lay in (("fastest", found.fastest), ("cheapest", found.cheapest)):
+        if lay is None:
+            _say(f"plan: {word}: no layout fits" + (" on all the GPUs" if word == "fastest" else ""), width)
+            continue
+        cost = found.cost(lay)
+        _say(f"plan: {word} that fits: {lay.name} on {lay.gpus} GPUs, checkpointing {lay.checkpointing}, "
+             f"m {lay.microbatches}: {_size(lay.total_bytes)} per GPU, {_seconds(lay.step_s)} per step, "
+             f"{_seconds(found.run_hours(lay) * 3600)}, {_hours(found.gpu_hours(lay))} GPU-hours"
+             + ("" if cost is None else f", ${_dollars(cost)}")
+             + f" (--parallel.tp={lay.tp} --parallel.pp={lay.pp})", width)
+
+
+def _hours(h: float) -> str:
+    """GPU-hours: whole ones from 100 on, else 3 significant digits."""
+    return f"{h:,.0f}" if h >= 99.5 else f"{h:.3g}"
+
+
+def _seconds(s: float) -> str:
+    from scaletrain.plan.estimate import fmt_seconds
+
+    return fmt_seconds(s)
+
+
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.plan.catalog import ACCELERATORS, default_mfu
 
@@ -171,6 +311,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     mfu = _number("--mfu", args.mfu, 0.0, 1.0, "0.4") if args.mfu is not None else 0.0
     net = _number("--net-gbps", args.net_gbps, 0.0, 1e6, "400") * 1e9 / 8
     price = _number("--price", args.price, 0.0, 1e6, "2.5") if args.price else None
+    tokens = parse_count(args.tokens) if args.tokens else None
     calibration = None
     if args.calibrate:  # read before the model is measured: a run that cannot calibrate is said at once
         from scaletrain.plan.actual import calibrate
@@ -181,7 +322,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
                             "runs; fix: calibrate with runs of a built-in model on this --gpu")
     from scaletrain.bench.report import check_output_path, write_json
     from scaletrain.data import build_splits
-    from scaletrain.plan.estimate import make_plan, measure_model
+    from scaletrain.plan.estimate import make_plan, measure_model, steps_for_tokens, with_block_activations
     from scaletrain.train.batching import plan_batches
 
     check_output_path(args.json or None, "--json", ".json")
@@ -192,9 +333,19 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     cfg = load(args.config, cli_overrides=overrides).for_device("cuda")  # a plan is for a GPU (--gpu)
     world = cfg.dist.nproc * cfg.dist.nnodes
     splits = build_splits(cfg.data, cfg.model)
+    parallel = _parallel_requested(cfg, args.search)
+    shape = _structure(cfg, splits.task, splits.info, args.search) if parallel else None  # degrees checked first
     batches = plan_batches(cfg, world, len(splits.train))  # type: ignore[arg-type]
     sample = splits.train[0][0]
     facts = measure_model(cfg, splits.task, splits.info, sample, target=splits.train[0][1])
+    if parallel:
+        facts = with_block_activations(cfg, splits.task, splits.info, sample, facts, target=splits.train[0][1])
+    total_steps = batches.total_steps
+    if tokens is not None:
+        if not facts.tokens_per_sample:
+            raise ConfigError("--tokens", args.tokens, "no token budget for a model that reads no tokens "
+                              f"(model.name = {cfg.model.name!r})", "--train.max_steps instead")
+        total_steps = steps_for_tokens(tokens, batches.global_batch, facts.tokens_per_sample)
     source = "given (--mfu)"
     if args.mfu is None:
         mfu, source = default_mfu(acc.key, compiled=cfg.train.compile, params=facts.params)
@@ -202,13 +353,24 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         if calibration.mfu is not None and args.mfu is None:  # an explicit --mfu wins
             mfu, source = calibration.mfu, "the calibrating runs'"
         if calibration.activations is not None:
-            facts = dataclasses.replace(facts, activations={k: round(v * calibration.activations)
-                                                            for k, v in facts.activations.items()})
-    plan = make_plan(cfg, facts, acc, total_steps=batches.total_steps, accum_steps=batches.accum_steps, mfu=mfu,
+            scale = calibration.activations
+            facts = dataclasses.replace(facts, activations={k: round(v * scale) for k, v in facts.activations.items()},
+                                        block_activations={k: round(v * scale)
+                                                           for k, v in facts.block_activations.items()})
+    plan = make_plan(cfg, facts, acc, total_steps=total_steps, accum_steps=batches.accum_steps, mfu=mfu,
                      net_bytes_per_s=net, price_per_gpu_hour=price)
+    found = _search(cfg, plan, facts, shape, args.search) if shape is not None else None
 
     width = None if args.wide else WIDTH
     _print_plan(args.config, plan, batches.describe(), width, calibration, source)
+    if tokens is not None:
+        global_tokens = batches.global_batch * facts.tokens_per_sample
+        _say(f"budget: {tokens:,} tokens (--tokens {args.tokens}) = {total_steps:,} steps of {global_tokens:,} "
+             f"tokens (train.max_steps not used)", width)
+    if found is not None:
+        _print_search(found, args.search, width)
     if args.json:
-        _say(f"wrote {write_json(args.json, {'config': args.config, **plan.as_dict()})}", width)
+        record = {"config": args.config, "tokens": tokens, **plan.as_dict(),
+                  **({"parallel": found.as_dict()} if found is not None else {})}
+        _say(f"wrote {write_json(args.json, record)}", width)
     return 0

@@ -65,10 +65,28 @@ class ModelFacts:
     flops_per_sample: float  # training FLOPs of one sample (forward and backward), as MFU counts them
     tokens_per_sample: int  # 0 for a model that does not read tokens
     activations: dict[str, int]  # AC mode (DDP) or "sharded-" + mode (FSDP) -> step peak beyond model state
+    # the same keys -> what one more block adds to ``activations`` (a GPT or Llama: measured at 3 and 4 blocks;
+    # empty until measured), which tensor and pipeline parallelism divide (plan/parallel.py)
+    block_activations: dict[str, int] = field(default_factory=dict, compare=False)  # a by-product, not a fact
+
+
+class PerGpuBytes:
+    """The memory of a planned layout per GPU, summed (its dataclass has the five fields)."""
+
+    params_bytes: int
+    grads_bytes: int
+    optim_bytes: int
+    activations_bytes: int
+    fsdp_buffers_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.params_bytes + self.grads_bytes + self.optim_bytes + self.activations_bytes
+                + self.fsdp_buffers_bytes)
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(PerGpuBytes):
     strategy: str  # ddp | fsdp | hsdp
     checkpointing: str  # none | full
     params_bytes: int
@@ -79,11 +97,6 @@ class Layout:
     compute_s: float
     comm_s: float
     fits: bool
-
-    @property
-    def total_bytes(self) -> int:
-        return (self.params_bytes + self.grads_bytes + self.optim_bytes + self.activations_bytes
-                + self.fsdp_buffers_bytes)
 
     @property
     def step_s(self) -> float:
@@ -152,6 +165,12 @@ class Plan:
                 "reason": self.reason}
 
 
+def steps_for_tokens(tokens: int, global_batch: int, tokens_per_sample: int) -> int:
+    """Optimizer steps that read at least ``tokens`` tokens at ``global_batch`` samples of
+    ``tokens_per_sample`` tokens each: the budget rounded up to whole steps."""
+    return -(-tokens // (global_batch * tokens_per_sample))
+
+
 def fmt_seconds(s: float) -> str:
     """A duration in the unit that reads best: 6.55 ns, 59.5 us, 446 ms, 12.3 s, 4.2 min, 3.1 h, 2.5 d."""
     for limit, scale, unit in ((1e-6, 1e9, "ns"), (1e-3, 1e6, "us"), (1.0, 1e3, "ms"), (60.0, 1.0, "s"),
@@ -178,10 +197,12 @@ def _fake_model(cfg: Config, task: str, info: dict[str, Any], checkpointing: str
     return model
 
 
-# The built-in GPT's blocks are identical, so what a step keeps, and its FLOPs, grow by the same amount with
-# each block: measured at MEASURED_LAYERS blocks, extrapolated to model.n_layer (exact to the byte from 3 blocks
-# on; under bf16 autocast with full checkpointing, 2 blocks keep more than 3. tests/unit/test_plan.py).
+# The built-in GPT's and Llama's blocks are identical, so what a step keeps, and its FLOPs, grow by the same
+# amount with each block: measured at MEASURED_LAYERS blocks, extrapolated to model.n_layer (exact to the byte
+# from 3 blocks on; under bf16 autocast with full checkpointing, 2 blocks keep more than 3.
+# tests/unit/test_plan.py, tests/unit/test_plan_parallel.py for the Llama).
 MEASURED_LAYERS = (3, 4)
+BLOCK_MODELS = ("gpt", "llama")  # model.name of the built-in models made of model.n_layer identical blocks
 
 
 def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
@@ -205,28 +226,52 @@ def _compiled(cfg: Config, facts: ModelFacts) -> ModelFacts:
 
     if not cfg.train.compile or cfg.model.name != "gpt":
         return facts
-    acts = {}
-    for key, value in facts.activations.items():
+    def ratio(key: str) -> float:
         m = compiled_activations(whole=not key.startswith("sharded-"), loss=cfg.model.loss, params=facts.params)
-        acts[key] = round(value * m.ratio) if m is not None else value
-    return replace(facts, activations=acts)
+        return m.ratio if m is not None else 1.0
+
+    return replace(facts, activations={k: round(v * ratio(k)) for k, v in facts.activations.items()},
+                   block_activations={k: round(v * ratio(k)) for k, v in facts.block_activations.items()})
 
 
 def _measure_eager(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
                    target: torch.Tensor | None, modes: tuple[str, ...], sharded: tuple[bool, ...],
                    flops: float | None) -> ModelFacts:
-    layers = cfg.model.n_layer if cfg.model.name == "gpt" else 0
+    layers = cfg.model.n_layer if cfg.model.name in BLOCK_MODELS else 0
     if layers <= 2 * MEASURED_LAYERS[-1]:  # as quick to measure whole
         return _measure(cfg, task, info, sample, target=target, modes=modes, sharded=sharded, flops=flops)
-    lo, hi = (_measure(replace(cfg, model=replace(cfg.model, n_layer=n)), task, info, sample, target=target, steps=True,
-                       modes=modes, sharded=sharded, flops=flops)
-              for n in MEASURED_LAYERS)
+    lo, hi = _measure_depths(cfg, task, info, sample, target=target, modes=modes, sharded=sharded, flops=flops)
     whole = _measure(cfg, task, info, sample, steps=False)
     more = layers - MEASURED_LAYERS[-1]
     per_sample = flops if flops is not None else \
         hi.flops_per_sample + more * (hi.flops_per_sample - lo.flops_per_sample)
     return replace(whole, flops_per_sample=per_sample,
-                   activations={k: v + more * (v - lo.activations[k]) for k, v in hi.activations.items()})
+                   activations={k: v + more * (v - lo.activations[k]) for k, v in hi.activations.items()},
+                   block_activations={k: v - lo.activations[k] for k, v in hi.activations.items()})
+
+
+def _measure_depths(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
+                    target: torch.Tensor | None, modes: tuple[str, ...], sharded: tuple[bool, ...],
+                    flops: float | None) -> tuple[ModelFacts, ModelFacts]:
+    """The model of ``cfg`` measured at each of MEASURED_LAYERS blocks."""
+    lo, hi = (_measure(replace(cfg, model=replace(cfg.model, n_layer=n)), task, info, sample, target=target,
+                       steps=True, modes=modes, sharded=sharded, flops=flops)
+              for n in MEASURED_LAYERS)
+    return lo, hi
+
+
+def with_block_activations(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, facts: ModelFacts,
+                           *, target: torch.Tensor | None = None) -> ModelFacts:
+    """``facts`` with block_activations: a GPT or Llama measured whole (up to 8 blocks) is measured again at
+    MEASURED_LAYERS blocks; a model without identical blocks is returned as it was. Call it before scaling
+    ``facts`` (--calibrate), which scales both."""
+    if facts.block_activations or cfg.model.name not in BLOCK_MODELS:
+        return facts
+    modes = tuple(k for k in facts.activations if not k.startswith("sharded-"))
+    lo, hi = _measure_depths(cfg, task, info, sample, target=target, modes=modes, sharded=(False, True),
+                             flops=facts.flops_per_sample)
+    lo, hi = _compiled(cfg, lo), _compiled(cfg, hi)
+    return replace(facts, block_activations={k: v - lo.activations[k] for k, v in hi.activations.items()})
 
 
 def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,

@@ -1,0 +1,384 @@
+"""Plans beyond data parallelism: ZeRO stages, tensor (tp) and pipeline (pp) degrees, and a search over
+dp x tp x pp layouts of a GPU count for the fastest and the cheapest that fit.
+
+Model state (mixed-precision AdamW as the rest of the planner counts it: fp32 parameters 4 bytes, which are
+the master copy, fp32 gradients 4, two fp32 moments 8: 16 bytes per parameter) per GPU, over ``n``
+data-parallel ranks: ddp 16; zero1 (optimizer state sharded) 4 + 4 + 8/n; zero2 (and gradients) 4 + 12/n;
+fsdp (ZeRO-3, and parameters) 16/n; hsdp ZeRO-3 over one machine's data-parallel ranks.
+
+Tensor parallelism over t ranks (a Llama: parallel/tensor.py splits its matrices by heads and MLP units, the
+embedding by vocabulary rows, the head by vocabulary columns) divides every parameter of 2 or more dimensions
+by t; the norms' vectors stay whole on each rank. Pipeline parallelism over p stages gives stage i its share
+of the blocks (the first n_layer % p stages one more, as parallel/pipeline.py splits them), the embeddings to
+stage 0 and the final norm and head to the last (a GPT's tied head: a copy on the last stage when p > 1).
+
+Activations combine the fake-tensor measurement with Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", table 2): what one block keeps is measured (ModelFacts.
+block_activations) and multiplied by the paper's ratio at t to t = 1 (with sequence parallelism, which
+parallel/tensor.py applies, the ratio is exactly 1/t); a stage keeps that for each of its blocks and each
+micro-batch in flight (1F1B: stage i holds p - i, GPipe all m); the rest of the measured peak (embeddings,
+head, logits and loss, and under full checkpointing the one block recomputed at a time) is counted whole on
+every stage: exact at t = p = 1, an overestimate elsewhere. The largest stage is the layout's.
+
+Time per step, at a global batch held fixed (the config's, as the data-parallel table plans it) in
+micro-batches of data.batch_size samples: n = global batch / (dp x data.batch_size) micro-batches per
+pipeline (accumulation steps when p = 1). compute = FLOPs / (GPUs x peak x MFU), the stages assumed equal;
+the pipeline bubble adds (p - 1) / (v m) of it (Narayanan et al. 2021, v = 1: no interleaving). Communication
+per GPU: tensor parallelism 4 collectives per block per micro-batch (2 forward, 2 backward; 6 with full
+checkpointing's second forward) of s x b x h elements in the compute dtype, each an all-reduce (or with
+sequence parallelism an all-gather plus a reduce-scatter: the same bytes), 2 (t - 1)/t of them on the wire,
+within a machine; pipeline point-to-point of one micro-batch's activations forward and their gradients back
+per micro-batch (s x b x h / t elements each: sequence-parallel); data parallelism as the data-parallel table
+plans it, over the stage's tensor-parallel shard of the parameters. Overlap: the data-parallel collectives
+overlap compute (step = max, as in the data-parallel table), tensor- and pipeline-parallel ones are on the
+critical path and add (exposed): step = max(compute x (1 + bubble), dp comm) + tp comm + pp comm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from scaletrain.plan.estimate import PerGpuBytes
+
+ZERO_KINDS = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
+MAX_TP = 8  # tensor parallelism stays within a machine (NVLink), at most 8 ways
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Where a block model's parameters are, counted on the meta device (elements)."""
+
+    n_layer: int
+    block_matrices: int  # parameters of >= 2 dimensions in one block (split by tensor parallelism)
+    block_vectors: int  # 1-D parameters in one block (norms, biases: whole on every tensor-parallel rank)
+    first_matrices: int  # outside the blocks, on the first stage: the embeddings
+    last_matrices: int  # outside the blocks, on the last stage: the head (0 when tied to the embedding)
+    last_vectors: int  # the final norm
+    tied: int  # parameters the first and last stage share (a tied head): a copy on each when p > 1
+    n_embd: int
+    n_head: int
+    seq_len: int
+    tp_divides: tuple[int, ...]  # the counts a tensor-parallel degree must divide (heads, key/value heads, MLP)
+    tp_why_not: str = ""  # why this model cannot be split by tensor parallelism ("" if it can)
+
+    @property
+    def params(self) -> int:
+        return (self.n_layer * (self.block_matrices + self.block_vectors) + self.first_matrices + self.last_matrices
+                + self.last_vectors)
+
+
+def structure(model: Any, seq_len: int) -> Structure:
+    """The Structure of a built-in GPT or Llama (built on the meta device: no memory)."""
+    from scaletrain.models import GPT, Llama
+
+    blocks = model.blocks if isinstance(model, GPT) else model.layers
+    block = blocks[0]
+    mat = sum(p.numel() for p in block.parameters() if p.dim() >= 2)
+    vec = sum(p.numel() for p in block.parameters() if p.dim() < 2)
+    in_blocks = {id(p) for p in blocks.parameters()}
+    first, last, last_vec = 0, 0, 0
+    for name, p in model.named_parameters():  # a tied parameter once, under its first name (the embedding)
+        if id(p) in in_blocks:
+            continue
+        if p.dim() < 2:
+            last_vec += p.numel()
+        elif "emb" in name:
+            first += p.numel()
+        else:
+            last += p.numel()
+    if isinstance(model, Llama):
+        att, ffn = block.attention, block.feed_forward
+        tied, n_head = 0, att.n_head
+        divides, why = (att.n_head, att.n_kv_head, ffn.w1.out_features), ""
+    else:
+        tied = model.head.weight.numel() if model.head.weight is model.tok_emb.weight else 0
+        # parallel/tensor.py splits its fused q, k, v part by part (and the column-split biases with them,
+        # counted whole here: a slight overestimate); FSDP over that split is refused there
+        n_head, divides, why = block.attn.n_head, (block.attn.n_head, block.mlp[0].out_features), ""
+    return Structure(len(blocks), mat, vec, first, last, last_vec, tied, model.tok_emb.embedding_dim
+                     if isinstance(model, GPT) else model.tok_embeddings.embedding_dim, n_head, seq_len,
+                     divides, why)
+
+
+# --- the formulas, each as the paper or the module docstring states it --------------------------------------
+
+def zero_state_bytes(params: int, kind: str, shard: int, *, optim_states: int = 2) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes per GPU of ``params`` fp32 parameters with fp32 gradients
+    and ``optim_states`` fp32 states each, under ZeRO ``kind`` over ``shard`` ranks."""
+    stage = ZERO_STAGE[kind]
+    p, g, o = 4 * params, 4 * params, 4 * optim_states * params
+    return (math.ceil(p / shard) if stage >= 3 else p, math.ceil(g / shard) if stage >= 2 else g,
+            math.ceil(o / shard) if stage >= 1 else o)
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, t: int = 1, sp: bool = True,
+                            recompute: str = "none") -> float:
+    """Activation bytes one transformer layer keeps for backward in 16-bit (Korthikanti et al. 2022, table 2):
+    s sequence, b micro-batch, h hidden, a heads, t tensor-parallel ranks, sp sequence parallelism;
+    recompute none | selective (the attention's 5as/h term recomputed) | full (the layer's input only)."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / t if sp else 2 * sbh
+    attention = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    return sbh * ((34 / t if sp else 10 + 24 / t) + attention)
+
+
+def activation_ratio(s: int, h: int, a: int, t: int, recompute: str, *, sp: bool = True) -> float:
+    """What t-way tensor parallelism leaves of one layer's activations per rank (Korthikanti's table 2 at t
+    over at 1); with sequence parallelism exactly 1/t."""
+    return korthikanti_layer_bytes(s, 1, h, a, t=t, sp=sp, recompute=recompute) / \
+        korthikanti_layer_bytes(s, 1, h, a, t=1, sp=sp, recompute=recompute)
+
+
+def bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
+    """The pipeline bubble as a share of the ideal (bubble-free) compute time: (p - 1) / (v m) (Narayanan et
+    al. 2021). As a share of the step's wall time it is (p - 1) / (v m + p - 1) (parallel/pipeline.py)."""
+    return (pp - 1) / (virtual * microbatches)
+
+
+def in_flight(pp: int, stage: int, microbatches: int, schedule: str) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once: 1F1B p - stage, GPipe all m."""
+    return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
+
+
+def stage_blocks(n_layer: int, pp: int) -> list[int]:
+    """Blocks per stage: the first n_layer % pp stages one more (parallel/pipeline.py's split)."""
+    base, extra = divmod(n_layer, pp)
+    return [base + (i < extra) for i in range(pp)]
+
+
+def tp_comm_bytes(s: int, b: int, h: int, tp: int, *, cbytes: int, blocks: int, microbatches: int,
+                  checkpointing: str) -> float:
+    """Bytes one GPU sends per step for tensor parallelism (module docstring)."""
+    if tp == 1:
+        return 0.0
+    collectives = 6 if checkpointing == "full" else 4
+    return microbatches * blocks * collectives * 2 * (tp - 1) / tp * s * b * h * cbytes
+
+
+def pp_comm_bytes(s: int, b: int, h: int, tp: int, pp: int, *, cbytes: int, microbatches: int) -> float:
+    """Bytes one stage sends per step: each micro-batch's activations forward and their gradients back."""
+    return 0.0 if pp == 1 else microbatches * 2 * s * b * h * cbytes / tp
+
+
+# --- one layout ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Parallel(PerGpuBytes):
+    """One dp x tp x pp layout: memory of its largest stage per GPU and time per step."""
+
+    kind: str  # ddp | zero1 | zero2 | fsdp | hsdp
+    checkpointing: str  # none | full
+    gpus: int
+    dp: int
+    tp: int
+    pp: int
+    microbatches: int  # per pipeline (p > 1) or accumulation steps (p = 1) per optimizer step
+    params_bytes: int
+    grads_bytes: int
+    optim_bytes: int
+    activations_bytes: int
+    fsdp_buffers_bytes: int
+    compute_s: float
+    bubble: float  # of the compute time
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    fits: bool
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s * (1 + self.bubble), self.dp_comm_s) + self.tp_comm_s + self.pp_comm_s
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} dp{self.dp} tp{self.tp} pp{self.pp}"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What every layout of one plan shares: the run, the accelerator, the measured model."""
+
+    facts: Any  # estimate.ModelFacts, with block_activations
+    shape: Structure
+    acc: Any  # catalog.Accelerator
+    gpus_per_node: int
+    precision: str
+    tf32: bool
+    batch_size: int  # samples per micro-batch
+    global_batch: int  # samples per optimizer step, held fixed
+    schedule: str  # 1f1b | gpipe
+    optimizer: str
+    mfu: float
+    net_bytes_per_s: float
+    usable_bytes: int
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def _cbytes(precision: str) -> int:
+    import torch
+
+    from scaletrain.observe.memory import AUTOCAST_DTYPE
+
+    return AUTOCAST_DTYPE.get(precision, torch.float32).itemsize
+
+
+def stage_params(shape: Structure, tp: int, pp: int, stage: int) -> int:
+    """Parameters one GPU of pipeline stage ``stage`` holds under t-way tensor parallelism."""
+    blocks = stage_blocks(shape.n_layer, pp)[stage]
+    n = blocks * (shape.block_matrices // tp + shape.block_vectors)
+    if stage == 0:
+        n += shape.first_matrices // tp
+    if stage == pp - 1:
+        n += shape.last_matrices // tp + shape.last_vectors + (shape.tied // tp if pp > 1 else 0)
+    return n
+
+
+def _stage_memory(st: Setting, kind: str, ac: str, dp: int, tp: int, pp: int, m: int, stage: int) -> tuple[int, ...]:
+    from scaletrain.observe.memory import OPTIM_STATES
+
+    shape, facts = st.shape, st.facts
+    shard = {"ddp": 1, "zero1": dp, "zero2": dp, "fsdp": dp, "hsdp": min(dp, st.gpus_per_node // tp)}[kind]
+    state = zero_state_bytes(stage_params(shape, tp, pp, stage), kind, shard,
+                             optim_states=OPTIM_STATES.get(st.optimizer, 2))
+    key = f"sharded-{ac}" if kind in ("fsdp", "hsdp") and shard > 1 else ac
+    block = facts.block_activations[key]
+    rest = facts.activations[key] - shape.n_layer * block  # the ends and the transients, counted whole
+    ratio = activation_ratio(shape.seq_len, shape.n_embd, shape.n_head, tp, ac)
+    blocks = stage_blocks(shape.n_layer, pp)[stage]
+    acts = round(in_flight(pp, stage, m, st.schedule) * blocks * block * ratio) + rest
+    buffers = 0 if key == ac else math.ceil(facts.largest_unit / tp) * (2 * _cbytes(st.precision) + 4)
+    return (*state, acts, buffers)
+
+
+def parallel_layout(st: Setting, kind: str, ac: str, *, gpus: int, tp: int, pp: int) -> Parallel:
+    """Memory (the largest stage) and time per step of one layout (module docstring)."""
+    dp = gpus // (tp * pp)
+    m = st.global_batch // (dp * st.batch_size)
+    memory = max((_stage_memory(st, kind, ac, dp, tp, pp, m, i) for i in range(pp)), key=sum)
+    shape, cb = st.shape, _cbytes(st.precision)
+    flops = st.facts.flops_per_sample * st.global_batch
+    compute = flops / (gpus * st.acc.peak(st.precision, tf32=st.tf32) * st.mfu * (0.75 if ac == "full" else 1))
+    link, net = st.acc.link_bytes_per_s, st.net_bytes_per_s
+    per_node = st.gpus_per_node
+    multi = gpus > per_node
+    s, b, h = shape.seq_len, st.batch_size, shape.n_embd
+    tp_s = tp_comm_bytes(s, b, h, tp, cbytes=cb, blocks=stage_blocks(shape.n_layer, pp)[0], microbatches=m,
+                         checkpointing=ac) / link
+    pp_link = min(link, net) if multi and dp * tp >= per_node else link  # stages dp x tp ranks apart
+    pp_s = pp_comm_bytes(s, b, h, tp, pp, cbytes=cb, microbatches=m) / pp_link
+    local = max(stage_params(shape, tp, pp, i) for i in range(pp))
+    dp_s = _dp_comm_s(kind, local, dp, m, cb, across=min(link, net) if multi and dp * tp > per_node else link,
+                      link=link, net=net, within=max(1, min(dp, per_node // tp)))
+    return Parallel(kind, ac, gpus, dp, tp, pp, m, *memory, compute, bubble(pp, m), tp_s, pp_s, dp_s,
+                    sum(memory) <= st.usable_bytes)
+
+
+def _dp_comm_s(kind: str, params: int, dp: int, micro: int, cbytes: int, *, across: float, link: float,
+               net: float, within: int) -> float:
+    """Seconds of data-parallel collectives per step over a stage's shard (the data-parallel table's model):
+    ddp, zero1, zero2 an all-reduce of fp32 gradients (zero: a reduce-scatter of them and an all-gather of the
+    updated fp32 parameters, the same bytes); fsdp two all-gathers of the parameters in the compute dtype per
+    micro-batch and a reduce-scatter of the gradients; hsdp that within a machine and an all-reduce of one
+    shard's gradients across machines."""
+    g32, pc = 4 * params, cbytes * params
+    if kind in ("ddp", "zero1", "zero2"):
+        return 2 * _ring(dp) * g32 / across
+    if kind == "fsdp":
+        return (micro * 2 * _ring(dp) * pc + _ring(dp) * g32) / across
+    replicas = dp // within
+    return ((micro * 2 * _ring(within) * pc + _ring(within) * g32) / link
+            + 2 * _ring(replicas) * (g32 / within) / net)
+
+
+# --- the search ---------------------------------------------------------------------------------------------
+
+def tp_degrees(shape: Structure, gpus_per_node: int) -> list[int]:
+    """Tensor-parallel degrees worth planning: divisors of a machine's GPUs up to MAX_TP that divide the heads,
+    the key/value heads and the MLP (1 only for a model parallel/tensor.py cannot split)."""
+    if shape.tp_why_not:
+        return [1]
+    return [t for t in range(1, min(MAX_TP, gpus_per_node) + 1)
+            if gpus_per_node % t == 0 and all(n % t == 0 for n in shape.tp_divides)]
+
+
+def kinds(dp: int, tp: int, gpus_per_node: int) -> list[str]:
+    """The ZeRO kinds worth planning over ``dp`` data-parallel ranks: ddp always; the sharded ones with more
+    than one rank; hsdp where the ranks span whole machines' data-parallel groups (sharded within each)."""
+    within = gpus_per_node // tp
+    return [k for k in ZERO_KINDS if k == "ddp" or (dp > 1 and k != "hsdp")
+            or (k == "hsdp" and dp > within > 1 and dp % within == 0)]
+
+
+def candidates(st: Setting, gpus: int, checkpointing: tuple[str, ...] = ("none", "full")) -> list[Parallel]:
+    """Every layout of ``gpus`` GPUs: ZeRO kind x tp x pp (pp dividing the blocks) x checkpointing, where the
+    global batch splits into whole micro-batches."""
+    out = []
+    for tp in tp_degrees(st.shape, st.gpus_per_node):
+        for pp in (p for p in range(1, st.shape.n_layer + 1) if st.shape.n_layer % p == 0):
+            if gpus % (tp * pp) or st.global_batch % (gpus // (tp * pp) * st.batch_size):
+                continue
+            out += [parallel_layout(st, k, ac, gpus=gpus, tp=tp, pp=pp)
+                    for k in kinds(gpus // (tp * pp), tp, st.gpus_per_node) for ac in checkpointing]
+    return out
+
+
+@dataclass
+class Search:
+    """The layouts of a GPU count (and of fewer whole machines), the fastest and the cheapest that fit."""
+
+    gpus: int
+    total_steps: int
+    price_per_gpu_hour: float | None
+    layouts: list[Parallel] = field(default_factory=list)
+    fastest: Parallel | None = None
+    cheapest: Parallel | None = None
+
+    def run_hours(self, lay: Parallel) -> float:
+        return self.total_steps * lay.step_s / 3600
+
+    def gpu_hours(self, lay: Parallel) -> float:
+        return self.run_hours(lay) * lay.gpus
+
+    def cost(self, lay: Parallel) -> float | None:
+        return None if self.price_per_gpu_hour is None else self.gpu_hours(lay) * self.price_per_gpu_hour
+
+    def fitting(self) -> list[Parallel]:
+        """The layouts that fit, fastest first (ties: the simpler, the order searched)."""
+        return sorted((lay for lay in self.layouts if lay.fits), key=lambda lay: lay.step_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        def row(lay: Parallel) -> dict[str, Any]:
+            return {**asdict(lay), "name": lay.name, "total_bytes": lay.total_bytes, "step_s": lay.step_s,
+                    "run_hours": self.run_hours(lay), "gpu_hours": self.gpu_hours(lay), "cost": self.cost(lay)}
+
+        def pick(lay: Parallel | None) -> dict[str, Any] | None:
+            return None if lay is None else row(lay)
+
+        return {"gpus": self.gpus, "total_steps": self.total_steps, "layouts": [row(lay) for lay in self.layouts],
+                "fastest": pick(self.fastest), "cheapest": pick(self.cheapest)}
+
+
+def search(st: Setting, *, gpus: int, nodes: int, total_steps: int, price_per_gpu_hour: float | None,
+           only: tuple[int, int] | None = None) -> Search:
+    """The layouts of ``gpus`` GPUs, and of fewer whole machines where the global batch divides (for the
+    cheapest); ``only``: (tp, pp) to plan that pair alone, on all the GPUs."""
+    out = Search(gpus, total_steps, price_per_gpu_hour)
+    if only is not None:
+        tp, pp = only
+        out.layouts = [parallel_layout(st, k, ac, gpus=gpus, tp=tp, pp=pp)
+                       for k in kinds(gpus // (tp * pp), tp, st.gpus_per_node) for ac in ("none", "full")]
+    else:
+        for n in (k for k in range(1, nodes + 1) if nodes % k == 0):
+            out.layouts += candidates(st, n * st.gpus_per_node)
+    fits = out.fitting()
+    full = [lay for lay in fits if lay.gpus == gpus]
+    out.fastest = full[0] if full else None
+    out.cheapest = min(fits, key=out.gpu_hours) if fits else None
+    return out
