@@ -299,3 +299,19 @@ def test_a_state_with_only_epoch_and_cursor_still_loads() -> None:
     fresh = make(2, 1)
     fresh.load_state_dict({"epoch": 0, "cursor": 5 * BATCH * 2})
     assert take(iter(fresh), 15) == whole[5:]
+
+
+def test_a_tensor_parallel_group_reads_one_batch_and_data_parallel_groups_split_the_epoch():
+    """8 ranks as FSDP 4 x TP 2 (the trainer builds each rank's loader from Layout.dp_rank and dp_size): the 2
+    ranks of a tensor-parallel group get the same batches, the 4 groups disjoint ones, and over an epoch the
+    readers (Layout.reads: each group's first rank) see every usable position exactly once."""
+    from scaletrain.layout import Layout
+
+    lay = Layout("fsdp", 8, 1, 1, 4, tp=2)
+    epochs = {r: list(itertools.islice(iter(make(lay.dp_size, lay.dp_rank(r))), SIZE // (BATCH * 4)))
+              for r in range(8)}
+    for r in range(0, 8, 2):
+        assert all(torch.equal(a, b) for a, b in zip(epochs[r], epochs[r + 1]))  # one TP group, one batch
+    seen = Counter(int(i) for r in range(8) if lay.reads(r) for batch in epochs[r] for i in batch)
+    assert sum(seen.values()) == len(seen) == SIZE // (BATCH * 4) * BATCH * 4  # once each, the tail dropped
+    assert [r for r in range(8) if lay.reads(r)] == [0, 2, 4, 6]
