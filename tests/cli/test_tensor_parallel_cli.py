@@ -1,11 +1,12 @@
-"""`scaletrain train --parallel.tp`: the trainer's tensor-parallel runs equal one process, and a checkpoint of
-FSDP x TP resumes as FSDP alone.
+"""`scaletrain train --parallel.tp`: the trainer's tensor-parallel runs equal one process, and their checkpoints
+resume at another layout (FSDP x TP as FSDP alone, TP=2 as one process).
 
 llama-tiny, fp32, AdamW with clipping, a global batch of 8 sequences throughout, 6 steps: one process (batch
-8); TP=2 on 2 ranks (one data-parallel rank: both read the 8); FSDP=2 x TP=2 on 4 ranks stopped after step 3
-(batch 4 per data-parallel rank), its DCP checkpoint resumed by FSDP=2 on 2 ranks (no TP) for steps 4-6. The
-sums differ in order only (halves of row-parallel matmuls added across ranks), so the final weights agree with
-the one process's to 1e-5 (measured worst: see the assertions' messages); the logged losses to 1e-5 too.
+8); FSDP=2 x TP=2 on 4 ranks stopped after step 3 (batch 4 per data-parallel rank), its DCP checkpoint resumed
+by FSDP=2 on 2 ranks (no TP) for steps 4-6. And gpt-stdlib: TP=2 on 2 ranks (one data-parallel rank: both read
+the 8) stopped after step 3, resumed by one process. The sums differ in order only (halves of row-parallel
+matmuls added across ranks), so the final weights and the logged losses agree with one process's to 1e-5.
+(TP=2 alone against one process, both models: tests/dist/test_tensor_parallel.py.)
 """
 
 from __future__ import annotations
@@ -35,20 +36,19 @@ def _close(got: Path, want: Path) -> float:
     return worst
 
 
-def test_tp_and_fsdp_x_tp_resumed_as_fsdp_equal_one_process(tmp_path):
-    runs = {"one": ["--nproc", "1", "--data.batch_size=8"],
-            "tp": ["--nproc", "2", "--parallel.tp=2", "--data.batch_size=8"]}
-    for name, args in runs.items():
-        code, out, err = train(*JOB, *args, f"--run.dir={name}", cwd=tmp_path)
-        assert code == 0, err[-3000:]
-    assert "parallel: tp 2" in out and "8 per rank x 1 data-parallel rank x 1 accumulation" in out, out
-    _close(tmp_path / "tp", tmp_path / "one")
+def test_fsdp_x_tp_resumed_as_fsdp_equals_one_process(tmp_path):
+    code, _, err = train(*JOB, "--nproc", "1", "--data.batch_size=8", "--run.dir=one", cwd=tmp_path)
+    assert code == 0, err[-3000:]
     legs = [["--nproc", "4", "--parallel.tp=2", "--parallel.strategy=fsdp", "--chaos.interrupt_step=3"],
             ["--nproc", "2", "--parallel.strategy=fsdp"]]
+    said = []
     for leg in legs:
         code, out, err = train(*JOB, *leg, "--data.batch_size=4", "--run.dir=mixed", cwd=tmp_path)
         assert code == 0, err[-3000:]
-    assert "resumed from" in out and "step 3" in out, out
+        said.append(out)
+    assert "parallel: fsdp x tp 2" in said[0], said[0]
+    assert "effective batch 8 = 4 per rank x 2 data-parallel ranks x 1 accumulation" in said[0], said[0]
+    assert "resumed from" in said[1] and "step 3" in said[1], said[1]
     _close(tmp_path / "mixed", tmp_path / "one")
 
 
