@@ -188,7 +188,13 @@ def _model_parallel_share(cfg: ParallelConfig, world_size: int, nnodes: int) -> 
         raise ConfigError("parallel.tp", tp, f"a divisor of the {per_node} ranks on each machine (tensor "
                           "parallelism communicates every layer: it stays within a machine)",
                           f"--parallel.tp={math.gcd(per_node, tp)}")
-    return world_size // (tp * pp)
+    return dp_world_size(cfg, world_size)
+
+
+def dp_world_size(cfg: ParallelConfig, world_size: int) -> int:
+    """The data-parallel ranks among ``world_size``: the ranks of a tensor-parallel group, and the stages of a
+    pipeline, read one batch together."""
+    return world_size // (cfg.tp * cfg.pp)
 
 
 def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nnodes: int = 1,
@@ -206,6 +212,38 @@ def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nno
     check_trainer_pp(cfg.pp)
 
 
+def check_tp_split(tp: int, name: str, heads: tuple[tuple[str, int], ...], *, hidden: int | None = None,
+                   loss: str = "split", strategy: str = "ddp") -> None:
+    """Tensor parallelism can split model ``name`` (model.name, or a module's class name) ``tp`` ways, or a
+    one-line ConfigError: ``heads`` (config key, count) and the MLP's ``hidden`` width (when known) divided
+    whole; the GPT neither with its fused loss nor under FSDP. Read from the config before workers start
+    (check_split) and from the built model by parallel/tensor.py."""
+    if tp == 1:
+        return
+    if name not in ("gpt", "llama"):
+        raise ConfigError("parallel.tp", tp, f"1 with model.name = {name}: tensor parallelism splits the built-in "
+                          "GPT and Llama", "--parallel.tp=1, or --model.name=llama")
+    if name == "gpt" and strategy in ("fsdp", "hsdp"):  # measured: it trains right, but qkv gathers wrong
+        raise ConfigError("parallel.strategy", strategy, "ddp (one data-parallel rank) with parallel.tp > 1 on "
+                          "the built-in GPT: FSDP2's sharding of its fused query/key/value matrix, split part by "
+                          "part, gathers out of order", "--model.name=llama for FSDP x TP, or --parallel.tp=1")
+    if name == "gpt" and loss == "fused":
+        raise ConfigError("model.loss", "fused", "split with parallel.tp > 1 (the fused loss reads the whole "
+                          "output matrix, which tensor parallelism splits)", "--model.loss=split")
+    for key, n in heads:
+        if n % tp:
+            raise ConfigError("parallel.tp", tp, f"a divisor of {key} = {n} (each rank takes whole heads)",
+                              f"--parallel.tp={_divisor_below(n, tp)}")
+    if hidden is not None and hidden % tp:
+        raise ConfigError("parallel.tp", tp, f"a divisor of the MLP's width {hidden}",
+                          f"--parallel.tp={_divisor_below(hidden, tp)}")
+
+
+def _divisor_below(n: int, tp: int) -> int:
+    """The largest degree below ``tp`` that divides ``n``: the fix to suggest."""
+    return max(d for d in range(1, tp) if n % d == 0)
+
+
 def check_trainer_pp(pp: int) -> None:
     """The trainer does not run pipeline stages yet (parallel/pipeline.py has them, tested on its own; the
     trainer's step, loader and checkpoint are not wired to them): a one-line error rather than a run that
@@ -219,23 +257,8 @@ def check_trainer_pp(pp: int) -> None:
 def check_split(cfg: ParallelConfig, model: ModelConfig) -> None:
     """The built-in model can be split tp ways by heads and pp ways by blocks, or a one-line ConfigError."""
     tp, pp = cfg.tp, cfg.pp
-    if tp > 1:
-        if model.name not in ("gpt", "llama"):
-            raise ConfigError("parallel.tp", tp, f"1 with model.name = {model.name}: tensor parallelism splits "
-                              "the built-in GPT and Llama", "--parallel.tp=1, or --model.name=llama")
-        if model.name == "gpt" and cfg.strategy in ("fsdp", "hsdp"):
-            raise ConfigError("parallel.strategy", cfg.strategy, "ddp (one data-parallel rank) with parallel.tp > "
-                              "1 on the built-in GPT: FSDP2's sharding of its fused query/key/value matrix, split "
-                              "part by part, gathers out of order", "--model.name=llama for FSDP x TP, or "
-                              "--parallel.tp=1")
-        if model.name == "gpt" and model.loss == "fused":
-            raise ConfigError("model.loss", "fused", "split with parallel.tp > 1 (the fused loss reads the whole "
-                              "output matrix, which tensor parallelism splits)", "--model.loss=split")
-        kv = (("model.n_kv_head", model.n_kv_head or model.n_head),) if model.name == "llama" else ()
-        for key, heads in (("model.n_head", model.n_head), *kv):
-            if heads % tp:
-                raise ConfigError("parallel.tp", tp, f"a divisor of {key} = {heads} (each rank takes whole "
-                                  "heads)", f"--parallel.tp={max(d for d in range(1, tp) if heads % d == 0)}")
+    kv = (("model.n_kv_head", model.n_kv_head or model.n_head),) if model.name == "llama" else ()
+    check_tp_split(tp, model.name, (("model.n_head", model.n_head), *kv), loss=model.loss, strategy=cfg.strategy)
     if pp > 1 and model.n_layer < pp:
         raise ConfigError("parallel.pp", pp, f"at most model.n_layer = {model.n_layer} (each stage holds at "
                           "least one block)", f"--parallel.pp={model.n_layer}")

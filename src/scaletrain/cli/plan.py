@@ -266,6 +266,8 @@ def _parallel_cells(found: Search, lay: Parallel) -> list[str]:
 def _print_search(found: Search, searched: bool, width: int | None) -> None:
     """The dp x tp x pp layouts (the search's fitting ones, fastest first, or the given pair's all), and the
     fastest and the cheapest that fit."""
+    from scaletrain.plan.estimate import fmt_seconds
+
     rows = found.fitting()[:SHOWN] if searched else found.layouts
     table = Table(box=box.HORIZONTALS, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1))
     for i, name in enumerate(PARALLEL_COLUMNS):
@@ -285,8 +287,8 @@ def _print_search(found: Search, searched: bool, width: int | None) -> None:
             continue
         cost = found.cost(lay)
         _say(f"plan: {word} that fits: {lay.name} on {lay.gpus} GPUs, checkpointing {lay.checkpointing}, "
-             f"m {lay.microbatches}: {_size(lay.total_bytes)} per GPU, {_seconds(lay.step_s)} per step, "
-             f"{_seconds(found.run_hours(lay) * 3600)}, {_hours(found.gpu_hours(lay))} GPU-hours"
+             f"m {lay.microbatches}: {_size(lay.total_bytes)} per GPU, {fmt_seconds(lay.step_s)} per step, "
+             f"{fmt_seconds(found.run_hours(lay) * 3600)}, {_hours(found.gpu_hours(lay))} GPU-hours"
              + ("" if cost is None else f", ${_dollars(cost)}")
              + f" (--parallel.tp={lay.tp} --parallel.pp={lay.pp})", width)
 
@@ -294,12 +296,6 @@ def _print_search(found: Search, searched: bool, width: int | None) -> None:
 def _hours(h: float) -> str:
     """GPU-hours: whole ones from 100 on, else 3 significant digits."""
     return f"{h:,.0f}" if h >= 99.5 else f"{h:.3g}"
-
-
-def _seconds(s: float) -> str:
-    from scaletrain.plan.estimate import fmt_seconds
-
-    return fmt_seconds(s)
 
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:

@@ -44,6 +44,16 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def embed(owner: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """The residual stream entering the first block (B, T, C) from token ids (B, T), by ``owner``'s tok_emb,
+    pos_emb, drop and bf16_residual: a GPT, or the first stage of one (parallel/pipeline.py)."""
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    x = owner.drop(owner.tok_emb(idx) + owner.pos_emb(pos))  # (B, T, C)
+    if owner.bf16_residual and torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))  # the adds keep it: x + bf16 stays bf16
+    return x
+
+
 class GPT(nn.Module):
     """Token ids (B, T) -> next-token logits (B, T, vocab). The output head shares the token embedding.
 
@@ -92,11 +102,7 @@ class GPT(nn.Module):
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """The final layer norm's output (B, T, C), what the head projects: for a loss fused with the head
         (models.losses.linear_cross_entropy(model.hidden(x), model.head.weight, y))."""
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
-        if self.bf16_residual and torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))  # the adds keep it: x + bf16 stays bf16
+        x = embed(self, idx)
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x)

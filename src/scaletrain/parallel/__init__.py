@@ -36,7 +36,7 @@ from scaletrain.observe.memory import (
 from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from scaletrain.parallel.fsdp import apply_fsdp, fsdp_units, has_dtensors, is_fsdp, mixed_precision_policy
 from scaletrain.parallel.mesh import build_mesh, dp_mesh
-from scaletrain.parallel.tensor import apply_tp, check_tp
+from scaletrain.parallel.tensor import apply_tp
 from scaletrain.parallel.units import Units, find_units, unit_warnings, units_line
 
 __all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "apply_tp", "build_mesh",
@@ -151,8 +151,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
     mesh = build_mesh(device.type, layout) if layout.sharded or layout.tp > 1 else None
     if layout.tp > 1:
         assert mesh is not None
-        check_tp(model, layout.tp, sharded=layout.sharded)
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], sharded=layout.sharded)
     units = find_units(model, cfg.fsdp_units)
     sharded = mesh is not None and layout.sharded
     for line in unit_warnings(model, units, sharded=sharded, checkpointing=memory.activation_checkpointing):

@@ -36,7 +36,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
-from scaletrain.models.gpt import GPT
+from scaletrain.models.gpt import GPT, embed
 from scaletrain.models.llama import Llama
 
 __all__ = ["PipelineRunner", "StepTimes", "bubble_fraction", "clip_grad_norm", "pipeline_stage",
@@ -99,10 +99,7 @@ class _GPTStage(_Stage):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))  # (B, T, C)
-            if self.bf16_residual and torch.is_autocast_enabled(x.device.type):
-                x = x.to(torch.get_autocast_dtype(x.device.type))
+            x = embed(self, x)  # (B, T, C)
         for block in self.blocks.values():
             x = block(x)
         if self.head is not None:
@@ -199,7 +196,7 @@ class StepTimes:
 
 class _Clock:
     """Accumulated seconds of timed spans: a host timer on CPU (ops run as they are called); on CUDA, event
-    pairs on the stream, read once per step (one host-device sync point per step, not per micro-batch)."""
+    pairs on the stream, read only when asked (waiting for them is a host-device sync: not every step)."""
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
@@ -219,13 +216,17 @@ class _Clock:
             yield
             self._host_s += time.perf_counter() - t0
 
-    def take(self) -> float:
-        """The seconds accumulated since the last take."""
-        if self._cuda:
-            torch.cuda.synchronize()  # host-device sync point
-            self._host_s = sum(a.elapsed_time(b) for a, b in self._events) / 1e3  # ms -> s
-            self._events.clear()
-        seconds, self._host_s = self._host_s, 0.0
+    def take(self) -> Callable[[], float]:
+        """What was accumulated since the last take, as a reading to call later (it waits for the last CUDA
+        event: a host-device sync, then); the clock starts again from zero."""
+        host, events = self._host_s, self._events
+        self._host_s, self._events = 0.0, []
+
+        def seconds() -> float:
+            if events:
+                events[-1][1].synchronize()
+            return host + sum(a.elapsed_time(b) for a, b in events) / 1e3  # ms -> s
+
         return seconds
 
 
@@ -287,16 +288,10 @@ def clip_grad_norm(stage: nn.Module, max_norm: float, pp_group: dist.ProcessGrou
     parallel replicas hold equal averaged gradients, so the pipeline group is enough."""
     skip = stage.tied_param if getattr(stage, "tied_copy", False) else None
     grads = [p.grad for name, p in stage.named_parameters() if p.grad is not None and name != skip]
-    device = next(stage.parameters()).device
-    sq = torch.zeros((), device=device, dtype=torch.float32)
-    for g in grads:
-        sq += g.detach().float().pow(2).sum()
+    sq = torch.nn.utils.get_total_norm(grads).float() ** 2  # this stage's share
     dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
-    for p in stage.parameters():
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+    torch.nn.utils.clip_grads_with_norm_(stage.parameters(), max_norm, norm)  # as clip_grad_norm_ scales
     return norm
 
 
@@ -337,7 +332,7 @@ class PipelineRunner:
         self._busy, self._wall = _Clock(device), _Clock(device)
         self.stage = _TimedStage(stage, index, pp, device, group=self.pp_group, clock=self._busy)
         self._schedule = SCHEDULES[schedule](self.stage, self.microbatches, loss_fn=self._timed(loss_fn))
-        self.times: StepTimes | None = None  # of the last step or eval pass
+        self._last: tuple[Callable[[], float], Callable[[], float]] | None = None  # (busy, wall) readings
         log.info("pipeline stage %d of %d: %s, %d micro-batches, bubble (p - 1) / (m + p - 1) = %.1f%%",
                  index, pp, schedule, self.microbatches, 100 * bubble_fraction(pp, self.microbatches))
 
@@ -359,8 +354,17 @@ class PipelineRunner:
         self._busy.take()  # drop what an interrupted step left
         with self._wall.span():
             run(*args, target=target if self.stage.is_last else None, losses=losses)
-        self.times = StepTimes(busy_s=self._busy.take(), wall_s=self._wall.take())
+        self._last = (self._busy.take(), self._wall.take())
         return torch.stack(losses).mean().detach() if losses else None
+
+    @property
+    def times(self) -> StepTimes | None:
+        """The last step's (or eval pass's) busy and wall time. On CUDA reading it waits for that step's events
+        (a host-device sync): read it at log steps, not every step."""
+        if self._last is None:
+            return None
+        busy, wall = self._last
+        return StepTimes(busy_s=busy(), wall_s=wall())
 
     def step(self, inputs: torch.Tensor | None, target: torch.Tensor | None) -> torch.Tensor | None:
         """One training step's forward and backward. ``inputs`` (B, T) are read on the first stage, ``target``

@@ -41,47 +41,27 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from scaletrain.errors import ConfigError
+from scaletrain.layout import check_tp_split
 
 log = logging.getLogger(__name__)
 
 
 def check_tp(model: nn.Module, tp: int, *, sharded: bool = False) -> None:
-    """One-line ConfigErrors for a model tensor parallelism cannot split ``tp`` ways (``sharded``: and FSDP
-    then shards over the data-parallel ranks)."""
+    """The built model through layout.check_tp_split (``sharded``: FSDP then shards over the data-parallel
+    ranks): its heads and MLP width, read from the modules a user's config cannot be trusted to describe."""
     from scaletrain.models import GPT, Llama
 
-    if tp == 1:
-        return
+    strategy = "fsdp" if sharded else "ddp"
     if isinstance(model, Llama):
         attention = model.layers[0].attention
         heads = (("model.n_head", attention.n_head), ("model.n_kv_head", attention.n_kv_head))
-        hidden = model.layers[0].feed_forward.w1.out_features
+        check_tp_split(tp, "llama", heads, hidden=model.layers[0].feed_forward.w1.out_features, strategy=strategy)
     elif isinstance(model, GPT):
-        if model.fused_loss:
-            raise ConfigError("model.loss", "fused", "split with parallel.tp > 1 (the fused loss reads the whole "
-                              "output matrix, which tensor parallelism splits)", "--model.loss=split")
-        if sharded:  # measured: training is right, but the gathered qkv (checkpoints, final weights) is not
-            raise ConfigError("parallel.strategy", "fsdp", "ddp (one data-parallel rank) with parallel.tp > 1 on "
-                              "the built-in GPT: FSDP2's sharding of its fused query/key/value matrix, split part "
-                              "by part, gathers out of order", "--model.name=llama for FSDP x TP, or "
-                              "--parallel.tp=1")
-        heads = (("model.n_head", model.blocks[0].attn.n_head),)
-        hidden = model.blocks[0].mlp[0].out_features
+        check_tp_split(tp, "gpt", (("model.n_head", model.blocks[0].attn.n_head),),
+                       hidden=model.blocks[0].mlp[0].out_features, loss="fused" if model.fused_loss else "split",
+                       strategy=strategy)
     else:
-        raise ConfigError("parallel.tp", tp, f"1 for {type(model).__name__}: the tensor-parallel plans name the "
-                          "built-in GPT's and Llama's layers", "--parallel.tp=1, or a built-in model")
-    for key, n in heads:
-        if n % tp:
-            raise ConfigError("parallel.tp", tp, f"a divisor of {key} = {n} (each rank takes whole heads)",
-                              f"--parallel.tp={_divisor_below(n, tp)}")
-    if hidden % tp:
-        raise ConfigError("parallel.tp", tp, f"a divisor of the MLP's width {hidden}",
-                          f"--parallel.tp={_divisor_below(hidden, tp)}")
-
-
-def _divisor_below(n: int, tp: int) -> int:
-    return max(d for d in range(1, tp + 1) if n % d == 0)
+        check_tp_split(tp, type(model).__name__, ())
 
 
 def _quiet() -> None:
@@ -132,13 +112,14 @@ class Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Split ``model`` (a built-in GPT or Llama) in place over the 1-D ``mesh``; returns it. Parameters become
-    DTensors on ``mesh`` (split or replicated): state_dict keys are unchanged, and DCP saves them whole-
-    tensor-addressable, so a checkpoint resumes at another tp."""
+def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sharded: bool = False) -> nn.Module:
+    """Split ``model`` (a built-in GPT or Llama) in place over the 1-D ``mesh``; returns it (``sharded``: FSDP
+    will shard it next, checked with the rest). Parameters become DTensors on ``mesh`` (split or replicated):
+    state_dict keys are unchanged, and DCP saves them whole-tensor-addressable, so a checkpoint resumes at
+    another tp."""
     from scaletrain.models import GPT
 
-    check_tp(model, mesh.size())
+    check_tp(model, mesh.size(), sharded=sharded)
     _quiet()
     if isinstance(model, GPT):
         return _apply_tp_gpt(model, mesh)

@@ -332,8 +332,32 @@ def usable_bytes(acc: Accelerator) -> int:
     return int(acc.memory_bytes * (1 - FIT_MARGIN))
 
 
-def _ring(n: int) -> float:
+def ring(n: int) -> float:
+    """The share of a tensor each rank sends in a ring all-reduce's half (reduce-scatter or all-gather)."""
     return (n - 1) / n if n > 1 else 0.0
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes per element of the compute dtype (bf16/fp16 under mixed precision, else fp32)."""
+    return AUTOCAST_DTYPE.get(precision, torch.float32).itemsize
+
+
+def dp_comm_s(kind: str, *, params: int, trainable: int, dp: int, micro: int, cbytes: int, across: float,
+              link: float, net: float, within: int) -> float:
+    """Seconds of data-parallel collectives per optimizer step over ``dp`` ranks (``micro``: forwards per step,
+    ``across``: the slowest link they cross, ``within``: an HSDP shard group's size): ddp, zero1, zero2 an
+    all-reduce of fp32 gradients (zero: a reduce-scatter of them and an all-gather of the updated fp32
+    parameters, the same bytes); fsdp two all-gathers of the parameters in the compute dtype per forward and a
+    reduce-scatter of the gradients; hsdp that within a machine and an all-reduce of one shard's gradients
+    across machines."""
+    g32, pc = 4 * trainable, cbytes * params
+    if kind in ("ddp", "zero1", "zero2"):
+        return 2 * ring(dp) * g32 / across
+    if kind == "fsdp":
+        return (micro * 2 * ring(dp) * pc + ring(dp) * g32) / across
+    replicas = dp // within
+    return ((micro * 2 * ring(within) * pc + ring(within) * g32) / link
+            + 2 * ring(replicas) * (g32 / within) / net)
 
 
 def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Accelerator, gpus_per_node: int,
@@ -342,22 +366,15 @@ def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Acceler
     """Memory per GPU and time per optimizer step of one layout (the module docstring's model)."""
     world = gpus_per_node * nodes
     shard = {"ddp": 1, "fsdp": world, "hsdp": gpus_per_node}[strategy]
-    g32 = 4 * facts.trainable
-    cbytes = AUTOCAST_DTYPE.get(precision, torch.float32).itemsize
+    cbytes = compute_bytes(precision)
     flops = facts.flops_per_sample * batch_size * world * accum_steps  # the model's, as MFU counts them
     # ``mfu`` is a run's without recompute; full checkpointing does a forward more on the same hardware
     # (HFU unchanged), so its MFU is 3/4 of that.
     compute = flops / (world * acc.peak(precision, tf32=tf32) * mfu * (0.75 if checkpointing == "full" else 1))
     link = acc.link_bytes_per_s
     across = min(link, net_bytes_per_s) if nodes > 1 else link
-    pc = facts.params * cbytes
-    if strategy == "ddp":
-        comm = 2 * _ring(world) * g32 / across
-    elif strategy == "fsdp":
-        comm = (accum_steps * 2 * _ring(world) * pc + _ring(world) * g32) / across
-    else:  # hsdp: shard within a machine, replicate across machines
-        comm = ((accum_steps * 2 * _ring(shard) * pc + _ring(shard) * g32) / link
-                + 2 * _ring(nodes) * (g32 / shard) / net_bytes_per_s)
+    comm = dp_comm_s(strategy, params=facts.params, trainable=facts.trainable, dp=world, micro=accum_steps,
+                     cbytes=cbytes, across=across, link=link, net=net_bytes_per_s, within=shard)
     memory = layout_memory(facts, strategy, checkpointing, shard=shard, precision=precision, optimizer=optimizer)
     return Layout(strategy, checkpointing, *memory, compute, comm, sum(memory) <= usable_bytes(acc))
 
@@ -368,8 +385,7 @@ def layout_memory(facts: ModelFacts, strategy: str, checkpointing: str, *, shard
     optimizer state, activations, FSDP's working set (the module docstring's model)."""
     p32, g32 = 4 * facts.params, 4 * facts.trainable
     k = OPTIM_STATES.get(optimizer, 2)
-    cbytes = AUTOCAST_DTYPE.get(precision, torch.float32).itemsize
-    buffers = 0 if strategy == "ddp" or shard == 1 else facts.largest_unit * (2 * cbytes + 4)
+    buffers = 0 if strategy == "ddp" or shard == 1 else facts.largest_unit * (2 * compute_bytes(precision) + 4)
     acts = facts.activations[checkpointing if shard == 1 else f"sharded-{checkpointing}"]
     return math.ceil(p32 / shard), math.ceil(g32 / shard), math.ceil(k * g32 / shard), acts, buffers
 

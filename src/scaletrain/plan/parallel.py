@@ -40,7 +40,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from scaletrain.plan.estimate import PerGpuBytes
+from scaletrain.plan.estimate import PerGpuBytes, compute_bytes, dp_comm_s
 
 ZERO_KINDS = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
@@ -217,18 +217,6 @@ class Setting:
     usable_bytes: int
 
 
-def _ring(n: int) -> float:
-    return (n - 1) / n if n > 1 else 0.0
-
-
-def _cbytes(precision: str) -> int:
-    import torch
-
-    from scaletrain.observe.memory import AUTOCAST_DTYPE
-
-    return AUTOCAST_DTYPE.get(precision, torch.float32).itemsize
-
-
 def stage_params(shape: Structure, tp: int, pp: int, stage: int) -> int:
     """Parameters one GPU of pipeline stage ``stage`` holds under t-way tensor parallelism."""
     blocks = stage_blocks(shape.n_layer, pp)[stage]
@@ -253,7 +241,7 @@ def _stage_memory(st: Setting, kind: str, ac: str, dp: int, tp: int, pp: int, m:
     ratio = activation_ratio(shape.seq_len, shape.n_embd, shape.n_head, tp, ac)
     blocks = stage_blocks(shape.n_layer, pp)[stage]
     acts = round(in_flight(pp, stage, m, st.schedule) * blocks * block * ratio) + rest
-    buffers = 0 if key == ac else math.ceil(facts.largest_unit / tp) * (2 * _cbytes(st.precision) + 4)
+    buffers = 0 if key == ac else math.ceil(facts.largest_unit / tp) * (2 * compute_bytes(st.precision) + 4)
     return (*state, acts, buffers)
 
 
@@ -262,7 +250,7 @@ def parallel_layout(st: Setting, kind: str, ac: str, *, gpus: int, tp: int, pp: 
     dp = gpus // (tp * pp)
     m = st.global_batch // (dp * st.batch_size)
     memory = max((_stage_memory(st, kind, ac, dp, tp, pp, m, i) for i in range(pp)), key=sum)
-    shape, cb = st.shape, _cbytes(st.precision)
+    shape, cb = st.shape, compute_bytes(st.precision)
     flops = st.facts.flops_per_sample * st.global_batch
     compute = flops / (gpus * st.acc.peak(st.precision, tf32=st.tf32) * st.mfu * (0.75 if ac == "full" else 1))
     link, net = st.acc.link_bytes_per_s, st.net_bytes_per_s
@@ -274,27 +262,11 @@ def parallel_layout(st: Setting, kind: str, ac: str, *, gpus: int, tp: int, pp: 
     pp_link = min(link, net) if multi and dp * tp >= per_node else link  # stages dp x tp ranks apart
     pp_s = pp_comm_bytes(s, b, h, tp, pp, cbytes=cb, microbatches=m) / pp_link
     local = max(stage_params(shape, tp, pp, i) for i in range(pp))
-    dp_s = _dp_comm_s(kind, local, dp, m, cb, across=min(link, net) if multi and dp * tp > per_node else link,
-                      link=link, net=net, within=max(1, min(dp, per_node // tp)))
+    dp_s = dp_comm_s(kind, params=local, trainable=local, dp=dp, micro=m, cbytes=cb,
+                     across=min(link, net) if multi and dp * tp > per_node else link, link=link, net=net,
+                     within=max(1, min(dp, per_node // tp)))
     return Parallel(kind, ac, gpus, dp, tp, pp, m, *memory, compute, bubble(pp, m), tp_s, pp_s, dp_s,
                     sum(memory) <= st.usable_bytes)
-
-
-def _dp_comm_s(kind: str, params: int, dp: int, micro: int, cbytes: int, *, across: float, link: float,
-               net: float, within: int) -> float:
-    """Seconds of data-parallel collectives per step over a stage's shard (the data-parallel table's model):
-    ddp, zero1, zero2 an all-reduce of fp32 gradients (zero: a reduce-scatter of them and an all-gather of the
-    updated fp32 parameters, the same bytes); fsdp two all-gathers of the parameters in the compute dtype per
-    micro-batch and a reduce-scatter of the gradients; hsdp that within a machine and an all-reduce of one
-    shard's gradients across machines."""
-    g32, pc = 4 * params, cbytes * params
-    if kind in ("ddp", "zero1", "zero2"):
-        return 2 * _ring(dp) * g32 / across
-    if kind == "fsdp":
-        return (micro * 2 * _ring(dp) * pc + _ring(dp) * g32) / across
-    replicas = dp // within
-    return ((micro * 2 * _ring(within) * pc + _ring(within) * g32) / link
-            + 2 * _ring(replicas) * (g32 / within) / net)
 
 
 # --- the search ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 
 from scaletrain.config import Config
 from scaletrain.errors import ConfigError
+from scaletrain.layout import dp_world_size
 from scaletrain.train.lr import scaled_lr
 
 
@@ -101,7 +102,7 @@ def plan_batches(cfg: Config, world_size: int, train_size: int, resume: dict[str
     to run and the peak lr. ``resume``: the checkpoint's world_size, global_batch, step and loader state.
     ``world_size``: every rank; the batch arithmetic counts the data-parallel ones (the ranks of a
     tensor-parallel group or a pipeline read one batch together)."""
-    world_size = world_size // (cfg.parallel.tp * cfg.parallel.pp)
+    world_size = dp_world_size(cfg.parallel, world_size)
     if resume is not None and "layout" in resume:  # the readers it had, not its ranks
         was = resume["layout"]
         resume = {**resume, "world_size": int(was["dp_replicate"]) * int(was["dp_shard"])}
