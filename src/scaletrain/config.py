@@ -523,7 +523,8 @@ class Config:
         "cpu", ...): the settings measured fastest on a GPU there (GPT-2 124M on an H100, benchmarks/RESULTS.md
         5d), off elsewhere (not measured faster on a CPU, and a CPU run computes what it always did)."""
         gpu, m = device == "cuda", self.model
-        split = self.parallel.tp > 1  # the fused loss reads the whole output matrix, which TP splits
+        # the fused loss reads the whole output matrix, which TP splits; a pipeline's last stage returns logits
+        split = self.parallel.tp > 1 or self.parallel.pp > 1
         loss = m.loss if m.loss != "auto" else "fused" if gpu and self.train.compile and not split else "split"
         residual = m.residual if m.residual != "auto" else (
             "bf16" if gpu and self.train.precision == "bf16-mixed" else "fp32")

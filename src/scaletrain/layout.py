@@ -142,6 +142,12 @@ class Layout:
         c = self.coordinates(rank)
         return c["tp"] == 0 and c["pp"] == 0
 
+    def counts_eval(self, rank: int) -> bool:
+        """True for the one rank of each tensor-parallel group and pipeline that counts an evaluation's totals:
+        the group's first rank, on the pipeline's last stage (which computes the logits)."""
+        c = self.coordinates(rank)
+        return c["tp"] == 0 and c["pp"] == self.pp - 1
+
     def dp_rank(self, rank: int) -> int:
         """The data-parallel rank of global rank ``rank`` (its place among the dp_size readers of the data)."""
         c = self.coordinates(rank)
@@ -198,10 +204,12 @@ def dp_world_size(cfg: ParallelConfig, world_size: int) -> int:
 
 
 def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nnodes: int = 1,
-                 model: ModelConfig | None = None) -> None:
+                 model: ModelConfig | None = None, batch_size: int = 0) -> None:
     """The layout checks that need no built model, as one-line ConfigErrors. Call it before starting workers,
     so a mistake is reported once rather than by every rank (each worker resolves its Layout once).
-    ``model``: the built-in model's config, whose heads and layers the tensor and pipeline degrees split."""
+    ``model``: the built-in model's config, whose heads and layers the tensor and pipeline degrees split;
+    ``batch_size``: the per-rank batch a pipeline splits into micro-batches (the trainer's checks: the planner
+    plans layouts the trainer does not run yet)."""
     _check_offload(memory, cfg.strategy)
     if cfg.strategy != "auto":
         resolve_layout(cfg, memory, world_size, nnodes)
@@ -209,7 +217,7 @@ def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nno
         _model_parallel_share(cfg, world_size, nnodes)
     if model is not None:
         check_split(cfg, model)
-    check_trainer_pp(cfg.pp)
+    check_pipeline(cfg, batch_size)
 
 
 def check_tp_split(tp: int, name: str, heads: tuple[tuple[str, int], ...], *, hidden: int | None = None,
@@ -244,14 +252,42 @@ def _divisor_below(n: int, tp: int) -> int:
     return max(d for d in range(1, tp) if n % d == 0)
 
 
-def check_trainer_pp(pp: int) -> None:
-    """The trainer does not run pipeline stages yet (parallel/pipeline.py has them, tested on its own; the
-    trainer's step, loader and checkpoint are not wired to them): a one-line error rather than a run that
-    would replicate the model on every stage."""
-    if pp > 1:
-        raise ConfigError("parallel.pp", pp, "1 in scaletrain train and fit() for now (the pipeline stages in "
-                          "scaletrain.parallel.pipeline are not wired into the trainer yet; scaletrain plan "
-                          "plans pp)", "--parallel.pp=1, and --parallel.tp or fsdp for a model that does not fit")
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def resolve_microbatches(pp: int, microbatches: int, schedule: str) -> int:
+    """parallel.microbatches, 0 meaning 2 x pp; 1F1B needs at least one micro-batch per stage (ValueError)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    m = microbatches or 2 * pp
+    if schedule == "1f1b" and m < pp:
+        raise ValueError(f"parallel.microbatches={m} is fewer than parallel.pp={pp} stages, which 1f1b "
+                         f"needs; set --parallel.microbatches={pp} or more")
+    return m
+
+
+def check_pipeline(cfg: ParallelConfig, batch_size: int = 0) -> int:
+    """The micro-batches of a pipelined run (parallel.pp > 1; 1 otherwise), or a one-line ConfigError: enough
+    for the schedule, each a whole number of rows of the per-rank ``batch_size`` (when given), and no tensor
+    parallelism inside a stage (not composed yet)."""
+    if cfg.pp == 1:
+        return 1
+    if cfg.tp > 1:
+        raise ConfigError("parallel.tp", cfg.tp, "1 with parallel.pp > 1 (a pipeline's stages run replicated or "
+                          "sharded by FSDP; tensor parallelism inside a stage is not composed yet)",
+                          "--parallel.tp=1, or --parallel.pp=1 with --parallel.tp")
+    try:
+        m = resolve_microbatches(cfg.pp, cfg.microbatches, cfg.pp_schedule)
+    except ValueError:
+        raise ConfigError("parallel.microbatches", cfg.microbatches, f"at least parallel.pp = {cfg.pp} with "
+                          "parallel.pp_schedule=1f1b (one micro-batch per stage in flight)",
+                          f"--parallel.microbatches={2 * cfg.pp}, or --parallel.pp_schedule=gpipe") from None
+    if batch_size and batch_size % m:
+        raise ConfigError("data.batch_size", batch_size, f"a multiple of the {m} micro-batches each step is split "
+                          f"into with parallel.pp = {cfg.pp} (parallel.microbatches; 0 means 2 x pp)",
+                          f"--data.batch_size={max(m, batch_size // m * m)}, or --parallel.microbatches="
+                          f"{max(d for d in range(1, batch_size + 1) if batch_size % d == 0 and d <= m)}")
+    return m
 
 
 def check_split(cfg: ParallelConfig, model: ModelConfig) -> None:
@@ -259,6 +295,9 @@ def check_split(cfg: ParallelConfig, model: ModelConfig) -> None:
     tp, pp = cfg.tp, cfg.pp
     kv = (("model.n_kv_head", model.n_kv_head or model.n_head),) if model.name == "llama" else ()
     check_tp_split(tp, model.name, (("model.n_head", model.n_head), *kv), loss=model.loss, strategy=cfg.strategy)
+    if pp > 1 and model.name not in ("gpt", "llama"):
+        raise ConfigError("parallel.pp", pp, f"1 with model.name = {model.name}: pipeline stages split the "
+                          "built-in GPT and Llama", "--parallel.pp=1, or --model.name=llama")
     if pp > 1 and model.n_layer < pp:
         raise ConfigError("parallel.pp", pp, f"at most model.n_layer = {model.n_layer} (each stage holds at "
                           "least one block)", f"--parallel.pp={model.n_layer}")

@@ -100,10 +100,17 @@ def test_layout_places_tp_innermost_and_pp_outermost():
     ({"tp": 2, "strategy": "ddp"}, {"name": "llama"}, 4, 1, "parallel.strategy = 'ddp': expected fsdp or hsdp"),
     ({"tp": 2, "strategy": "fsdp"}, {"name": "gpt"}, 4, 1, "parallel.strategy = 'fsdp': expected ddp (one"),
     ({"pp": 4}, {"name": "llama", "n_layer": 2}, 4, 1, "parallel.pp = 4: expected at most model.n_layer = 2"),
-    ({"pp": 2}, {"name": "llama"}, 4, 1, "parallel.pp = 2: expected 1 in scaletrain train and fit() for now"),
+    ({"pp": 2, "tp": 2, "strategy": "fsdp"}, {"name": "llama"}, 4, 1,
+     "parallel.tp = 2: expected 1 with parallel.pp > 1"),
+    ({"pp": 2}, {"name": "mlp"}, 2, 1, "parallel.pp = 2: expected 1 with model.name = mlp"),
+    ({"pp": 2, "microbatches": 1}, {"name": "llama"}, 2, 1,
+     "parallel.microbatches = 1: expected at least parallel.pp = 2 with parallel.pp_schedule=1f1b"),
+    ({"pp": 2}, {"name": "llama", "batch_size": 6}, 2, 1,
+     "data.batch_size = 6: expected a multiple of the 4 micro-batches"),
 ])
 def test_bad_layouts_fail_in_one_line(parallel, model, world, nnodes, message):
+    batch = model.pop("batch_size", 0)
     with pytest.raises(ConfigError) as err:
         check_layout(ParallelConfig(**parallel), MemoryConfig(), world, nnodes,
-                     ModelConfig(**{"n_embd": 32, **model}))
+                     ModelConfig(**{"n_embd": 32, **model}), batch_size=batch)
     assert str(err.value).startswith(message) and "\n" not in str(err.value) and "fix: " in str(err.value)

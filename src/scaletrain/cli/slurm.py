@@ -67,7 +67,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
                             f"variables; fix: drop it and use {flag}")
     layout = {"dist.nproc": str(gpus), "dist.nnodes": str(nodes), "dist.rdzv_endpoint": "head:29500"}
     cfg = load(args.config, cli_overrides={**overrides, **layout})
-    check_layout(cfg.parallel, cfg.memory, gpus * nodes, nodes, cfg.model)
+    check_layout(cfg.parallel, cfg.memory, gpus * nodes, nodes, cfg.model, cfg.data.batch_size)
     run_dir = cfg.run.dir or f"runs/{cfg.run.name}"
     passed = [f"--{k}={v}" for k, v in overrides.items() if k != "run.dir"]
     job = SlurmJob(nodes, gpus, time, cpus, signal_s, args.partition, args.account, f"scaletrain-{cfg.run.name}",

@@ -1,8 +1,8 @@
 """One function per technique, composed by parallelize() in a fixed order (torchtitan's):
 
-    resolve the strategy (auto: by memory) -> degrees -> mesh
-    apply_tp (not yet: no tensor parallelism) -> apply_activation_checkpointing -> apply_compile
-    -> apply_fsdp (fsdp, hsdp) | apply_ddp (ddp, world > 1)
+    resolve the strategy (auto: by memory) -> degrees -> mesh -> this rank's pipeline stage (pp > 1)
+    -> apply_tp (tp > 1) -> apply_activation_checkpointing -> apply_compile
+    -> apply_fsdp (fsdp, hsdp) | apply_ddp (ddp, world > 1; not under pp: the pipeline runner averages)
 
 The three techniques that work per block (checkpointing, compile, FSDP) work on the same blocks, found once
 by ``units.find_units`` (parallel.fsdp_units, a ``blocks`` ModuleList, transformers' ``_no_split_modules``,
@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletrain.batch import Batch
 from scaletrain.config import MemoryConfig, ParallelConfig
-from scaletrain.layout import Layout, check_layout, check_trainer_pp, resolve_degrees, resolve_layout
+from scaletrain.errors import ConfigError
+from scaletrain.layout import Layout, check_layout, resolve_degrees, resolve_layout
 from scaletrain.observe.memory import (
     choose_strategy,
     device_capacity_bytes,
@@ -94,6 +95,24 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
+def _stage_of(model: nn.Module, mesh: DeviceMesh, pp: int) -> nn.Module:
+    """This rank's stage of a built-in GPT or Llama, placed on ``mesh``, or a one-line ConfigError."""
+    from scaletrain.models import GPT, Llama
+    from scaletrain.parallel.pipeline import pipeline_stage
+
+    if not isinstance(model, (GPT, Llama)):  # a model of the user's: nothing says where its stages are
+        raise ConfigError("parallel.pp", pp, f"1 for a {type(model).__name__}: pipeline stages split the built-in "
+                          "GPT and Llama (model.name=gpt or llama)", "--parallel.pp=1, and "
+                          "--parallel.strategy=fsdp for a model that does not fit one device")
+    try:
+        stage = pipeline_stage(model, pp, mesh.get_local_rank("pp"))
+    except ValueError as err:  # fewer blocks than stages
+        raise ConfigError("parallel.pp", pp, f"at most the model's {len(model.blocks if isinstance(model, GPT) else model.layers)} "
+                          "blocks (each stage holds at least one)", str(err).split("; ")[-1]) from None
+    stage.mesh = mesh
+    return stage
+
+
 def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, nnodes: int = 1,
                      precision: str = "fp32", optimizer: str = "adamw", sample: torch.Tensor | Batch | None = None,
                      batch_size: int = 1, cpu_offload: bool = False) -> tuple[str, str]:
@@ -129,7 +148,8 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
                 optimizer: str = "adamw", sample: torch.Tensor | None = None,
                 batch_size: int = 1, layout: Layout | None = None) -> nn.Module:
     """Returns the module that forward/backward go through: the DDP wrapper, or ``model`` itself (sharded in
-    place under FSDP). ``model`` is on ``device``. ``layout``: the run's Layout, resolved once by the caller
+    place under FSDP); with pp > 1 this rank's pipeline stage of ``model`` (parallel/pipeline.py; sharded in
+    place under FSDP; its ``mesh`` set), which the caller keeps in place of the model. ``model`` is on ``device``. ``layout``: the run's Layout, resolved once by the caller
     (the trainer and a session do); without it, it is resolved here: ``sample`` (one input, no batch dim) and
     ``batch_size`` (per rank) let strategy=auto measure activations, ``optimizer`` names its per-parameter
     state."""
@@ -147,8 +167,10 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
                     "replicate", shard)
     # DDP alone runs over the default group; sharding needs a mesh (HSDP its two axes), tensor parallelism its
     # "tp" axis. torchtitan's order: TP, then checkpointing, compile, and FSDP over the data-parallel axes.
-    check_trainer_pp(layout.pp)
-    mesh = build_mesh(device.type, layout) if layout.sharded or layout.tp > 1 else None
+    mesh = build_mesh(device.type, layout) if layout.sharded or layout.tp > 1 or layout.pp > 1 else None
+    if layout.pp > 1:
+        assert mesh is not None
+        model = _stage_of(model, mesh, layout.pp)
     if layout.tp > 1:
         assert mesh is not None
         apply_tp(model, mesh["tp"], sharded=layout.sharded)
@@ -158,7 +180,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
         log.warning("%s", line)
     apply_activation_checkpointing(model, memory.activation_checkpointing, units)
     if compile:  # whole when nothing splits the model between its blocks
-        apply_compile(model, units, whole=not layout.sharded and layout.tp == 1)
+        apply_compile(model, units, whole=not layout.sharded and layout.tp * layout.pp == 1)
     if layout.sharded:
         if mesh is None:
             ignored = " (memory.cpu_offload ignored)" if memory.cpu_offload else ""
@@ -169,7 +191,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
         return apply_fsdp(model, dp_mesh(mesh), param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
                           reshard_after_forward=cfg.reshard_after_forward, cpu_offload=memory.cpu_offload,
                           units=units)
-    if layout.tp > 1:  # one data-parallel rank (resolve_layout refuses DDP x TP): nothing to average
+    if layout.tp > 1 or layout.pp > 1:  # TP: one data-parallel rank (DDP x TP is refused); PP: the runner averages
         return model
     if replicate > 1:
         return apply_ddp(model, None, bucket_mb=cfg.bucket_mb, find_unused=cfg.find_unused)

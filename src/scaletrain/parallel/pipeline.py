@@ -4,6 +4,11 @@ into ``pp`` stages, one per rank of a pipeline group; each step's batch flows th
     split the model (pipeline_stage) -> PipelineRunner(stage, mesh, ...) -> runner.step(inputs, target)
     -> clip_grad_norm(stage, max_norm, pp group) -> optimizer.step() on the stage's parameters
 
+scaletrain train and fit() run this (parallel/__init__.py cuts the stage and shards it, train/job.py steps
+the runner): the stage may be sharded by FSDP over the data-parallel ranks holding it (PP x FSDP, as
+torchtitan composes them), whose reduce-scatter torch's schedules run after the last micro-batch's backward;
+a plain stage's gradients are averaged over its replicas by the runner.
+
 Stage 0 holds the embeddings, the last stage the final norm and the head; the blocks are split as evenly as
 possible, earlier stages taking the extra block: the last stage also runs the (B, T, vocab) head and the loss,
 the largest matmul of the model, so it is the one to lighten. Every stage keeps the whole model's parameter
@@ -32,19 +37,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
+from scaletrain.layout import SCHEDULES as SCHEDULE_NAMES
+from scaletrain.layout import resolve_microbatches
 from scaletrain.models.gpt import GPT, embed
 from scaletrain.models.llama import Llama
 
-__all__ = ["PipelineRunner", "StepTimes", "bubble_fraction", "clip_grad_norm", "pipeline_stage",
-           "resolve_microbatches", "split_stages", "stage_layers"]
+__all__ = ["PipelineRunner", "StepTimes", "bubble_fraction", "clip_grad_norm", "is_stage", "pipeline_stage",
+           "resolve_microbatches", "split_stages", "stage_grad_norm", "stage_layers"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES: dict[str, type[PipelineScheduleSingle]] = dict(zip(SCHEDULE_NAMES, (ScheduleGPipe, Schedule1F1B)))
 DP_DIMS = ("dp_replicate", "dp_shard")
 
 
@@ -62,7 +70,11 @@ def stage_layers(n_layer: int, pp: int) -> list[range]:
 class _Stage(nn.Module):
     """What every stage module says about itself. ``tied_param``: this stage's end of a weight tied across
     stages (its name here), whose gradient is summed with the other end's; ``tied_copy``: that parameter is
-    the copy, left out when the norm of all the model's gradients is taken (the model counts it once)."""
+    the copy, left out when the norm of all the model's gradients is taken (the model counts it once).
+    ``mesh``: the run's DeviceMesh, set by parallelize() once the stage is placed on it."""
+
+    # parallel/units.py finds a stage's blocks by this class name (its blocks are a ModuleDict by index)
+    _no_split_modules = ("Block",)
 
     def __init__(self, index: int, pp: int) -> None:
         super().__init__()
@@ -70,6 +82,22 @@ class _Stage(nn.Module):
         self.tied_param: str | None = None
         self.tied_copy = False
         self.ties_stages = False  # the model has a weight tied across stages (every stage knows)
+        self.mesh: DeviceMesh | None = None
+
+    @property
+    def tied_aliases(self) -> dict[str, str]:
+        """{this stage's copy: the name one process's model keeps} (GPT's head copy on the last stage: {
+        "head.weight": "tok_emb.weight"}): a checkpoint stores the weight once, under the kept name, as one
+        process's does, and the copy loads from it."""
+        return {self.tied_param: "tok_emb.weight"} if self.tied_copy and self.tied_param else {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.pp - 1
 
 
 class _GPTStage(_Stage):
@@ -147,20 +175,14 @@ def pipeline_stage(model: nn.Module, pp: int, index: int) -> nn.Module:
                      f"not {type(model).__name__}; set --parallel.pp=1")
 
 
+def is_stage(module: nn.Module) -> bool:
+    """A pipeline stage made by pipeline_stage (FSDP-sharded or not)."""
+    return isinstance(module, _Stage)
+
+
 def split_stages(model: nn.Module, pp: int) -> list[nn.Module]:
     """All ``pp`` stages of a built-in GPT or Llama (one process holding them all: for tests and tools)."""
     return [pipeline_stage(model, pp, i) for i in range(pp)]
-
-
-def resolve_microbatches(pp: int, microbatches: int, schedule: str) -> int:
-    """parallel.microbatches, 0 meaning 2 x pp; 1F1B needs at least one micro-batch per stage."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
-    m = microbatches or 2 * pp
-    if schedule == "1f1b" and m < pp:
-        raise ValueError(f"parallel.microbatches={m} is fewer than parallel.pp={pp} stages, which 1f1b "
-                         f"needs; set --parallel.microbatches={pp} or more")
-    return m
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float:
@@ -194,9 +216,26 @@ class StepTimes:
         return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
+class _Reading:
+    """Seconds accumulated over some spans: host seconds, plus CUDA event pairs read once they are done."""
+
+    def __init__(self, host_s: float, events: list[tuple[Any, Any]]) -> None:
+        self._host_s, self._events = host_s, events
+
+    def ready(self) -> bool:
+        """True when reading costs no wait (CPU; or the last CUDA event has completed: a query, no sync)."""
+        return not self._events or bool(self._events[-1][1].query())
+
+    def seconds(self) -> float:
+        """The seconds; on CUDA this waits for the last event (a host-device sync) unless ready()."""
+        if self._events:
+            self._events[-1][1].synchronize()
+        return self._host_s + sum(a.elapsed_time(b) for a, b in self._events) / 1e3  # ms -> s
+
+
 class _Clock:
     """Accumulated seconds of timed spans: a host timer on CPU (ops run as they are called); on CUDA, event
-    pairs on the stream, read only when asked (waiting for them is a host-device sync: not every step)."""
+    pairs on the stream, read only once they are done (waiting for them is a host-device sync)."""
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
@@ -216,18 +255,11 @@ class _Clock:
             yield
             self._host_s += time.perf_counter() - t0
 
-    def take(self) -> Callable[[], float]:
-        """What was accumulated since the last take, as a reading to call later (it waits for the last CUDA
-        event: a host-device sync, then); the clock starts again from zero."""
-        host, events = self._host_s, self._events
+    def take(self) -> _Reading:
+        """What was accumulated since the last take, as a reading; the clock starts again from zero."""
+        reading = _Reading(self._host_s, self._events)
         self._host_s, self._events = 0.0, []
-
-        def seconds() -> float:
-            if events:
-                events[-1][1].synchronize()
-            return host + sum(a.elapsed_time(b) for a, b in events) / 1e3  # ms -> s
-
-        return seconds
+        return reading
 
 
 class _TimedStage(PipelineStage):
@@ -257,14 +289,20 @@ def _tied_group(mesh: DeviceMesh, pp_dim: str) -> dist.ProcessGroup | None:
     return group
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (an FSDP shard's local rows, written through), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _sum_tied_grads(stage: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Sum the gradient of a weight tied across the first and last stage: both copies take the same step."""
+    """Sum the gradient of a weight tied across the first and last stage: both copies take the same step.
+    Under FSDP both ends are sharded alike (same shape, same data-parallel ranks): their shards are summed."""
     if getattr(stage, "tied_param", None) is None:
         return
     assert group is not None, "a stage with a tied weight has a tied group"
     grad = stage.get_parameter(stage.tied_param).grad
     assert grad is not None, "step() ran backward through the tied weight"
-    dist.all_reduce(grad, group=group)
+    dist.all_reduce(_local(grad), group=group)
 
 
 def _average_grads(params: list[nn.Parameter], groups: list[dist.ProcessGroup]) -> None:
@@ -282,17 +320,37 @@ def _average_grads(params: list[nn.Parameter], groups: list[dist.ProcessGroup]) 
         offset += g.numel()
 
 
-def clip_grad_norm(stage: nn.Module, max_norm: float, pp_group: dist.ProcessGroup) -> torch.Tensor:
-    """Clip the stage's gradients by the norm of the whole model's gradients, the stages' squared norms summed
-    over the pipeline group (a tied weight counted once, as one process counts it); returns that norm. Data-
-    parallel replicas hold equal averaged gradients, so the pipeline group is enough."""
+def stage_grad_norm(stage: nn.Module, pp_group: dist.ProcessGroup) -> torch.Tensor:
+    """The norm of the whole model's gradients: the stages' squared norms summed over the pipeline group (a
+    tied weight counted once, as one process counts it; FSDP shards' norms first completed over their ranks).
+    Data-parallel replicas hold equal averaged gradients, so the pipeline group is enough. Collective."""
     skip = stage.tied_param if getattr(stage, "tied_copy", False) else None
     grads = [p.grad for name, p in stage.named_parameters() if p.grad is not None and name != skip]
-    sq = torch.nn.utils.get_total_norm(grads).float() ** 2  # this stage's share
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    sq = norm.float() ** 2  # this stage's share
     dist.all_reduce(sq, group=pp_group)
-    norm = sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(stage.parameters(), max_norm, norm)  # as clip_grad_norm_ scales
+    return sq.sqrt()
+
+
+@torch.no_grad()
+def clip_with_norm(stage: nn.Module, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the stage's gradients by max_norm / norm where that is below 1, as clip_grad_norm_ scales."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    grads = [_local(p.grad) for p in stage.parameters() if p.grad is not None]
+    torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
+def clip_grad_norm(stage: nn.Module, max_norm: float, pp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Clip the stage's gradients by the norm of the whole model's gradients (stage_grad_norm); returns it."""
+    norm = stage_grad_norm(stage, pp_group)
+    clip_with_norm(stage, max_norm, norm)
     return norm
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_DIMS = 4
 
 
 class PipelineRunner:
@@ -301,15 +359,18 @@ class PipelineRunner:
     (summed with the tied weight's other end, averaged over the data-parallel ranks of the stage).
 
     ``mesh``: the run's DeviceMesh with a ``pp_dim`` axis; its ``dp_replicate`` / ``dp_shard`` axes, where
-    present, are the ranks holding the same stage and seeing other rows: their gradients are averaged by
-    all-reduce after the pipeline's backward. ``loss_fn(logits, target)`` -> mean loss of a micro-batch; the
-    schedule divides the gradients by the number of micro-batches, so equal micro-batches give the gradient
-    of the whole batch's mean.
+    present, are the ranks holding the same stage and seeing other rows: a plain stage's gradients are
+    averaged over them by all-reduce after the pipeline's backward; an FSDP-sharded stage's are reduce-scattered
+    by FSDP (torch's schedules run its reduction after the last micro-batch). ``loss_fn(logits, target)`` -> mean
+    loss of a micro-batch. ``accum``: steps whose gradients add up before the optimizer steps (gradient
+    accumulation): each micro-batch's loss is divided by micro-batches x accum (the schedule's own division
+    by the micro-batches would divide what earlier steps accumulated too), so equal micro-batches give the
+    gradient of the mean over everything accumulated.
     """
 
     def __init__(self, stage: nn.Module, mesh: DeviceMesh, *, device: torch.device, microbatches: int,
                  schedule: str, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 pp_dim: str = "pp") -> None:
+                 pp_dim: str = "pp", accum: int = 1) -> None:
         names = mesh.mesh_dim_names or ()
         if pp_dim not in names:
             raise ValueError(f"the device mesh has no {pp_dim!r} axis (axes: {', '.join(names)})")
@@ -317,30 +378,42 @@ class PipelineRunner:
         if extra:
             raise ValueError(f"parallel.pp does not combine with the mesh axes {', '.join(extra)} yet; "
                              f"set their degrees to 1")
-        if any(isinstance(p, DTensor) for p in stage.parameters()):
-            raise ValueError("PipelineRunner averages a stage's gradients itself and takes a plain stage, "
-                             "not one sharded by FSDP or tensor parallelism; use --parallel.strategy=ddp")
-        if "dp_shard" in names and mesh.size(names.index("dp_shard")) > 1:
-            log.warning("parallel.pp with dp_shard > 1: each stage is replicated over the dp_shard ranks, "
-                        "not sharded (FSDP within a stage is not supported yet); gradients are averaged")
-        self.stage_module, self.device = stage, device
+        sharded = isinstance(stage, FSDPModule)
+        if not sharded and any(isinstance(p, DTensor) for p in stage.parameters()):
+            raise ValueError("PipelineRunner takes a plain stage or one sharded by FSDP, not one split by "
+                             "tensor parallelism; set --parallel.tp=1")
+        if not sharded and "dp_shard" in names and mesh.size(names.index("dp_shard")) > 1:
+            log.warning("parallel.pp with a dp_shard axis and an unsharded stage: the stage is replicated over "
+                        "the dp_shard ranks and its gradients averaged")
+        self.stage_module, self.device, self.accum = stage, device, accum
         self.pp_group = mesh.get_group(pp_dim)
-        pp, index = mesh.size(names.index(pp_dim)), mesh.get_local_rank(pp_dim)
-        self.microbatches = resolve_microbatches(pp, microbatches, schedule)
-        self._dp_groups = [mesh.get_group(n) for n in DP_DIMS if n in names and mesh.size(names.index(n)) > 1]
+        self.pp, self.index = mesh.size(names.index(pp_dim)), mesh.get_local_rank(pp_dim)
+        self.schedule = schedule
+        self.microbatches = resolve_microbatches(self.pp, microbatches, schedule)
+        self._dp_groups = [] if sharded else \
+            [mesh.get_group(n) for n in DP_DIMS if n in names and mesh.size(names.index(n)) > 1]
         self._tied_group = _tied_group(mesh, pp_dim) if getattr(stage, "ties_stages", False) else None
         self._busy, self._wall = _Clock(device), _Clock(device)
-        self.stage = _TimedStage(stage, index, pp, device, group=self.pp_group, clock=self._busy)
-        self._schedule = SCHEDULES[schedule](self.stage, self.microbatches, loss_fn=self._timed(loss_fn))
-        self._last: tuple[Callable[[], float], Callable[[], float]] | None = None  # (busy, wall) readings
+        self.stage = _TimedStage(stage, self.index, self.pp, device, group=self.pp_group, clock=self._busy)
+        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, unscaled
+        self._schedule = SCHEDULES[schedule](self.stage, self.microbatches, loss_fn=self._scaled(loss_fn),
+                                             scale_grads=False)
+        self._last: tuple[_Reading, _Reading] | None = None  # the last step's (busy, wall)
+        self._pending: list[tuple[_Reading, _Reading]] = []  # steps not yet added to the totals
+        self._totals = [0.0, 0.0, 0]  # busy s, wall s, steps: every training step after the first
+        self._steps = 0
         log.info("pipeline stage %d of %d: %s, %d micro-batches, bubble (p - 1) / (m + p - 1) = %.1f%%",
-                 index, pp, schedule, self.microbatches, 100 * bubble_fraction(pp, self.microbatches))
+                 self.index, self.pp, schedule, self.microbatches, 100 * bubble_fraction(self.pp, self.microbatches))
 
-    def _timed(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def _scaled(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        scale = self.microbatches * self.accum
+
+        def scaled(*args: Any, **kwargs: Any) -> torch.Tensor:
             with self._busy.span():
-                return loss_fn(*args, **kwargs)
-        return timed
+                loss = loss_fn(*args, **kwargs)
+            self._losses.append(loss.detach())
+            return loss / scale
+        return scaled
 
     def _run(self, run: Callable[..., Any], inputs: torch.Tensor | None,
              target: torch.Tensor | None) -> torch.Tensor | None:
@@ -350,12 +423,13 @@ class PipelineRunner:
                                  f"parallel.microbatches={self.microbatches} equal micro-batches; "
                                  f"make the per-rank batch size a multiple of {self.microbatches}")
         args = (inputs,) if self.stage.is_first else ()
-        losses: list[torch.Tensor] | None = [] if self.stage.is_last else None
         self._busy.take()  # drop what an interrupted step left
+        self._losses = []
         with self._wall.span():
-            run(*args, target=target if self.stage.is_last else None, losses=losses)
+            run(*args, target=target if self.stage.is_last else None, losses=[] if self.stage.is_last else None)
         self._last = (self._busy.take(), self._wall.take())
-        return torch.stack(losses).mean().detach() if losses else None
+        losses = self._losses[-self.microbatches:]  # the schedule's first step may also run a shape probe
+        return torch.stack(losses).mean() if self.stage.is_last and losses else None
 
     @property
     def times(self) -> StepTimes | None:
@@ -364,19 +438,73 @@ class PipelineRunner:
         if self._last is None:
             return None
         busy, wall = self._last
-        return StepTimes(busy_s=busy(), wall_s=wall())
+        return StepTimes(busy_s=busy.seconds(), wall_s=wall.seconds())
 
-    def step(self, inputs: torch.Tensor | None, target: torch.Tensor | None) -> torch.Tensor | None:
+    def _fold(self, *, wait: bool = False) -> None:
+        """Add the timed steps whose readings are done (all with ``wait``: a sync on CUDA) to the totals."""
+        while self._pending and (wait or all(r.ready() for r in self._pending[0])):
+            busy, wall = self._pending.pop(0)
+            self._totals[0] += busy.seconds()
+            self._totals[1] += wall.seconds()
+            self._totals[2] += 1
+
+    def bubble(self) -> StepTimes | None:
+        """Busy and wall seconds summed over the training steps after the first (whose wall time holds the
+        schedule's set-up), their ``bubble`` the measured idle share; None before the second step. Waits for
+        the last step's CUDA events (a sync): read it at the end of a run."""
+        self._fold(wait=True)
+        busy, wall, steps = self._totals
+        return StepTimes(busy_s=busy, wall_s=wall) if steps else None
+
+    def step(self, inputs: torch.Tensor | None, target: torch.Tensor | None, *,
+             sync: bool = True) -> torch.Tensor | None:
         """One training step's forward and backward. ``inputs`` (B, T) are read on the first stage, ``target``
         (B, T) on the last (others may pass None). Returns the mean loss over the micro-batches on the last
         stage (this data-parallel rank's rows), None elsewhere; the caller clips (clip_grad_norm) and steps
-        its optimizer."""
+        its optimizer. ``sync``: False on accumulation steps but the last (the tied weight's gradients are
+        summed, a plain stage's averaged over its replicas, once they are all accumulated)."""
         loss = self._run(self._schedule.step, inputs, target)
-        _sum_tied_grads(self.stage_module, self._tied_group)
-        _average_grads(list(self.stage_module.parameters()), self._dp_groups)
+        self._steps += 1
+        if self._steps > 1:
+            assert self._last is not None
+            self._pending.append(self._last)
+            self._fold()
+        if sync:
+            _sum_tied_grads(self.stage_module, self._tied_group)
+            _average_grads(list(self.stage_module.parameters()), self._dp_groups)
         return loss
 
     def eval_step(self, inputs: torch.Tensor | None, target: torch.Tensor | None) -> torch.Tensor | None:
         """Forward only (call under torch.no_grad(), with the stage in eval mode): the mean loss over the
         micro-batches on the last stage, None elsewhere."""
         return self._run(self._schedule.eval, inputs, target)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """One whole batch through the stages, no micro-batches (evaluation: any batch size; call under
+        torch.no_grad()): each stage but the first receives its input from the stage before (its shape and
+        dtype first), runs, and sends its output on. The last stage's output (the logits) there, None
+        elsewhere. Every stage of the pipeline calls it for every batch."""
+        stage = self.stage_module
+        x = stage(inputs) if self.index == 0 else stage(self._recv(self.index - 1))
+        if self.index == self.pp - 1:
+            return x
+        self._send(x, self.index + 1)
+        return None
+
+    def _peer(self, index: int) -> int:
+        return dist.get_global_rank(self.pp_group, index)
+
+    def _send(self, x: torch.Tensor, index: int) -> None:
+        if x.dim() > _MAX_DIMS or x.dtype not in _DTYPES:
+            raise ValueError(f"a pipeline stage's output of shape {tuple(x.shape)} and {x.dtype} cannot be sent")
+        header = [_DTYPES.index(x.dtype), x.dim(), *x.shape, *[0] * (_MAX_DIMS - x.dim())]
+        dist.send(torch.tensor(header, dtype=torch.int64, device=self.device), self._peer(index), group=self.pp_group)
+        dist.send(x.contiguous(), self._peer(index), group=self.pp_group)
+
+    def _recv(self, index: int) -> torch.Tensor:
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+        dist.recv(header, self._peer(index), group=self.pp_group)
+        code, ndim, *shape = header.tolist()
+        x = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
+        dist.recv(x, self._peer(index), group=self.pp_group)
+        return x

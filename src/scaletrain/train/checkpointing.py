@@ -144,6 +144,17 @@ def _finite(tensors: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
+GROUPS, ALIASES = "param_group_names", "aliases"  # gathered with the rank states, not saved in them
+
+
+def _merged_groups(groups: list[dict[str, Any]], names: list[list[list[str]]]) -> list[dict[str, Any]]:
+    """This rank's optimizer param groups with every rank's parameter names (``names``: per rank, per group):
+    under FSDP every rank names them all; a pipeline stage names its own, and the checkpoint holds them all,
+    in stage order, so that any layout finds its parameters (train/session.py restricts them on load)."""
+    return [{**g, "params": list(dict.fromkeys(n for per_rank in names if i < len(per_rank) for n in per_rank[i]))}
+            for i, g in enumerate(groups)]
+
+
 def _rank_buffers(model: dict[str, torch.Tensor], ranks: list[Any],
                   rank: int) -> tuple[list[str], dict[str, Any]]:
     """(the names of the buffers that differ between ranks, what this rank saves of them). Every rank's
@@ -153,7 +164,7 @@ def _rank_buffers(model: dict[str, torch.Tensor], ranks: list[Any],
     own = differing([state.pop(RANK_BUFFERS) for state in ranks])
     if not own or rank == 0:
         return own, {}
-    return own, {RANK_BUFFERS: {str(rank): {name: model[name] for name in own}}}
+    return own, {RANK_BUFFERS: {str(rank): {name: model[name] for name in own if name in model}}}
 
 
 class Checkpointer:
@@ -236,6 +247,13 @@ class Checkpointer:
         self._settle()
         model, aliases = dedupe(get_model_state_dict(module))
         optim = get_optimizer_state_dict(module, optimizer)
+        copies = getattr(module, "tied_aliases", {})  # a pipeline stage's copy of a weight: stored once, by its owner
+        for name, kept in copies.items():
+            model.pop(name, None)
+            optim["state"].pop(name, None)
+            aliases[name] = kept
+        optim["param_groups"] = [{**g, "params": [n for n in g["params"] if n not in copies]}
+                                 for g in optim["param_groups"]]
         local = {**{f"model.{k}": local_shard(v) for k, v in model.items()},
                  **{f"optim.{k}": local_shard(v) for k, v in tree.split(optim["state"])[0].items()}}
         needed = _nbytes(local) * self.rt.world_size  # every rank's shards, about
@@ -248,11 +266,16 @@ class Checkpointer:
         if self.rt.distributed:
             dist.broadcast_object_list(where, src=0)
         stage = Path(where[0])
-        mine = {**rank_state, "nonfinite": _finite(local) or "", RANK_BUFFERS: plain_digests(model)}
+        params = {name for name, _ in module.named_parameters()}  # buffers are what may differ between ranks
+        mine = {**rank_state, "nonfinite": _finite(local) or "",
+                RANK_BUFFERS: plain_digests({k: v for k, v in model.items() if k not in params}),
+                GROUPS: [g["params"] for g in optim["param_groups"]], ALIASES: aliases}
         ranks: list[Any] = [mine]
         if self.rt.distributed:  # every rank learns of a non-finite shard anywhere, and then none writes
             ranks = [None] * self.rt.world_size
             dist.all_gather_object(ranks, mine)
+        groups = _merged_groups(optim["param_groups"], [state.pop(GROUPS) for state in ranks])
+        aliases = {k: v for state in ranks for k, v in state.pop(ALIASES).items()}  # every stage's
         self.last_step = step
         bad = next((f"rank {r}: {state['nonfinite']}" for r, state in enumerate(ranks) if state["nonfinite"]), "")
         if bad:
@@ -261,7 +284,7 @@ class Checkpointer:
             raise NonFiniteState(f"refusing to checkpoint step {step}: {bad} is not finite; fix: "
                                  "--train.nonfinite=skip, a lower --optim.lr, or --optim.grad_clip=1.0")
         own, mine_only = _rank_buffers(model, ranks, self.rt.rank)
-        rest = _ShardedRest(step, stage, optim["param_groups"], trainer, ranks,
+        rest = _ShardedRest(step, stage, groups, trainer, ranks,
                             {**meta, "aliases": aliases, RANK_BUFFERS: own}, started, needed)
         state = {"model": dcp.addressable(model), "optim": dcp.addressable(optim["state"]), **mine_only}
         if self._pool is not None and background:

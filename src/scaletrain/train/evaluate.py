@@ -24,6 +24,7 @@ def evaluate(job: Job) -> dict[str, float]:
     more or less than each other. Under FSDP the module's forward is collective, so a rank with fewer
     batches runs uncounted forwards until every rank has run as many. The ranks of a tensor-parallel group
     evaluate the same samples together (their forward is collective too); the group's first rank counts them.
+    Pipeline stages pass each whole batch on (PipelineRunner.forward: any batch size); the last stage counts.
     """
     cfg, rt, module, layout = job.cfg, job.rt, job.module, job.layout
     assert job.eval_data is not None
@@ -42,17 +43,16 @@ def evaluate(job: Job) -> dict[str, float]:
                               max_batches=cfg.train.eval_batches)
         forwards = -(-len(chosen[::world]) // batch_size)  # rank 0's share is the largest
     for raw in _padded(loader, forwards):
-        if raw is None:  # this rank is out of samples; keep FSDP's collectives in step, count nothing
-            with autocast(cfg.train.precision, rt.device, sharded=job.fsdp):
-                job.batcher(collate_one(job.eval_data)).to(rt.device)(module)
-            continue
-        batch = job.batcher(raw).to(rt.device)
+        # None: this rank is out of samples; keep FSDP's collectives in step, count nothing
+        batch = job.batcher(collate_one(job.eval_data) if raw is None else raw).to(rt.device)
         with autocast(cfg.train.precision, rt.device, sharded=job.fsdp):
-            out = batch(module)
+            out = batch(module) if job.pipeline is None else job.pipeline.forward(batch.args[0])
+            if raw is None or out is None:  # padding, or a pipeline stage before the last
+                continue
             loss = job.loss_fn(out, batch.target)
         totals += _sums(out, batch, loss)
     module.train()
-    if not layout.reads(rt.rank):
+    if not layout.counts_eval(rt.rank):
         totals.zero_()  # counted by its group's first rank
     if rt.distributed:
         dist.all_reduce(totals)  # one collective: every rank gets the same sums, so the same metrics

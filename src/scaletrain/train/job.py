@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +17,11 @@ from torch.utils.data import Dataset
 from scaletrain.batch import Batcher, BatchFn, collate_one, default_loss
 from scaletrain.config import Config, OptimConfig
 from scaletrain.data import Splits
+from scaletrain.layout import check_pipeline
 from scaletrain.models import GPT, build_model
 from scaletrain.observe.throughput import flops_per_sample
 from scaletrain.parallel import Layout, gradient_sync, has_dtensors, is_fsdp, resolve_layout, resolve_strategy
+from scaletrain.parallel.pipeline import PipelineRunner
 from scaletrain.runtime import Runtime, seed_all, set_deterministic
 from scaletrain.train.batching import BatchPlan, plan_batches
 from scaletrain.train.lr import build_scheduler
@@ -40,7 +42,7 @@ class Job:
     cfg: Config
     rt: Runtime
     plan: BatchPlan
-    module: nn.Module  # the bare model: evaluation and saving
+    module: nn.Module  # the bare model (under parallel.pp > 1, once attached, this rank's stage): evaluation, saving
     optimizer: Optimizer  # before attach(): built on the bare model, to check a checkpoint against
     train_data: Dataset
     eval_data: Dataset | None
@@ -50,7 +52,10 @@ class Job:
     strategy_reason: str = ""
     flops: float = 0.0  # model FLOPs per training sample (forward + backward)
     tokens_per_sample: int = 0  # sequence models: tokens per sample
+    params: int = 0  # the whole model's parameters (counted before a pipeline keeps one stage per rank)
+    model_name: str = ""  # its class
     model: nn.Module | None = None  # what forward and backward go through (DDP-wrapped when world > 1)
+    pipeline: PipelineRunner | None = None  # parallel.pp > 1: runs this rank's stage of every step
     scheduler: LambdaLR | None = None
     loader: Loader | None = None
     st: Session | None = None
@@ -84,8 +89,13 @@ class Job:
         cfg, plan = self.cfg, self.plan
         st.total_steps, st.flops_per_sample = plan.total_steps, self.flops
         self.st = st
-        self.model, self.optimizer = st.setup(self.module, lambda _: build_optimizer(self.module, cfg.optim,
-                                                                                     plan.peak_lr), name="model")
+        self.model, self.optimizer = st.setup(self.module, lambda params: build_optimizer(params, cfg.optim,
+                                                                                          plan.peak_lr), name="model")
+        if st._stage is not None:  # pp > 1: this rank's stage is the model it trains, evaluates and saves
+            self.module = st._stage
+            self.pipeline = PipelineRunner(st._stage, st._stage.mesh, device=st.device,
+                                           microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.pp_schedule,
+                                           loss_fn=self.loss_fn, accum=plan.accum_steps)
         for group in self.optimizer.param_groups:  # this run's peak (a restored group holds the saved one)
             group["initial_lr"] = plan.peak_lr
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, plan.total_steps)
@@ -115,17 +125,22 @@ class Schedule:
 def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
     """One optimizer step over accum_steps micro-batches, inside ``with job.st.step():``; returns the step's
     mean loss on the device (logged as ``loss``). The session times the phases, watches the loss and the
-    gradient norm, clips, steps through the loss scaler and decides when to log and save."""
+    gradient norm, clips, steps through the loss scaler and decides when to log and save. Under parallel.pp > 1
+    each of them runs through the pipeline (its stages split it into parallel.microbatches)."""
     st, model, accum = job.st, job.model, job.plan.accum_steps
     assert st is not None and model is not None and job.scheduler is not None
     step_loss = torch.zeros((), device=st.device)
     for micro in range(accum):
         batch = job.batcher(next(batches)).to(st.device)
-        # Only the last micro-step all-reduces (or reduce-scatters) gradients; the others accumulate locally.
-        with gradient_sync(model, micro == accum - 1):
+        last = micro == accum - 1
+        if job.pipeline is not None:  # every stage is given the batch: the first reads its inputs, the last its target
             with st.autocast():
-                loss = job.loss_fn(batch(model), batch.target) / accum
-            st.backward(loss)
+                loss = st.pipeline_step(job.pipeline, batch.args[0], batch.target, sync=last) / accum
+        else:  # only the last micro-step all-reduces (or reduce-scatters) gradients; the others accumulate locally
+            with gradient_sync(model, last):
+                with st.autocast():
+                    loss = job.loss_fn(batch(model), batch.target) / accum
+                st.backward(loss)
         step_loss += loss.detach()
     st.optimizer_step(job.optimizer)
     job.optimizer.zero_grad(set_to_none=True)
@@ -141,9 +156,9 @@ def batches_of(job: Job) -> Iterator[Any]:
         yield from job.loader
 
 
-def build_optimizer(module: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer:
+def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig, lr: float) -> Optimizer:
     """Weight decay on matrices and embeddings only, never on biases and norm gains (GPT-2's rule)."""
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
@@ -178,6 +193,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     check_precision(cfg.train.precision, rt.device, cfg.parallel.strategy)
     set_tf32(cfg.train.tf32, rt.device)
     plan = plan_batches(cfg, rt.world_size, len(splits.train), resume)  # type: ignore[arg-type]
+    check_pipeline(cfg.parallel, plan.batch_size)  # fit() too: its micro-batches split the batch evenly
     set_deterministic(cfg.train.deterministic)
     seed_all(cfg.run.seed)  # the same initial weights on every rank
     if model is None:
@@ -197,5 +213,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     if strategy != cfg.parallel.strategy:
         check_precision(cfg.train.precision, rt.device, strategy)
     layout = resolve_layout(cfg.parallel, cfg.memory, rt.world_size, nnodes, strategy=strategy)  # once, read below
-    return Job(cfg, rt, plan, module, build_optimizer(module, cfg.optim, plan.peak_lr), splits.train, splits.eval,
-               loss_fn or _default_loss(cfg.train.compile), batcher, layout, reason, flops=flops, tokens_per_sample=one.tokens_per_sample())
+    return Job(cfg, rt, plan, module, build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), splits.train,
+               splits.eval, loss_fn or _default_loss(cfg.train.compile), batcher, layout, reason, flops=flops,
+               tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
+               model_name=type(module).__name__)

@@ -264,6 +264,10 @@ def load_dcp(module: torch.nn.Module, optimizers: Optimizer | list[Optimizer], r
     ``groups``: the saved param groups of these optimizers, in order (default: all the checkpoint's)."""
     model, aliases = dedupe(get_model_state_dict(module))
     optim = get_optimizer_state_dict(module, optimizers)  # materializes the optimizer's state to load into
+    # A pipeline stage's copy of a weight (GPT's head on the last stage) is read from the name it is stored under
+    copies = getattr(module, "tied_aliases", {})
+    model = _renamed(model, copies)
+    optim = {**optim, "state": _renamed(optim["state"], copies)}
     state: dict[str, Any] = {}
     if "weights" not in skip:
         state["model"] = model
@@ -277,14 +281,21 @@ def load_dcp(module: torch.nn.Module, optimizers: Optimizer | list[Optimizer], r
         dcp.load(state, resume.path / dcp.DCP_DIR)
     except (RuntimeError, KeyError, AssertionError, CheckpointException) as err:  # the last: every rank's
         raise dcp_failure(err, resume) from None
+    back = {kept: copy for copy, kept in copies.items()}
     if "model" in state:
         own = state.get(RANK_BUFFERS, {}).get(str(rank), {})
-        loaded = dcp.placed_like(state["model"], model)
+        loaded = _renamed(dcp.placed_like(state["model"], model), back)
         set_model_state_dict(module, with_aliases({**loaded, **own}, aliases))
     if "optim" in state:
         saved = read_tree(resume, OPTIMIZER_GROUPS) if groups is None else groups
-        set_optimizer_state_dict(module, optimizers, {"state": dcp.placed_like(state["optim"], optim["state"]),
+        loaded = _renamed(dcp.placed_like(state["optim"], optim["state"]), back)
+        set_optimizer_state_dict(module, optimizers, {"state": loaded,
                                                       "param_groups": keep_implementation(saved, optimizers)})
+
+
+def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``state`` with the keys in ``names`` renamed (the order kept)."""
+    return {names.get(k, k): v for k, v in state.items()} if names else state
 
 
 def dcp_failure(err: BaseException, resume: Resume) -> CheckpointError:

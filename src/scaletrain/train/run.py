@@ -45,12 +45,12 @@ PREEMPTED, INTERRUPTED = "preempted", "interrupted"
 
 def _header(job: Job, splits: Splits, console: Console) -> None:
     cfg, rt, plan = job.cfg, job.rt, job.plan
-    params = sum(p.numel() for p in job.module.parameters())
+    params = job.params or sum(p.numel() for p in job.module.parameters())
     n_eval = len(splits.eval) if splits.eval is not None else 0  # type: ignore[arg-type]
     where = f"{rt.backend} on {rt.device}" if rt.distributed else f"single process on {rt.device}"
     console.print(f"scaletrain {__version__} | torch {torch.__version__} | world {rt.world_size} ({where}) | "
                   f"run dir {cfg.run_dir}")
-    name = type(job.module).__name__.removeprefix("FSDP")  # fully_shard renames the class
+    name = job.model_name or type(job.module).__name__.removeprefix("FSDP")  # fully_shard renames the class
     console.print(f"model {name}: {params / 1e6:.3f}M parameters | data {cfg.data.source}: "
                   f"{len(splits.train)} train / {n_eval} held-out samples")  # type: ignore[arg-type]
     layout = job.layout.describe() if rt.world_size > 1 or job.sharded else "single replica"
@@ -89,7 +89,13 @@ def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any]) -> dict[s
 
     rt, plan = job.rt, job.plan
     rate = summary["samples_per_s"]
-    return plan_vs_actual(job.cfg, splits.task, splits.info, *splits.train[0][:2], job.module, device=rt.device,
+    module = job.module
+    if job.pipeline is not None:  # the whole model's structure, on the meta device (this rank holds one stage)
+        from scaletrain.models import build_model
+
+        with torch.device("meta"):
+            module = build_model(job.cfg.model, splits.task, splits.info)
+    return plan_vs_actual(job.cfg, splits.task, splits.info, *splits.train[0][:2], module, device=rt.device,
                           parallel=job.layout, batch_size=plan.batch_size, accum_steps=plan.accum_steps, flops=job.flops,
                           state=summary["mem"], peak_bytes=summary["peak_mem_bytes"],
                           step_s=plan.global_batch / rate if rate else None, mfu=summary.get("hfu", summary.get("mfu")))
@@ -104,12 +110,44 @@ def _summarize(job: Job, splits: Splits, model_given: bool) -> Callable[[dict[st
         summary.update({"samples": st.steps * plan.global_batch, "epochs": st.steps / plan.steps_per_epoch,
                         "global_batch": plan.global_batch, "accum_steps": plan.accum_steps, "peak_lr": plan.peak_lr,
                         "train_loss": st.last_metrics.get("loss", math.nan), "eval": job.last_eval,
-                        "params": sum(p.numel() for p in job.module.parameters()), "strategy": job.strategy})
+                        "params": job.params, "strategy": job.strategy})
+        if job.pipeline is not None:
+            summary["pipeline"] = _pipeline_record(job)
         # The planner builds the model the config names; the comparison needs a step counted in this process.
         if job.cfg.log.plan_vs_actual and not model_given and "params_bytes" in summary["mem"]:
             summary["plan_vs_actual"] = _plan_vs_actual(job, splits, summary)
         return summary
     return add
+
+
+def _pipeline_record(job: Job) -> dict[str, Any]:
+    """The pipeline's bubble measured on every rank (busy / wall time over the steps after the first, which
+    holds the schedule's set-up) beside (p - 1) / (m + p - 1), the same share by the formula. Collective."""
+    import torch.distributed as dist
+
+    from scaletrain.parallel.pipeline import bubble_fraction
+
+    runner = job.pipeline
+    assert runner is not None
+    times = runner.bubble()
+    mine = [times.busy_s, times.wall_s] if times is not None else [0.0, 0.0]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    bubbles = [1 - busy / wall if wall > 0 else None for busy, wall in every]
+    measured = [b for b in bubbles if b is not None]
+    return {"pp": runner.pp, "schedule": runner.schedule, "microbatches": runner.microbatches,
+            "bubble_formula": bubble_fraction(runner.pp, runner.microbatches),
+            "bubble": sum(measured) / len(measured) if measured else None, "rank_bubble": bubbles}
+
+
+def _pipeline_row(record: dict[str, Any]) -> list[tuple[str, str]]:
+    if record["bubble"] is None:
+        return []
+    known = [b for b in record["rank_bubble"] if b is not None]
+    text = (f"pp {record['pp']}, {record['schedule']}, {record['microbatches']} micro-batches: bubble "
+            f"{100 * record['bubble']:.1f}% of the step measured (ranks {100 * min(known):.1f}-"
+            f"{100 * max(known):.1f}%), (p - 1)/(m + p - 1) = {100 * record['bubble_formula']:.1f}%")
+    return [("pipeline", text)]
 
 
 def _memory_row(mem: dict[str, Any]) -> list[tuple[str, str]]:
@@ -153,6 +191,7 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
     rows += [("wall time", f"{summary['wall_s']:.1f} s"), ("time spent on", describe(summary["goodput"])),
              ("peak memory / rank", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB"),
              *_memory_row(summary.get("mem", {})),
+             *(_pipeline_row(summary["pipeline"]) if "pipeline" in summary else []),
              *([("plan vs actual", describe_plan(summary["plan_vs_actual"]))] if "plan_vs_actual" in summary else []),
              ("run dir", str(run_dir))]
     console.table("summary", rows)

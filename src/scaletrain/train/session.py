@@ -98,6 +98,7 @@ from scaletrain.observe.stragglers import bottleneck, phase_fractions
 from scaletrain.observe.throughput import device_peak, throughput
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_fsdp_mark
 from scaletrain.parallel import Layout, has_dtensors, is_fsdp, parallelize, resolve_layout, units_line
+from scaletrain.parallel.pipeline import PipelineRunner, clip_with_norm, is_stage, stage_grad_norm
 from scaletrain.runtime import Runtime
 from scaletrain.train.chaos import Chaos
 from scaletrain.train.checkpointing import (
@@ -252,6 +253,7 @@ class Session:
             install_excepthook()
         self._closed, self._in_step, self._training, self._timing = False, False, False, False
         self._models: list[_Model] = []
+        self._stage: nn.Module | None = None  # parallel.pp > 1: this rank's pipeline stage (the model set up)
         self._tracked: dict[str, Any] = {}  # st.track(): name -> an object with state_dict()
         self._loaders: list[Loader] = []
         self.preempt = opened.preempt if opened is not None else \
@@ -391,11 +393,17 @@ class Session:
         given = [opt for opt in optimizers if isinstance(opt, Optimizer)]
         for opt in given:
             _check_optimizer(opt, model)
+        if self.layout is not None and self.layout.pp > 1 and (given or self._models):
+            raise UserError("session.setup() with parallel.pp > 1: a pipeline runs one model, whose optimizers are "
+                            "built on this rank's stage; fix: set up one model, with its optimizer as a function "
+                            "of the parameters (lambda params: torch.optim.AdamW(params))")
         names = {id(p): n for n, p in model.named_parameters()}
         cfg = self.cfg
         wrapped = parallelize(model, self.device, self.world_size, cfg.parallel, compile=cfg.train.compile,
                               precision=cfg.train.precision, memory=cfg.memory, nnodes=self._nnodes,
                               optimizer=cfg.optim.name, layout=self.layout)
+        if is_stage(wrapped):  # pp > 1: this rank keeps its stage of the model (the model's names for its part)
+            model = self._stage = wrapped
         if has_dtensors(wrapped):  # FSDP/TP replaced the parameters: an optimizer built before takes the new ones
             now = dict(model.named_parameters())
             for opt in given:
@@ -493,9 +501,9 @@ class Session:
 
     @property
     def sharded(self) -> bool:
-        """True when the models set up are split across ranks (FSDP/HSDP shards, tensor parallelism): their
-        parameters are DTensors and the checkpoints are DCP."""
-        return any(has_dtensors(m.wrapped) for m in self._models)
+        """True when the models set up are split across ranks (FSDP/HSDP shards, tensor parallelism: their
+        parameters are DTensors; pipeline stages: each rank holds its stage's): the checkpoints are DCP."""
+        return self._stage is not None or any(has_dtensors(m.wrapped) for m in self._models)
 
     def _box(self, models: list[_Model] | None = None, *, bare: bool | None = None) -> nn.Module:
         """The models in one container, each under its name: one state dict for DCP (keys ``name.param``);
@@ -551,8 +559,8 @@ class Session:
         self.timer.start()  # the next step begins now: waiting for its batch is part of it
 
     def _count_drawn(self) -> None:
-        for loader in self._loaders:
-            drawn = loader.drawn * loader.inner.micro_samples // self.world_size
+        for loader in self._loaders:  # this rank's batches (the ranks of a TP group or a pipeline share one)
+            drawn = loader.drawn * loader.inner.loader.batch_size
             self._samples += drawn
             self._tokens += drawn * max(loader.tokens_per_sample, 0)
             loader.waited, loader.drawn = 0.0, 0
@@ -581,6 +589,24 @@ class Session:
             raise
         self.timer.backward_done()
 
+    def pipeline_step(self, runner: PipelineRunner, inputs: torch.Tensor, target: torch.Tensor, *,
+                      sync: bool = True) -> torch.Tensor:
+        """What backward() is for a pipelined model (parallel.pp > 1): one forward and backward of ``runner``'s
+        stage over the micro-batches of ``inputs`` and ``target`` (this data-parallel rank's batch; every stage
+        is given it), timed as compute, the loss watched for NaN or infinity on the last stage. ``sync``: False
+        on accumulation steps but the last. Returns the batch's mean loss on the last stage, NaN elsewhere
+        (st.log() averages the finite values: the last stages')."""
+        if not self._in_step:
+            raise UserError("session.pipeline_step() outside `with st.step():`; fix: call it inside the step")
+        self.chaos.delay("compute")
+        loss = runner.step(inputs, target, sync=sync)
+        if loss is None:
+            loss = torch.full((), math.nan, device=self.device)
+        else:
+            self.guard.watch_loss(self.steps + 1, loss)
+        self.timer.backward_done()
+        return loss
+
     def optimizer_step(self, optimizer: Optimizer, *, clip: float | None = None) -> torch.Tensor | None:
         """``optimizer.step()`` as the run needs it: under fp16-mixed the gradients are unscaled first (and the
         step skipped on overflow, as GradScaler does); their norm is clipped to ``clip`` (default
@@ -595,7 +621,13 @@ class Session:
                             "st.setup(model, optimizer) with its model")
         clip = self.cfg.optim.grad_clip if clip is None else clip
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = clipped_norm(params, clip, self.scaler, optimizer)
+        if self._stage is not None:  # the whole model's norm: every stage's share, over the pipeline group
+            self.scaler.unscale_(optimizer)
+            norm = stage_grad_norm(self._stage, self._stage.mesh.get_group("pp"))
+            if clip > 0:
+                clip_with_norm(self._stage, clip, norm)
+        else:
+            norm = clipped_norm(params, clip, self.scaler, optimizer)
         step, fused = self.steps + 1, supports_device_skip(optimizer)
         # Holding back a step for an optimizer that cannot skip on the device costs a host sync every step:
         # only where train.nonfinite=skip asks for it. Under raise the run stops at the next log step, before
@@ -883,6 +915,8 @@ class Session:
         named = f"{entry.name}."
         want = {named + k: tuple(v.shape) for k, v in entry.module.state_dict().items() if isinstance(v, torch.Tensor)}
         saved = {named + k[len(prefix):]: v for k, v in saved_model_shapes(resume).items() if k.startswith(prefix)}
+        if self._stage is not None:  # a pipeline stage holds its part of the saved model
+            saved = {k: v for k, v in saved.items() if k in want}
         misfit = model_misfit(want, saved) if "weights" not in self.skip else None
         if misfit is not None:
             raise CheckpointError(resume.path, misfit, "set up the model the checkpoint was made with (the same "
@@ -901,6 +935,10 @@ class Session:
         else:
             if weights:
                 tensors, aliases = read_model(resume)
+                if self._stage is not None:  # this stage's part of one process's weights
+                    mine = set(entry.module.state_dict())
+                    tensors = {k: v for k, v in with_aliases(tensors, aliases).items() if k in mine}
+                    aliases = {}
                 if not bare:
                     tensors = {k[len(prefix):]: v for k, v in with_aliases(tensors, aliases).items()
                                if k.startswith(prefix)}
@@ -909,6 +947,8 @@ class Session:
                                    str(resume.path))
             if optimizers:
                 for opt, tree in zip(entry.optimizers, self._optimizer_trees(entry, bare)):
+                    if self._stage is not None:  # this stage's parameters' state
+                        tree = _stage_tree(tree, entry.module)
                     load_optimizer_tree(entry.module, opt, tree, str(resume.path / OPTIMIZER))
         if self._rank_state is not None:
             self._since = int(self._rank_state.get("since", 0))
@@ -935,6 +975,8 @@ class Session:
         prefix = "" if bare else f"{entry.name}."
         groups = [g for g in read_tree(resume, OPTIMIZER_GROUPS) if g["params"] and g["params"][0].startswith(prefix)]
         names = {id(p): name for name, p in box.named_parameters()}
+        if self._stage is not None:  # a pipeline stage: its own parameters of the whole model's groups
+            groups = _stage_groups(groups, set(names.values()), getattr(self._stage, "tied_aliases", {}))
         live = [sorted(names[id(p)] for p in g["params"]) for opt in entry.optimizers for g in opt.param_groups]
         if [sorted(g["params"]) for g in groups] != live and "optimizer" not in self.skip:
             raise CheckpointError(resume.path, f"the optimizer param groups of {entry.name!r} differ",
@@ -1100,6 +1142,23 @@ def session(config: Config | Mapping[str, Any] | str | None = None, *, argv: lis
     except (Reported, Stopped):
         install_excepthook()
         raise
+
+
+def _stage_tree(tree: dict[str, Any], stage: nn.Module) -> dict[str, Any]:
+    """One process's optimizer tree (a consolidated checkpoint) cut to a pipeline stage's parameters."""
+    mine = {name for name, _ in stage.named_parameters()}
+    copies = getattr(stage, "tied_aliases", {})
+    back = {kept: copy for copy, kept in copies.items()}
+    return {"state": {back.get(n, n): v for n, v in tree["state"].items() if back.get(n, n) in mine},
+            "param_groups": _stage_groups(tree["param_groups"], mine, copies)}
+
+
+def _stage_groups(groups: list[dict[str, Any]], mine: set[str], copies: dict[str, str]) -> list[dict[str, Any]]:
+    """The saved param groups of the whole model (any layout's) cut to a pipeline stage's parameters ``mine``;
+    a weight the stage holds a copy of (``copies``: {copy: the name stored}) under the copy's name."""
+    back = {kept: copy for copy, kept in copies.items()}
+    cut = [{**g, "params": [back.get(n, n) for n in g["params"] if back.get(n, n) in mine]} for g in groups]
+    return [g for g in cut if g["params"]]
 
 
 def _check_optimizer(opt: Any, model: nn.Module) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -79,8 +80,9 @@ def plain_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def differing(digests: list[dict[str, str]]) -> list[str]:
-    """The names (sorted) whose digest is not the same on every rank."""
-    return sorted(name for name in digests[0] if any(d.get(name) != digests[0][name] for d in digests[1:]))
+    """The names (sorted) whose digest is not the same on every rank holding them (a pipeline stage holds
+    its own)."""
+    return sorted(name for name in digests[0] if any(name in d and d[name] != digests[0][name] for d in digests[1:]))
 
 
 def model_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -94,6 +96,24 @@ def full_model_state(module: nn.Module, *, sharded: bool) -> dict[str, torch.Ten
     if not sharded:
         return module.state_dict()
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def stages_state(stage: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The whole model's weights gathered on rank 0 from the stages of a pipeline (parallel/pipeline.py), each
+    stage's whole (an FSDP stage's shards gathered first), and the names a stage's copy of a tied weight
+    stands for ({alias: name}); empty on the other ranks. Every rank must call this."""
+    copies = stage.tied_aliases
+    local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+             for k, v in stage.state_dict().items() if k not in copies}
+    mesh = stage.mesh
+    first = all(mesh.get_local_rank(n) == 0 for n in mesh.mesh_dim_names if n != "pp")  # one replica per stage
+    sent = (local, copies) if first else ({}, {})
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(sent, gathered, dst=0)
+    if gathered is None:
+        return {}, {}
+    return ({k: v for tensors, _ in gathered for k, v in tensors.items()},
+            {k: v for _, names in gathered for k, v in names.items()})
 
 
 def stored_once(module: nn.Module, full: dict[str, torch.Tensor], *, sharded: bool

@@ -1,0 +1,90 @@
+"""`scaletrain train --parallel.pp`: the trainer's pipelined runs equal one process, and their checkpoints
+resume at another layout, in both directions.
+
+The built-in GPT (its head tied to the token embedding: under pp the last stage holds a copy, stored once in a
+checkpoint under the embedding's name) and llama-tiny, fp32, AdamW with clipping, a global batch of 8
+sequences throughout, 6 steps, a held-out evaluation of the same 8 sequences at steps 0 and 6:
+
+- GPT: PP=2 (1F1B) on 2 ranks stopped after step 3, its DCP checkpoint resumed by one process;
+- GPT: FSDP=2 stopped after step 3, resumed as PP=2 x DP=2 (GPipe) on 4 ranks, 4 rows per pipeline (its
+  summary: the bubble measured on every rank, and the planner's model state of stage 0 against rank 0's);
+- Llama: PP=2 x FSDP=2 on 4 ranks (each stage sharded over 2 ranks) stopped after step 3, resumed as PP=2 on 2
+  ranks with batches of 4 accumulated twice.
+
+Sums differ in order only (micro-batch gradients accumulated, replicas' averaged), so the final weights, the
+logged losses and the held-out losses agree with one process's to 1e-5. (The pipeline runner on its own:
+tests/dist/test_pipeline.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import safetensors.torch
+from test_resume import losses, train
+
+JOB = ["--train.max_steps=6", "--log.every=3", "--train.eval_batches=1", "--data.eval_batch_size=8",
+       "--train.progress=false",
+       "--checkpoint.every=3"]
+
+
+def _evals(run: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["eval_loss"]) for r in records if r["kind"] == "eval"]
+
+
+def _close(got: Path, want: Path) -> None:
+    a = safetensors.torch.load_file(str(got / "model.safetensors"))
+    b = safetensors.torch.load_file(str(want / "model.safetensors"))
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in b)
+    assert worst < 1e-5, worst
+    for mine, ref in ((losses(got), losses(want)), (_evals(got)[-1:], _evals(want)[-1:])):
+        assert [s for s, _ in mine] == [s for s, _ in ref] and ref
+        assert all(abs(x - y) < 1e-5 for (_, x), (_, y) in zip(mine, ref)), (mine, ref)
+
+
+def _legs(tmp_path: Path, job: list[str], legs: list[list[str]], run: str) -> list[str]:
+    said = []
+    for leg in legs:
+        code, out, err = train(*job, *leg, f"--run.dir={run}", cwd=tmp_path)
+        assert code == 0, err[-3000:]
+        said.append(out)
+    return said
+
+
+def test_gpt_pipelines_resume_at_pp1_and_from_fsdp(tmp_path):
+    gpt = ["gpt-stdlib", *JOB]
+    _legs(tmp_path, gpt, [["--nproc", "1", "--data.batch_size=8"]], "one")
+    said = _legs(tmp_path, gpt, [["--nproc", "2", "--parallel.pp=2", "--data.batch_size=8", "--chaos.interrupt_step=3"],
+                                 ["--nproc", "1", "--data.batch_size=8"]], "pp2-then-one")
+    assert "parallel: pp 2" in said[0], said[0]
+    assert "effective batch 8 = 8 per rank x 1 data-parallel rank x 1 accumulation" in said[0], said[0]
+    assert "resumed from" in said[1] and "parallel.pp: 2 -> 1" in said[1], said[1]
+    _close(tmp_path / "pp2-then-one", tmp_path / "one")
+    said = _legs(tmp_path, gpt, [["--nproc", "2", "--parallel.strategy=fsdp", "--data.batch_size=4",
+                                  "--chaos.interrupt_step=3"],
+                                 ["--nproc", "4", "--parallel.pp=2", "--parallel.pp_schedule=gpipe",
+                                  "--data.batch_size=4", "--data.eval_batch_size=4"]], "fsdp-then-pp2xdp2")
+    assert "parallel: ddp x pp 2" in said[1] and "parallel.pp: 1 -> 2" in said[1], said[1]
+    _close(tmp_path / "fsdp-then-pp2xdp2", tmp_path / "one")
+    summary = json.loads((tmp_path / "fsdp-then-pp2xdp2" / "summary.json").read_text())
+    pipeline = summary["pipeline"]
+    assert pipeline["pp"] == 2 and pipeline["microbatches"] == 4 and pipeline["schedule"] == "gpipe"
+    assert pipeline["bubble_formula"] == 1 / 5 and len(pipeline["rank_bubble"]) == 4
+    assert all(0 < b < 1 for b in pipeline["rank_bubble"])  # measured on each rank, steps 5-6
+    # the planner's model state of stage 0 (its blocks, the embeddings; plan/parallel.py) against rank 0's tensors
+    assert abs(summary["plan_vs_actual"]["error"]["model_state"]) < 1e-3, summary["plan_vs_actual"]
+
+
+def test_llama_pp_x_fsdp_resumes_as_pp_with_accumulation(tmp_path):
+    llama = ["llama-tiny", *JOB]
+    _legs(tmp_path, llama, [["--nproc", "1", "--data.batch_size=8"]], "one")
+    said = _legs(tmp_path, llama, [["--nproc", "4", "--parallel.pp=2", "--parallel.strategy=fsdp",
+                                    "--data.batch_size=4", "--chaos.interrupt_step=3"],
+                                   ["--nproc", "2", "--parallel.pp=2", "--data.batch_size=4",
+                                    "--train.global_batch=8"]], "mixed")
+    assert "parallel: fsdp x pp 2 | FSDP: 1 x Block + root" in said[0], said[0]
+    assert "effective batch 8 = 4 per rank x 1 data-parallel rank x 2 accumulation" in said[1], said[1]
+    _close(tmp_path / "mixed", tmp_path / "one")
