@@ -218,12 +218,31 @@ def test_bad_degrees_and_budgets_are_one_line_and_exit_2(argv, words, capsys):
 def test_a_given_tp_and_pp_are_planned_within_80_columns_and_in_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", "llama-tiny", "--gpu", "h100", "--nproc", "8", "--parallel.tp=2", "--parallel.pp=2",
-                 "--data.seq_len=32", "--json", str(out)]) == 0
+                 "--data.seq_len=32", "--train.global_batch=128", "--tokens", "1M", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert max(len(line) for line in text.splitlines()) <= 80, text
     assert "dp x tp x pp layouts at tp 2, pp 2 on 8 GPUs" in " ".join(text.split())
-    rows = json.loads(out.read_text())["parallel"]["layouts"]
+    record = json.loads(out.read_text())
+    found, rows = record["parallel"], record["parallel"]["layouts"]
     assert {(r["kind"], r["dp"], r["tp"], r["pp"]) for r in rows} == \
         {(k, 2, 2, 2) for k in ("ddp", "zero1", "zero2", "fsdp")}
-    # the global batch, 16 samples x 8 GPUs, over dp 2 in micro-batches of 16: m = 4, bubble (2 - 1) / 4
+    # the run's global batch, 128 samples, over dp 2 in micro-batches of 16: m = 4, bubble (2 - 1) / 4
+    assert found["global_batch"] == 128
     assert all(r["microbatches"] == 4 and r["bubble"] == 1 / 4 for r in rows)
+    # the token budget's steps are of that same global batch: 1M tokens / (128 x 32) per step, rounded up
+    assert found["total_steps"] == math.ceil(1e6 / (128 * 32))
+    peak = ACCELERATORS["h100"].peak(record["precision"], tf32=True)
+    flops = record["model"]["flops_per_sample"]
+    for r in rows:  # each layout's time is that batch's FLOPs: at MFU 1 in flops_per_gpu_s, its MFU of the step
+        assert r["flops_per_gpu_s"] == pytest.approx(flops * 128 / (8 * peak), rel=1e-12)
+        assert r["step_mfu"] == pytest.approx(r["flops_per_gpu_s"] / r["step_s"], rel=1e-12) and r["step_mfu"] < 1
+
+
+def test_a_given_pair_whose_data_parallel_ranks_do_not_split_the_global_batch_is_one_line(capsys):
+    """The pair's table holds the run's global batch (before, it held 16 x 8 GPUs while the token budget
+    counted 16 x 2 data-parallel ranks): one that does not split over the pair's 2 data-parallel ranks in
+    micro-batches of 16 is refused in one line."""
+    assert main(["plan", "llama-tiny", "--gpu", "h100", "--nproc", "8", "--parallel.tp=2", "--parallel.pp=2",
+                 "--data.seq_len=32", "--train.global_batch=40"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("scaletrain: error: train.global_batch = 40"), err

@@ -236,7 +236,11 @@ def _structure(cfg: Config, task: str, info: dict[str, Any], search: bool) -> St
     return shape
 
 
-def _search(cfg: Config, plan: Plan, facts: ModelFacts, shape: Structure, search: bool) -> Search:
+def _search(cfg: Config, plan: Plan, facts: ModelFacts, shape: Structure, search: bool,
+            global_batch: int) -> Search:
+    """The dp x tp x pp layouts at the run's ``global_batch`` (the one its token budget and steps count: the
+    trainer's, data.batch_size x the data-parallel ranks x accumulation, or train.global_batch, which
+    plan_batches checked splits over the given pair's data-parallel ranks)."""
     from scaletrain.plan.parallel import Setting
     from scaletrain.plan.parallel import search as run_search
 
@@ -244,7 +248,6 @@ def _search(cfg: Config, plan: Plan, facts: ModelFacts, shape: Structure, search
         print(f"scaletrain: warning: parallel.microbatches = {cfg.parallel.microbatches} ignored by the plan: it "
               "holds the global batch and splits it into micro-batches of data.batch_size samples (the m column)",
               file=sys.stderr)
-    global_batch = plan.batch_size * plan.world * plan.accum_steps
     setting = Setting(facts, shape, plan.accelerator, plan.gpus_per_node, plan.precision, plan.tf32,
                       plan.batch_size, global_batch, cfg.parallel.pp_schedule, cfg.optim.name, plan.mfu,
                       plan.net_bytes_per_s, plan.usable_bytes)
@@ -287,7 +290,8 @@ def _print_search(found: Search, searched: bool, width: int | None) -> None:
             continue
         cost = found.cost(lay)
         _say(f"plan: {word} that fits: {lay.name} on {lay.gpus} GPUs, checkpointing {lay.checkpointing}, "
-             f"m {lay.microbatches}: {_size(lay.total_bytes)} per GPU, {fmt_seconds(lay.step_s)} per step, "
+             f"m {lay.microbatches}: {_size(lay.total_bytes)} per GPU, {fmt_seconds(lay.step_s)} per step "
+             f"(MFU {lay.step_mfu:.2f} of the whole step), "
              f"{fmt_seconds(found.run_hours(lay) * 3600)}, {_hours(found.gpu_hours(lay))} GPU-hours"
              + ("" if cost is None else f", ${_dollars(cost)}")
              + f" (--parallel.tp={lay.tp} --parallel.pp={lay.pp})", width)
@@ -355,7 +359,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
                                                            for k, v in facts.block_activations.items()})
     plan = make_plan(cfg, facts, acc, total_steps=total_steps, accum_steps=batches.accum_steps, mfu=mfu,
                      net_bytes_per_s=net, price_per_gpu_hour=price)
-    found = _search(cfg, plan, facts, shape, args.search) if shape is not None else None
+    found = _search(cfg, plan, facts, shape, args.search, batches.global_batch) if shape is not None else None
 
     width = None if args.wide else WIDTH
     _print_plan(args.config, plan, batches.describe(), width, calibration, source)

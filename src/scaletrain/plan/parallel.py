@@ -188,10 +188,17 @@ class Parallel(PerGpuBytes):
     pp_comm_s: float
     dp_comm_s: float
     fits: bool
+    flops_per_gpu_s: float = 0.0  # model FLOPs per step / (GPUs x peak): the step time at MFU 1
 
     @property
     def step_s(self) -> float:
         return max(self.compute_s * (1 + self.bubble), self.dp_comm_s) + self.tp_comm_s + self.pp_comm_s
+
+    @property
+    def step_mfu(self) -> float:
+        """The MFU of the whole step, as a run measures it (and as published runs report it): the assumed MFU
+        of the compute, less the bubble and the exposed communication (and full checkpointing's recompute)."""
+        return self.flops_per_gpu_s / self.step_s if self.step_s > 0 else 0.0
 
     @property
     def name(self) -> str:
@@ -252,7 +259,9 @@ def parallel_layout(st: Setting, kind: str, ac: str, *, gpus: int, tp: int, pp: 
     memory = max((_stage_memory(st, kind, ac, dp, tp, pp, m, i) for i in range(pp)), key=sum)
     shape, cb = st.shape, compute_bytes(st.precision)
     flops = st.facts.flops_per_sample * st.global_batch
-    compute = flops / (gpus * st.acc.peak(st.precision, tf32=st.tf32) * st.mfu * (0.75 if ac == "full" else 1))
+    peak = st.acc.peak(st.precision, tf32=st.tf32)
+    at_peak = flops / (gpus * peak)  # seconds at MFU 1
+    compute = flops / (gpus * peak * st.mfu * (0.75 if ac == "full" else 1))  # as the data-parallel table
     link, net = st.acc.link_bytes_per_s, st.net_bytes_per_s
     per_node = st.gpus_per_node
     multi = gpus > per_node
@@ -266,7 +275,7 @@ def parallel_layout(st: Setting, kind: str, ac: str, *, gpus: int, tp: int, pp: 
                      across=min(link, net) if multi and dp * tp > per_node else link, link=link, net=net,
                      within=max(1, min(dp, per_node // tp)))
     return Parallel(kind, ac, gpus, dp, tp, pp, m, *memory, compute, bubble(pp, m), tp_s, pp_s, dp_s,
-                    sum(memory) <= st.usable_bytes)
+                    sum(memory) <= st.usable_bytes, at_peak)
 
 
 # --- the search ---------------------------------------------------------------------------------------------
@@ -308,6 +317,7 @@ class Search:
     gpus: int
     total_steps: int
     price_per_gpu_hour: float | None
+    global_batch: int = 0  # samples per optimizer step, the same in every layout
     layouts: list[Parallel] = field(default_factory=list)
     fastest: Parallel | None = None
     cheapest: Parallel | None = None
@@ -328,12 +338,14 @@ class Search:
     def as_dict(self) -> dict[str, Any]:
         def row(lay: Parallel) -> dict[str, Any]:
             return {**asdict(lay), "name": lay.name, "total_bytes": lay.total_bytes, "step_s": lay.step_s,
+                    "step_mfu": lay.step_mfu,
                     "run_hours": self.run_hours(lay), "gpu_hours": self.gpu_hours(lay), "cost": self.cost(lay)}
 
         def pick(lay: Parallel | None) -> dict[str, Any] | None:
             return None if lay is None else row(lay)
 
-        return {"gpus": self.gpus, "total_steps": self.total_steps, "layouts": [row(lay) for lay in self.layouts],
+        return {"gpus": self.gpus, "total_steps": self.total_steps, "global_batch": self.global_batch,
+                "layouts": [row(lay) for lay in self.layouts],
                 "fastest": pick(self.fastest), "cheapest": pick(self.cheapest)}
 
 
@@ -341,7 +353,7 @@ def search(st: Setting, *, gpus: int, nodes: int, total_steps: int, price_per_gp
            only: tuple[int, int] | None = None) -> Search:
     """The layouts of ``gpus`` GPUs, and of fewer whole machines where the global batch divides (for the
     cheapest); ``only``: (tp, pp) to plan that pair alone, on all the GPUs."""
-    out = Search(gpus, total_steps, price_per_gpu_hour)
+    out = Search(gpus, total_steps, price_per_gpu_hour, st.global_batch)
     if only is not None:
         tp, pp = only
         out.layouts = [parallel_layout(st, k, ac, gpus=gpus, tp=tp, pp=pp)
