@@ -268,14 +268,9 @@ def resolve_microbatches(pp: int, microbatches: int, schedule: str) -> int:
 
 def check_pipeline(cfg: ParallelConfig, batch_size: int = 0) -> int:
     """The micro-batches of a pipelined run (parallel.pp > 1; 1 otherwise), or a one-line ConfigError: enough
-    for the schedule, each a whole number of rows of the per-rank ``batch_size`` (when given), and no tensor
-    parallelism inside a stage (not composed yet)."""
+    for the schedule, each a whole number of rows of the per-rank ``batch_size`` (when given)."""
     if cfg.pp == 1:
         return 1
-    if cfg.tp > 1:
-        raise ConfigError("parallel.tp", cfg.tp, "1 with parallel.pp > 1 (a pipeline's stages run replicated or "
-                          "sharded by FSDP; tensor parallelism inside a stage is not composed yet)",
-                          "--parallel.tp=1, or --parallel.pp=1 with --parallel.tp")
     try:
         m = resolve_microbatches(cfg.pp, cfg.microbatches, cfg.pp_schedule)
     except ValueError:
@@ -295,6 +290,10 @@ def check_split(cfg: ParallelConfig, model: ModelConfig) -> None:
     tp, pp = cfg.tp, cfg.pp
     kv = (("model.n_kv_head", model.n_kv_head or model.n_head),) if model.name == "llama" else ()
     check_tp_split(tp, model.name, (("model.n_head", model.n_head), *kv), loss=model.loss, strategy=cfg.strategy)
+    if pp > 1 and tp > 1 and model.name == "gpt":
+        raise ConfigError("parallel.tp", tp, "1 with parallel.pp > 1 on the built-in GPT (its tied embedding and "
+                          "head live on different stages; tensor parallelism ties them in one DTensor)",
+                          "--model.name=llama for pp x tp, or --parallel.tp=1")
     if pp > 1 and model.name not in ("gpt", "llama"):
         raise ConfigError("parallel.pp", pp, f"1 with model.name = {model.name}: pipeline stages split the "
                           "built-in GPT and Llama", "--parallel.pp=1, or --model.name=llama")

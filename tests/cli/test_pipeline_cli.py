@@ -8,8 +8,8 @@ sequences throughout, 6 steps, a held-out evaluation of the same 8 sequences at 
 - GPT: PP=2 (1F1B) on 2 ranks stopped after step 3, its DCP checkpoint resumed by one process;
 - GPT: FSDP=2 stopped after step 3, resumed as PP=2 x DP=2 (GPipe) on 4 ranks, 4 rows per pipeline (its
   summary: the bubble measured on every rank, and the planner's model state of stage 0 against rank 0's);
-- Llama: PP=2 x FSDP=2 on 4 ranks (each stage sharded over 2 ranks) stopped after step 3, resumed as PP=2 on 2
-  ranks with batches of 4 accumulated twice.
+- Llama: PP=2 x FSDP=2 x TP=2 on 8 ranks (each stage's matrices split over 2 ranks, sequence-parallel, and
+  sharded over 2 more) stopped after step 3, resumed as PP=2 on 2 ranks with batches of 4 accumulated twice.
 
 Sums differ in order only (micro-batch gradients accumulated, replicas' averaged), so the final weights, the
 logged losses and the held-out losses agree with one process's to 1e-5. (The pipeline runner on its own:
@@ -78,13 +78,14 @@ def test_gpt_pipelines_resume_at_pp1_and_from_fsdp(tmp_path):
     assert abs(summary["plan_vs_actual"]["error"]["model_state"]) < 1e-3, summary["plan_vs_actual"]
 
 
-def test_llama_pp_x_fsdp_resumes_as_pp_with_accumulation(tmp_path):
+def test_llama_pp_x_tp_x_fsdp_resumes_as_pp_with_accumulation(tmp_path):
     llama = ["llama-tiny", *JOB]
     _legs(tmp_path, llama, [["--nproc", "1", "--data.batch_size=8"]], "one")
-    said = _legs(tmp_path, llama, [["--nproc", "4", "--parallel.pp=2", "--parallel.strategy=fsdp",
-                                    "--data.batch_size=4", "--chaos.interrupt_step=3"],
+    said = _legs(tmp_path, llama, [["--nproc", "8", "--parallel.pp=2", "--parallel.tp=2", "--parallel.strategy=fsdp",
+                                    "--data.batch_size=4", "--data.eval_batch_size=4", "--chaos.interrupt_step=3"],
                                    ["--nproc", "2", "--parallel.pp=2", "--data.batch_size=4",
                                     "--train.global_batch=8"]], "mixed")
-    assert "parallel: fsdp x pp 2 | FSDP: 1 x Block + root" in said[0], said[0]
+    assert "parallel: fsdp x pp 2 x tp 2 | FSDP: 1 x Block + root" in said[0], said[0]
+    assert "effective batch 8 = 4 per rank x 2 data-parallel ranks x 1 accumulation" in said[0], said[0]
     assert "effective batch 8 = 4 per rank x 1 data-parallel rank x 2 accumulation" in said[1], said[1]
     _close(tmp_path / "mixed", tmp_path / "one")

@@ -146,11 +146,12 @@ class _LlamaStage(_Stage):
         self.output = model.output if index == pp - 1 else None
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.seq_shards = 1  # tensor parallelism's sequence-parallel residual: each rank holds T / tp positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1] if self.tok_embeddings is not None else x.shape[1] * self.seq_shards
         if self.tok_embeddings is not None:
-            x = self.tok_embeddings(x)  # (B, T, C)
-        t = x.shape[1]
+            x = self.tok_embeddings(x)  # (B, T, C), or (B, T / tp, C) under tensor parallelism
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         for layer in self.layers.values():
             x = layer(x, cos, sin)
@@ -374,14 +375,15 @@ class PipelineRunner:
         names = mesh.mesh_dim_names or ()
         if pp_dim not in names:
             raise ValueError(f"the device mesh has no {pp_dim!r} axis (axes: {', '.join(names)})")
-        extra = [n for n in names if n not in (pp_dim, *DP_DIMS) and mesh.size(names.index(n)) > 1]
+        extra = [n for n in names if n not in (pp_dim, "tp", *DP_DIMS) and mesh.size(names.index(n)) > 1]
         if extra:
             raise ValueError(f"parallel.pp does not combine with the mesh axes {', '.join(extra)} yet; "
                              f"set their degrees to 1")
         sharded = isinstance(stage, FSDPModule)
-        if not sharded and any(isinstance(p, DTensor) for p in stage.parameters()):
-            raise ValueError("PipelineRunner takes a plain stage or one sharded by FSDP, not one split by "
-                             "tensor parallelism; set --parallel.tp=1")
+        split = "tp" in names and mesh.size(names.index("tp")) > 1  # DTensor parameters, reduced by autograd
+        if not sharded and not split and any(isinstance(p, DTensor) for p in stage.parameters()):
+            raise ValueError("PipelineRunner takes a plain stage, or one sharded by FSDP or split by tensor "
+                             "parallelism on the mesh it is given")
         if not sharded and "dp_shard" in names and mesh.size(names.index("dp_shard")) > 1:
             log.warning("parallel.pp with a dp_shard axis and an unsharded stage: the stage is replicated over "
                         "the dp_shard ranks and its gradients averaged")
@@ -390,7 +392,8 @@ class PipelineRunner:
         self.pp, self.index = mesh.size(names.index(pp_dim)), mesh.get_local_rank(pp_dim)
         self.schedule = schedule
         self.microbatches = resolve_microbatches(self.pp, microbatches, schedule)
-        self._dp_groups = [] if sharded else \
+        # a plain stage's replicas average here (TP with several data-parallel ranks is under FSDP: layout.py)
+        self._dp_groups = [] if sharded or split else \
             [mesh.get_group(n) for n in DP_DIMS if n in names and mesh.size(names.index(n)) > 1]
         self._tied_group = _tied_group(mesh, pp_dim) if getattr(stage, "ties_stages", False) else None
         self._busy, self._wall = _Clock(device), _Clock(device)

@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from scaletrain.errors import ConfigError
 from scaletrain.layout import check_tp_split
 
 log = logging.getLogger(__name__)
@@ -50,18 +51,29 @@ def check_tp(model: nn.Module, tp: int, *, sharded: bool = False) -> None:
     """The built model through layout.check_tp_split (``sharded``: FSDP then shards over the data-parallel
     ranks): its heads and MLP width, read from the modules a user's config cannot be trusted to describe."""
     from scaletrain.models import GPT, Llama
+    from scaletrain.parallel.pipeline import is_stage
 
     strategy = "fsdp" if sharded else "ddp"
-    if isinstance(model, Llama):
-        attention = model.layers[0].attention
-        heads = (("model.n_head", attention.n_head), ("model.n_kv_head", attention.n_kv_head))
-        check_tp_split(tp, "llama", heads, hidden=model.layers[0].feed_forward.w1.out_features, strategy=strategy)
+    if isinstance(model, Llama) or (is_stage(model) and hasattr(model, "layers")):  # a Llama or a stage of one
+        first = _blocks(model)[0]
+        heads = (("model.n_head", first.attention.n_head), ("model.n_kv_head", first.attention.n_kv_head))
+        check_tp_split(tp, "llama", heads, hidden=first.feed_forward.w1.out_features, strategy=strategy)
+    elif is_stage(model):
+        raise ConfigError("parallel.tp", tp, "1 with parallel.pp > 1 on the built-in GPT (its tied embedding and "
+                          "head live on different stages; tensor parallelism ties them in one DTensor)",
+                          "--model.name=llama for pp x tp, or --parallel.tp=1")
     elif isinstance(model, GPT):
         check_tp_split(tp, "gpt", (("model.n_head", model.blocks[0].attn.n_head),),
                        hidden=model.blocks[0].mlp[0].out_features, loss="fused" if model.fused_loss else "split",
                        strategy=strategy)
     else:
         check_tp_split(tp, type(model).__name__, ())
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """A Llama's blocks, or a pipeline stage's (a ModuleDict by block index)."""
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
 def _quiet() -> None:
@@ -123,14 +135,18 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sharded: bool = False) -> nn
     _quiet()
     if isinstance(model, GPT):
         return _apply_tp_gpt(model, mesh)
-    parallelize_module(model, mesh, {
+    ends = {
         # Vocabulary rows split; the output is the residual stream, sequence-sharded from here on.
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # Logits gathered whole: the loss is any function of ordinary logits.
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
-    for block in model.layers:
+    }
+    # A pipeline stage holds some of them; the residual stream it receives and sends is this rank's positions
+    parallelize_module(model, mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
+    if hasattr(model, "seq_shards"):
+        model.seq_shards = mesh.size()
+    for block in _blocks(model):
         parallelize_module(block, mesh, {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
@@ -145,7 +161,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sharded: bool = False) -> nn
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         })
-    log.info("tensor parallel: %d blocks split %d ways (sequence-parallel norms)", len(model.layers), mesh.size())
+    log.info("tensor parallel: %d blocks split %d ways (sequence-parallel norms)", len(_blocks(model)), mesh.size())
     return model
 
 

@@ -927,6 +927,10 @@ class Session:
         elif has_dtensors(entry.wrapped):  # a consolidated checkpoint (a DDP or one-process run) into shards
             tensors = {k: v for k, v in with_aliases(*read_model(resume)).items() if k.startswith(prefix)}
             trees = self._optimizer_trees(entry, bare)
+            if self._stage is not None:  # a pipeline stage's part of them (FSDP- or TP-split)
+                mine = set(entry.module.state_dict())
+                tensors = {k: v for k, v in tensors.items() if k in mine}
+                trees = [_stage_tree(t, entry.module) for t in trees]
             tree = {"state": {prefix + k: v for t in trees for k, v in t["state"].items()},
                     "param_groups": [{**g, "params": [prefix + p for p in g["params"]]}
                                      for t in trees for g in t["param_groups"]]}
