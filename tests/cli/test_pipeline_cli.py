@@ -89,3 +89,20 @@ def test_llama_pp_x_tp_x_fsdp_resumes_as_pp_with_accumulation(tmp_path):
     assert "effective batch 8 = 4 per rank x 2 data-parallel ranks x 1 accumulation" in said[0], said[0]
     assert "effective batch 8 = 4 per rank x 1 data-parallel rank x 2 accumulation" in said[1], said[1]
     _close(tmp_path / "mixed", tmp_path / "one")
+
+
+def test_a_slow_stage_replica_is_named(tmp_path):
+    """PP=2 x DP=2 with rank 3 (stage 1's second replica) 150 ms late into every step: every rank's step takes as
+    long (the others wait for it in the pipeline and the replicas' all-reduce), so only its own work, the
+    runner's busy time, tells it apart; it is named against its stage's other replica, rank 2, and no other
+    rank is."""
+    code, out, err = train("llama-tiny", "--nproc", "4", "--parallel.pp=2", "--data.batch_size=8",
+                           "--train.max_steps=30", "--log.every=5", "--train.eval_batches=1", "--train.progress=false",
+                           "--checkpoint.every=1000", "--chaos.delay_rank=3", "--chaos.delay_phase=compute",
+                           "--chaos.delay_ms=150", "--run.dir=slow", cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    assert "straggler: rank 3 (host" in out and "slower than ranks 2 (its pipeline stage's replicas)" in out, out
+    summary = json.loads((tmp_path / "slow" / "summary.json").read_text())
+    (found,) = summary["stragglers"]
+    assert found["rank"] == 3 and found["phase"] == "compute" and found["peers"] == [2]
+    assert 0.12 < found["slower_by_s"] < 0.3, found

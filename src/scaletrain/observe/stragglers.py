@@ -43,9 +43,9 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _excess(interval: list[dict[str, float]], rank: int, key: str) -> float:
-    """How much longer ``rank`` took in ``key`` than the median of the other ranks, in one interval."""
-    return interval[rank][key] - _median([r[key] for other, r in enumerate(interval) if other != rank])
+def _excess(interval: list[dict[str, float]], rank: int, key: str, peers: list[int]) -> float:
+    """How much longer ``rank`` took in ``key`` than the median of its ``peers``, in one interval."""
+    return interval[rank][key] - _median([interval[other][key] for other in peers])
 
 
 @dataclass
@@ -56,6 +56,12 @@ class StragglerDetector:
     min_fraction: float = MIN_FRACTION
     history: deque = field(default_factory=deque)  # per interval: per rank: {phase: seconds per step}
     flagged: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its latest finding
+    # rank -> the ranks doing the same work, to compare it with (default: every other rank). A pipeline's
+    # stages differ by design; the replicas of one stage do not (train/session.py sets them under pp > 1).
+    peers: dict[int, list[int]] = field(default_factory=dict)
+
+    def _peers(self, rank: int) -> list[int]:
+        return self.peers.get(rank) or [other for other in range(self.world_size) if other != rank]
 
     def update(self, per_rank: list[dict[str, float]]) -> dict[str, Any] | None:
         """Add one interval; return the straggler finding for it (the slowest flagged rank) or None."""
@@ -72,17 +78,18 @@ class StragglerDetector:
         noise = max(1.4826 * jitter, 1e-6)
         findings = []
         for rank in range(self.world_size):
-            excess = [_excess(interval, rank, "pre_comm") for interval in self.history]
+            peers = self._peers(rank)
+            excess = [_excess(interval, rank, "pre_comm", peers) for interval in self.history]
             slower = _median(excess)
             z = slower / noise
             if not (min(excess) > 0 and z > Z_MIN and slower >= max(self.min_fraction * step, MIN_SECONDS)):
                 continue
-            phase = max(BLAMED, key=lambda p: _median([_excess(interval, rank, p) for interval in self.history]))
-            others = _median([r["pre_comm"] for interval in self.history for o, r in enumerate(interval)
-                              if o != rank])
+            phase = max(BLAMED, key=lambda p: _median([_excess(interval, rank, p, peers) for interval in self.history]))
+            others = _median([interval[o]["pre_comm"] for interval in self.history for o in peers])
             findings.append({"rank": rank, "host": self.hosts[rank] if rank < len(self.hosts) else "?",
                              "phase": phase, "slower_by_s": slower,
-                             "slower_by_frac": slower / others if others > 0 else 0.0, "z": z})
+                             "slower_by_frac": slower / others if others > 0 else 0.0, "z": z,
+                             **({"peers": peers} if self.peers.get(rank) else {})})
         if not findings:
             return None
         worst = max(findings, key=lambda f: f["slower_by_s"])
@@ -176,6 +183,8 @@ def hosts(rt: Any) -> list[str]:
 
 def straggler_line(found: dict[str, Any]) -> str:
     """The console's line for a newly named straggler (StragglerDetector.update's record)."""
+    than = (f"ranks {', '.join(map(str, found['peers']))} (its pipeline stage's replicas) in its own work"
+            if found.get("peers") else "the other ranks before the all-reduce")
     return (f"straggler: rank {found['rank']} (host {found['host']}) is {1000 * found['slower_by_s']:.1f} ms per "
-            f"step ({100 * found['slower_by_frac']:.0f}%) slower than the other ranks before the all-reduce, in "
-            f"phase {found['phase']}; the others wait for it")
+            f"step ({100 * found['slower_by_frac']:.0f}%) slower than {than}, in phase {found['phase']}; the others "
+            "wait for it")

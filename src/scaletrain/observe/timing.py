@@ -17,6 +17,12 @@ none, and that is the host-bound verdict on a GPU (CUDA events cannot see it: th
 gaps between kernels as compute). Exposed communication is measured for DDP (through a comm hook that notes when
 each bucket is handed to the all-reduce); under FSDP its reduce-scatters are counted in ``compute``, and
 ``pre_comm`` ends where the root's forward starts its first all-gather (attach_fsdp_mark).
+
+A pipeline stage (parallel.pp > 1) spends its step partly computing its micro-batches and partly waiting for the
+other stages and its replicas (the bubble, point-to-point, the replicas' all-reduce), interleaved: the runner
+times its own chunks (its busy time), so ``compute`` is that and ``comm`` the rest of the pipeline's step, and
+``pre_comm`` is the step until the pipeline returned less the waiting: the time the rank spent on its own,
+which names a slow stage replica as it names a slow DDP rank.
 """
 
 from __future__ import annotations
@@ -97,10 +103,18 @@ class StepTimer:
             self._bucket = None
         self._last = now
 
+    def pipeline_done(self, busy: Any) -> None:
+        """A pipeline stage's step (PipelineRunner.step) returned: of the time since the previous mark, ``busy``
+        (a reading with seconds(): the rank's own forward, backward and loss, resolved at collection) is compute,
+        the rest waiting for the other stages and replicas (module docstring)."""
+        now = self._now()
+        self._marks.append(("pipeline", (self._last, now, busy)))
+        self._last = now
+
     def end(self) -> None:
         now = self._now()
         self._marks.append(("step", (self._start, now)))
-        if not any(p == "pre_comm" for p, _ in self._marks):  # no DDP all-reduce: FSDP's first collective, or
+        if not any(p in ("pre_comm", "pipeline") for p, _ in self._marks):  # no DDP all-reduce: FSDP's first collective, or
             entered = self._entered if self._entered is not None else now  # one rank: all of it
             self._marks.append(("pre_comm", (self._start, entered)))
         if self.cuda:
@@ -116,12 +130,26 @@ class StepTimer:
 
     # -- collection ---------------------------------------------------------------------------------------
 
+    def _seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1000.0 if self.cuda else b - a  # CUDA: ms -> s
+
     def _add(self, marks: list[tuple[str, Any]]) -> None:
-        for phase, (a, b) in marks:
-            if self.cuda:
-                self.totals[phase] += a.elapsed_time(b) / 1000.0  # ms -> s
-            else:
-                self.totals[phase] += b - a
+        """One step's marks into the totals (a pipeline's split into its own compute and its waiting)."""
+        waited, start, returned = 0.0, None, None
+        for phase, span in marks:
+            if phase == "pipeline":
+                a, b, busy = span
+                total = self._seconds(a, b)
+                own = min(busy.seconds(), total)
+                self.totals["compute"] += own
+                self.totals["comm"] += total - own
+                waited, returned = waited + total - own, b
+                continue
+            a, b = span
+            self.totals[phase] += self._seconds(a, b)
+            start = a if phase == "step" else start
+        if returned is not None and start is not None:  # until the (last) pipeline step returned, less the waiting
+            self.totals["pre_comm"] += self._seconds(start, returned) - waited
 
     def collect(self) -> list[float]:
         """Mean seconds per step of every phase (PHASES order) over the interval, then start a new one."""
@@ -147,6 +175,7 @@ class NullTimer(StepTimer):
     def mark(self, phase: str) -> None: ...
     def bucket_ready(self) -> None: ...
     def collective_entered(self) -> None: ...
+    def pipeline_done(self, busy: Any) -> None: ...
     def backward_done(self) -> None: ...
     def end(self) -> None: ...
     def add(self, phase: str, seconds: float) -> None: ...

@@ -435,6 +435,12 @@ class PipelineRunner:
         return torch.stack(losses).mean() if self.stage.is_last and losses else None
 
     @property
+    def busy(self) -> _Reading:
+        """The last step's busy time, as a reading (seconds() waits on CUDA unless ready(): read it late)."""
+        assert self._last is not None, "step() ran"
+        return self._last[0]
+
+    @property
     def times(self) -> StepTimes | None:
         """The last step's (or eval pass's) busy and wall time. On CUDA reading it waits for that step's events
         (a host-device sync): read it at log steps, not every step."""

@@ -294,6 +294,8 @@ class Session:
         self.train_time = float(self._trainer.get("train_time_s", 0.0))
         self.services = services = RunServices.open(cfg, rt, self.console, self.resume, started=self.started)
         self.writer, self.checkpointer = services.writer, services.checkpointer
+        if self.layout is not None and self.layout.pp > 1:  # a stage's replicas are its straggler peers
+            services.stragglers.peers = _stage_peers(self.layout)
         self.timer: StepTimer = StepTimer(rt.device) if cfg.log.phase_times else NullTimer(rt.device)
         self._sums: dict[str, torch.Tensor] = {}  # this rank's logged values since the last log step
         self._since = 0  # steps since the last log step (restored on resume: the logged sums span them)
@@ -599,12 +601,13 @@ class Session:
         if not self._in_step:
             raise UserError("session.pipeline_step() outside `with st.step():`; fix: call it inside the step")
         self.chaos.delay("compute")
+        self.timer.mark("compute")  # this rank's own time (an injected delay), before the stages' step
         loss = runner.step(inputs, target, sync=sync)
+        self.timer.pipeline_done(runner.busy)  # its own chunks are compute, its waits for the others comm
         if loss is None:
             loss = torch.full((), math.nan, device=self.device)
         else:
             self.guard.watch_loss(self.steps + 1, loss)
-        self.timer.backward_done()
         return loss
 
     def optimizer_step(self, optimizer: Optimizer, *, clip: float | None = None) -> torch.Tensor | None:
@@ -1146,6 +1149,15 @@ def session(config: Config | Mapping[str, Any] | str | None = None, *, argv: lis
     except (Reported, Stopped):
         install_excepthook()
         raise
+
+
+def _stage_peers(layout: Layout) -> dict[int, list[int]]:
+    """Each rank's straggler peers in a pipeline: the other ranks of its stage and tensor-parallel place (its
+    data-parallel replicas, which do the same work); none where a stage has no replica (the detector then
+    compares it with every rank: a slow stage and a slow rank are one there)."""
+    place = [(c["pp"], c["tp"]) for c in map(layout.coordinates, range(layout.world_size))]
+    return {r: [o for o in range(layout.world_size) if o != r and place[o] == place[r]]
+            for r in range(layout.world_size)}
 
 
 def _stage_tree(tree: dict[str, Any], stage: nn.Module) -> dict[str, Any]:
