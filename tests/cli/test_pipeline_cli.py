@@ -106,3 +106,14 @@ def test_a_slow_stage_replica_is_named(tmp_path):
     (found,) = summary["stragglers"]
     assert found["rank"] == 3 and found["phase"] == "compute" and found["peers"] == [2]
     assert 0.12 < found["slower_by_s"] < 0.3, found
+
+
+def test_a_nan_on_a_stage_before_the_last_stops_the_pipeline_naming_it(tmp_path):
+    """chaos.nan_rank on stage 0, which computes no loss: its gradients turn NaN as a NaN loss's would, the whole
+    model's norm (summed over the stages) is NaN on every rank, the step is not applied, and the run stops at
+    the log step naming rank 0 and step 2 (exit 1), as one process does."""
+    code, _, err = train("llama-tiny", "--nproc", "2", "--parallel.pp=2", "--data.batch_size=8", "--train.max_steps=4",
+                         "--log.every=2", "--train.eval_batches=1", "--train.progress=false", "--chaos.nan_rank=0",
+                         "--chaos.nan_step=2", "--run.dir=nan", cwd=tmp_path)
+    assert code == 1, err[-3000:]
+    assert "training failed: non-finite loss on rank 0 at step 2; the step was not applied" in err, err[-3000:]

@@ -60,10 +60,12 @@ class Chaos:
         if self.delay_s and self.cfg.delay_phase == phase:
             time.sleep(self.delay_s)
 
+    def poisons(self, step: int) -> bool:
+        """chaos.nan_rank / nan_step: this rank's loss is NaN at this step."""
+        return self.cfg.nan_rank == self.rank and self.cfg.nan_step == step
+
     def poison(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        if self.cfg.nan_rank == self.rank and self.cfg.nan_step == step:
-            return loss * float("nan")
-        return loss
+        return loss * float("nan") if self.poisons(step) else loss
 
     def interrupt_after(self, step: int) -> bool:
         return self.cfg.interrupt_step == step

@@ -604,10 +604,15 @@ class Session:
         self.timer.mark("compute")  # this rank's own time (an injected delay), before the stages' step
         loss = runner.step(inputs, target, sync=sync)
         self.timer.pipeline_done(runner.busy)  # its own chunks are compute, its waits for the others comm
-        if loss is None:
+        if self.chaos.poisons(self.steps + 1):  # chaos.nan_rank: as a NaN loss would, NaN gradients on this stage
+            with torch.no_grad():
+                for p in runner.stage_module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(math.nan)
             loss = torch.full((), math.nan, device=self.device)
-        else:
-            self.guard.watch_loss(self.steps + 1, loss)
+        if loss is None:  # a stage before the last: no loss of its own
+            return torch.full((), math.nan, device=self.device)
+        self.guard.watch_loss(self.steps + 1, loss)
         return loss
 
     def optimizer_step(self, optimizer: Optimizer, *, clip: float | None = None) -> torch.Tensor | None:
