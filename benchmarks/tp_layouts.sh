@@ -26,5 +26,7 @@ run fsdp2xtp2 4 8 "--parallel.strategy=fsdp --parallel.tp=2"
 run pp2 2 16 --parallel.pp=2
 run pp2m8 2 16 "--parallel.pp=2 --parallel.microbatches=8"
 run pp2gpipe 2 16 "--parallel.pp=2 --parallel.pp_schedule=gpipe"
+run pp2i 2 16 "--parallel.pp=2 --parallel.pp_schedule=interleaved"
+run pp2im8 2 16 "--parallel.pp=2 --parallel.pp_schedule=interleaved --parallel.microbatches=8"
 run pp4m8 4 16 "--parallel.pp=4 --parallel.microbatches=8"
 run pp2xdp2 4 8 --parallel.pp=2

@@ -462,8 +462,10 @@ class ParallelConfig:
     """Pipeline parallelism: stages the blocks are split into, one per rank of a pipeline group (torch.distributed.pipelining). 1 = none."""
     microbatches: Annotated[int, Range(0, most=I32, what="a count", fix="--parallel.microbatches=8")] = 0
     """pp > 1: micro-batches each rank's batch is split into to fill the pipeline (0 = 2 x pp); the bubble is (pp - 1) / microbatches of a step."""
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    """pp > 1: the pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b (one forward, one backward: at most pp micro-batches of activations in flight)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    """pp > 1: the pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward: at most pp micro-batches of activations in flight) or interleaved (1F1B over parallel.pp_virtual stages per rank: the bubble / pp_virtual)."""
+    pp_virtual: Annotated[int, Range(1, most=I32, what="a count", fix="--parallel.pp_virtual=2")] = 2
+    """pp_schedule=interleaved: stages per rank (the model is cut into pp x pp_virtual stages, rank r holding r, r + pp, ...)."""
     reshard_after_forward: bool = True
     """fsdp/hsdp: free gathered parameters after each block's forward and gather again in backward (less memory, more communication)."""
     bucket_mb: Annotated[float, Range(0.001, most=1_048_576, what="megabytes")] = 25.0

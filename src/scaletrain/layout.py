@@ -252,18 +252,28 @@ def _divisor_below(n: int, tp: int) -> int:
     return max(d for d in range(1, tp) if n % d == 0)
 
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def resolve_microbatches(pp: int, microbatches: int, schedule: str) -> int:
-    """parallel.microbatches, 0 meaning 2 x pp; 1F1B needs at least one micro-batch per stage (ValueError)."""
+    """parallel.microbatches, 0 meaning 2 x pp (ValueError where the schedule cannot run them): 1F1B needs at
+    least one micro-batch per stage; interleaved 1F1B runs them in rounds of pp (torch's flexible schedule:
+    max(1, m // pp) rounds that divide m)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"parallel.pp_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     m = microbatches or 2 * pp
     if schedule == "1f1b" and m < pp:
         raise ValueError(f"parallel.microbatches={m} is fewer than parallel.pp={pp} stages, which 1f1b "
                          f"needs; set --parallel.microbatches={pp} or more")
+    if schedule == "interleaved" and m % max(1, m // pp):
+        raise ValueError(f"parallel.microbatches={m} does not split into {m // pp} rounds of parallel.pp={pp}, "
+                         f"which interleaved needs; set --parallel.microbatches={m // pp * pp}")
     return m
+
+
+def virtual_stages(cfg: ParallelConfig) -> int:
+    """Pipeline stages per rank: parallel.pp_virtual under the interleaved schedule, else 1."""
+    return cfg.pp_virtual if cfg.pp_schedule == "interleaved" else 1
 
 
 def check_pipeline(cfg: ParallelConfig, batch_size: int = 0) -> int:
@@ -274,8 +284,11 @@ def check_pipeline(cfg: ParallelConfig, batch_size: int = 0) -> int:
     try:
         m = resolve_microbatches(cfg.pp, cfg.microbatches, cfg.pp_schedule)
     except ValueError:
-        raise ConfigError("parallel.microbatches", cfg.microbatches, f"at least parallel.pp = {cfg.pp} with "
-                          "parallel.pp_schedule=1f1b (one micro-batch per stage in flight)",
+        need = (f"at least parallel.pp = {cfg.pp} with parallel.pp_schedule=1f1b (one micro-batch per stage in "
+                "flight)" if cfg.pp_schedule == "1f1b" else f"whole rounds of parallel.pp = {cfg.pp} with "
+                f"parallel.pp_schedule=interleaved (m // pp rounds dividing m: fewer than {cfg.pp}, or "
+                f"{cfg.pp}, {2 * cfg.pp}, {3 * cfg.pp}, ...)")
+        raise ConfigError("parallel.microbatches", cfg.microbatches, need,
                           f"--parallel.microbatches={2 * cfg.pp}, or --parallel.pp_schedule=gpipe") from None
     if batch_size and batch_size % m:
         raise ConfigError("data.batch_size", batch_size, f"a multiple of the {m} micro-batches each step is split "
@@ -300,3 +313,8 @@ def check_split(cfg: ParallelConfig, model: ModelConfig) -> None:
     if pp > 1 and model.n_layer < pp:
         raise ConfigError("parallel.pp", pp, f"at most model.n_layer = {model.n_layer} (each stage holds at "
                           "least one block)", f"--parallel.pp={model.n_layer}")
+    virtual = virtual_stages(cfg)
+    if pp > 1 and model.n_layer < pp * virtual:
+        raise ConfigError("parallel.pp_virtual", virtual, f"at most model.n_layer / parallel.pp = {model.n_layer} / "
+                          f"{pp} stages per rank (each stage holds at least one block)",
+                          f"--parallel.pp_virtual={max(1, model.n_layer // pp)}")

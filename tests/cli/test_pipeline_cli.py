@@ -5,7 +5,8 @@ The built-in GPT (its head tied to the token embedding: under pp the last stage 
 checkpoint under the embedding's name) and llama-tiny, fp32, AdamW with clipping, a global batch of 8
 sequences throughout, 6 steps, a held-out evaluation of the same 8 sequences at steps 0 and 6:
 
-- GPT: PP=2 (1F1B) on 2 ranks stopped after step 3, its DCP checkpoint resumed by one process;
+- GPT: PP=2 under the interleaved schedule (4 stages of one block, rank 0 holding stages 0 and 2: the tied head
+  on rank 1's stage 3) stopped after step 3, its DCP checkpoint resumed by one process;
 - GPT: FSDP=2 stopped after step 3, resumed as PP=2 x DP=2 (GPipe) on 4 ranks, 4 rows per pipeline (its
   summary: the bubble measured on every rank, and the planner's model state of stage 0 against rank 0's);
 - Llama: PP=2 x FSDP=2 x TP=2 on 8 ranks (each stage's matrices split over 2 ranks, sequence-parallel, and
@@ -57,7 +58,8 @@ def _legs(tmp_path: Path, job: list[str], legs: list[list[str]], run: str) -> li
 def test_gpt_pipelines_resume_at_pp1_and_from_fsdp(tmp_path):
     gpt = ["gpt-stdlib", *JOB]
     _legs(tmp_path, gpt, [["--nproc", "1", "--data.batch_size=8"]], "one")
-    said = _legs(tmp_path, gpt, [["--nproc", "2", "--parallel.pp=2", "--data.batch_size=8", "--chaos.interrupt_step=3"],
+    said = _legs(tmp_path, gpt, [["--nproc", "2", "--parallel.pp=2", "--parallel.pp_schedule=interleaved",
+                                  "--data.batch_size=8", "--chaos.interrupt_step=3"],
                                  ["--nproc", "1", "--data.batch_size=8"]], "pp2-then-one")
     assert "parallel: pp 2" in said[0], said[0]
     assert "effective batch 8 = 8 per rank x 1 data-parallel rank x 1 accumulation" in said[0], said[0]

@@ -241,6 +241,7 @@ def _search(cfg: Config, plan: Plan, facts: ModelFacts, shape: Structure, search
     """The dp x tp x pp layouts at the run's ``global_batch`` (the one its token budget and steps count: the
     trainer's, data.batch_size x the data-parallel ranks x accumulation, or train.global_batch, which
     plan_batches checked splits over the given pair's data-parallel ranks)."""
+    from scaletrain.layout import virtual_stages
     from scaletrain.plan.parallel import Setting
     from scaletrain.plan.parallel import search as run_search
 
@@ -250,7 +251,7 @@ def _search(cfg: Config, plan: Plan, facts: ModelFacts, shape: Structure, search
               file=sys.stderr)
     setting = Setting(facts, shape, plan.accelerator, plan.gpus_per_node, plan.precision, plan.tf32,
                       plan.batch_size, global_batch, cfg.parallel.pp_schedule, cfg.optim.name, plan.mfu,
-                      plan.net_bytes_per_s, plan.usable_bytes)
+                      plan.net_bytes_per_s, plan.usable_bytes, virtual_stages(cfg.parallel))
     only = None if search else (cfg.parallel.tp, cfg.parallel.pp)
     return run_search(setting, gpus=plan.world, nodes=plan.nodes, total_steps=plan.total_steps,
                       price_per_gpu_hour=plan.price_per_gpu_hour, only=only)

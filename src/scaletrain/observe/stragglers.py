@@ -122,11 +122,13 @@ HOST_LEAD = 0.1  # a GPU with less than this fraction of a step still queued whe
 
 
 def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int, bucket_mb: float,
-               precision: str = "fp32", compiled: bool = False, gpu_lead: float | None = None) -> dict[str, str]:
+               precision: str = "fp32", compiled: bool = False, gpu_lead: float | None = None,
+               pipeline: tuple[int, int, str] | None = None) -> dict[str, str]:
     """The verdict, its evidence (fractions of step time) and the fix. Judged on the critical rank's phases
     (with a straggler, the others' time is mostly waiting for it, which is not what limits the job).
     ``gpu_lead``: on a GPU, the median over log intervals of the work still queued on the GPU when the host
-    reached the log step, as a fraction of a step (StepTimer.lead_s); None where not measured."""
+    reached the log step, as a fraction of a step (StepTimer.lead_s); None where not measured. ``pipeline``:
+    (pp, micro-batches, schedule) of a pipelined run, whose comm is mostly its bubble."""
     world_size = len(totals)
     rank = critical_rank(totals)
     fractions = shares(totals[rank]) if totals else {}
@@ -140,6 +142,14 @@ def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int,
                + (", pin_memory is on" if device == "cuda" else "")
                + ", data on faster local storage, or preprocessing done once ahead of training")
         return {"verdict": "input-bound", "evidence": evidence, "fix": fix}
+    if comm >= 0.25 and pipeline is not None:
+        pp, m, schedule = pipeline
+        fix = (f"a smaller pipeline bubble (most of a stage's waiting): more micro-batches per step "
+               f"(--parallel.microbatches={2 * m}, with a per-rank batch that splits into them)"
+               + ("" if schedule == "interleaved" else ", --parallel.pp_schedule=interleaved")
+               + f", or fewer stages (--parallel.pp={max(1, pp // 2)}) where the model fits; then stages of equal "
+               "work (the last also runs the output layer and the loss)")
+        return {"verdict": "communication-bound", "evidence": evidence, "fix": fix}
     if comm >= 0.25:
         fix = ("a larger per-rank batch (--data.batch_size) or gradient accumulation (--train.accum_steps), so "
                f"each all-reduce carries more samples; a bucket size that overlaps better than {bucket_mb:g} MB "

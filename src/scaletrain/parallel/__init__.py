@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from scaletrain.batch import Batch
 from scaletrain.config import MemoryConfig, ParallelConfig
 from scaletrain.errors import ConfigError
-from scaletrain.layout import Layout, check_layout, resolve_degrees, resolve_layout
+from scaletrain.layout import Layout, check_layout, resolve_degrees, resolve_layout, virtual_stages
 from scaletrain.observe.memory import (
     choose_strategy,
     device_capacity_bytes,
@@ -37,6 +37,7 @@ from scaletrain.observe.memory import (
 from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from scaletrain.parallel.fsdp import apply_fsdp, fsdp_units, has_dtensors, is_fsdp, mixed_precision_policy
 from scaletrain.parallel.mesh import build_mesh, dp_mesh
+from scaletrain.parallel.pipeline import stage_parts
 from scaletrain.parallel.tensor import apply_tp
 from scaletrain.parallel.units import Units, find_units, unit_warnings, units_line
 
@@ -95,17 +96,18 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def _stage_of(model: nn.Module, mesh: DeviceMesh, pp: int) -> nn.Module:
-    """This rank's stage of a built-in GPT or Llama, placed on ``mesh``, or a one-line ConfigError."""
+def _stage_of(model: nn.Module, mesh: DeviceMesh, pp: int, virtual: int) -> nn.Module:
+    """This rank's stage (``virtual`` > 1: stages) of a built-in GPT or Llama, placed on ``mesh``, or a one-line
+    ConfigError."""
     from scaletrain.models import GPT, Llama
-    from scaletrain.parallel.pipeline import pipeline_stage
+    from scaletrain.parallel.pipeline import rank_stages
 
     if not isinstance(model, (GPT, Llama)):  # a model of the user's: nothing says where its stages are
         raise ConfigError("parallel.pp", pp, f"1 for a {type(model).__name__}: pipeline stages split the built-in "
                           "GPT and Llama (model.name=gpt or llama)", "--parallel.pp=1, and "
                           "--parallel.strategy=fsdp for a model that does not fit one device")
     try:
-        stage = pipeline_stage(model, pp, mesh.get_local_rank("pp"))
+        stage = rank_stages(model, pp, mesh.get_local_rank("pp"), virtual)
     except ValueError as err:  # fewer blocks than stages
         raise ConfigError("parallel.pp", pp, f"at most the model's {len(model.blocks if isinstance(model, GPT) else model.layers)} "
                           "blocks (each stage holds at least one)", str(err).split("; ")[-1]) from None
@@ -170,7 +172,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
     mesh = build_mesh(device.type, layout) if layout.sharded or layout.tp > 1 or layout.pp > 1 else None
     if layout.pp > 1:
         assert mesh is not None
-        model = _stage_of(model, mesh, layout.pp)
+        model = _stage_of(model, mesh, layout.pp, virtual_stages(cfg))
     if layout.tp > 1:
         assert mesh is not None
         apply_tp(model, mesh["tp"], sharded=layout.sharded)
@@ -188,9 +190,12 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
                         "unwrapped%s", strategy, ignored)
             return model
         policy = mixed_precision_policy(precision)
-        return apply_fsdp(model, dp_mesh(mesh), param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
-                          reshard_after_forward=cfg.reshard_after_forward, cpu_offload=memory.cpu_offload,
-                          units=units)
+        parts = stage_parts(model)  # interleaved stages: each its own FSDP root (each runs on its own)
+        for part in parts:
+            apply_fsdp(part, dp_mesh(mesh), param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                       reshard_after_forward=cfg.reshard_after_forward, cpu_offload=memory.cpu_offload,
+                       units=units if len(parts) == 1 else find_units(part, cfg.fsdp_units))
+        return model
     if layout.tp > 1 or layout.pp > 1:  # TP: one data-parallel rank (DDP x TP is refused); PP: the runner averages
         return model
     if replicate > 1:

@@ -80,8 +80,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
 
 
 def is_fsdp(model: nn.Module) -> bool:
-    """True when ``model`` was sharded by fully_shard (its forward casts for mixed precision by itself)."""
-    return isinstance(model, FSDPModule)
+    """True when ``model`` was sharded by fully_shard (its forward casts for mixed precision by itself), or,
+    a rank's interleaved pipeline stages, each of them was."""
+    parts = getattr(model, "parts", None) or [model]
+    return all(isinstance(part, FSDPModule) for part in parts)
 
 
 def has_dtensors(model: nn.Module) -> bool:

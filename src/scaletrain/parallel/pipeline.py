@@ -38,8 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
 from scaletrain.layout import SCHEDULES as SCHEDULE_NAMES
@@ -48,11 +47,11 @@ from scaletrain.models.gpt import GPT, embed
 from scaletrain.models.llama import Llama
 
 __all__ = ["PipelineRunner", "StepTimes", "bubble_fraction", "clip_grad_norm", "is_stage", "pipeline_stage",
-           "resolve_microbatches", "split_stages", "stage_grad_norm", "stage_layers"]
+           "rank_stages", "resolve_microbatches", "split_stages", "stage_grad_norm", "stage_layers", "stage_parts"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULES: dict[str, type[PipelineScheduleSingle]] = dict(zip(SCHEDULE_NAMES, (ScheduleGPipe, Schedule1F1B)))
+SCHEDULES: dict[str, type[Any]] = dict(zip(SCHEDULE_NAMES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)))
 DP_DIMS = ("dp_replicate", "dp_shard")
 
 
@@ -174,6 +173,59 @@ def pipeline_stage(model: nn.Module, pp: int, index: int) -> nn.Module:
         return _LlamaStage(model, index, pp, stage_layers(len(model.layers), pp)[index])
     raise ValueError(f"parallel.pp={pp} splits only the built-in models (model.name=gpt or llama), "
                      f"not {type(model).__name__}; set --parallel.pp=1")
+
+
+class _Stages(_Stage):
+    """The stages one rank holds under the interleaved schedule (rank r of p: stages r, r + p, r + 2p, ...), as
+    one module whose parameters carry the model's own names for all of them (``blocks.5`` wherever block 5
+    is): what the optimizer, clipping and checkpoints read. Each stage still runs as its own module
+    (``parts``, not registered: their parameters are these), one PipelineStage each."""
+
+    def __init__(self, parts: list[_Stage]) -> None:
+        super().__init__(parts[0].index, parts[0].pp)
+        self.__dict__["parts"] = parts  # plain list: the parts' modules are registered below, once, by name
+        for part in parts:
+            for name, child in part.named_children():
+                if isinstance(child, nn.ModuleDict):  # the blocks, by index
+                    if getattr(self, name, None) is None:
+                        setattr(self, name, nn.ModuleDict())
+                    getattr(self, name).update(child)
+                else:
+                    setattr(self, name, child)
+        tied = [part for part in parts if part.tied_param is not None]
+        self.tied_param = tied[0].tied_param if tied else None
+        self.tied_copy = any(part.tied_copy for part in parts)
+        self.ties_stages = any(part.ties_stages for part in parts)
+
+    @property
+    def is_first(self) -> bool:
+        return any(part.is_first for part in self.parts)
+
+    @property
+    def is_last(self) -> bool:
+        return any(part.is_last for part in self.parts)
+
+    @property
+    def seq_shards(self) -> int:
+        return getattr(self.parts[0], "seq_shards", 1)
+
+    @seq_shards.setter
+    def seq_shards(self, n: int) -> None:  # tensor parallelism sets it on the stages that run
+        for part in self.parts:
+            part.seq_shards = n
+
+
+def rank_stages(model: nn.Module, pp: int, rank: int, virtual: int = 1) -> nn.Module:
+    """What rank ``rank`` of a pipeline of ``pp`` holds: its stage, or with ``virtual`` > 1 (the interleaved
+    schedule) its ``virtual`` stages of pp x virtual, r, r + pp, ... in one _Stages."""
+    if virtual == 1:
+        return pipeline_stage(model, pp, rank)
+    return _Stages([pipeline_stage(model, pp * virtual, rank + i * pp) for i in range(virtual)])
+
+
+def stage_parts(module: nn.Module) -> list[nn.Module]:
+    """The stage modules a rank runs: a _Stages' parts, or the stage itself."""
+    return list(getattr(module, "parts", None) or [module])
 
 
 def is_stage(module: nn.Module) -> bool:
@@ -379,7 +431,8 @@ class PipelineRunner:
         if extra:
             raise ValueError(f"parallel.pp does not combine with the mesh axes {', '.join(extra)} yet; "
                              f"set their degrees to 1")
-        sharded = isinstance(stage, FSDPModule)
+        parts = stage_parts(stage)
+        sharded = any(isinstance(part, FSDPModule) for part in parts)
         split = "tp" in names and mesh.size(names.index("tp")) > 1  # DTensor parameters, reduced by autograd
         if not sharded and not split and any(isinstance(p, DTensor) for p in stage.parameters()):
             raise ValueError("PipelineRunner takes a plain stage, or one sharded by FSDP or split by tensor "
@@ -390,23 +443,29 @@ class PipelineRunner:
         self.stage_module, self.device, self.accum = stage, device, accum
         self.pp_group = mesh.get_group(pp_dim)
         self.pp, self.index = mesh.size(names.index(pp_dim)), mesh.get_local_rank(pp_dim)
-        self.schedule = schedule
+        self.schedule, self.virtual = schedule, len(parts)
+        if (schedule == "interleaved") != (len(parts) > 1):
+            raise ValueError(f"parallel.pp_schedule={schedule} runs {'several stages' if len(parts) == 1 else 'one stage'}"
+                             f" per rank; this rank holds {len(parts)} (pipeline.rank_stages)")
         self.microbatches = resolve_microbatches(self.pp, microbatches, schedule)
         # a plain stage's replicas average here (TP with several data-parallel ranks is under FSDP: layout.py)
         self._dp_groups = [] if sharded or split else \
             [mesh.get_group(n) for n in DP_DIMS if n in names and mesh.size(names.index(n)) > 1]
         self._tied_group = _tied_group(mesh, pp_dim) if getattr(stage, "ties_stages", False) else None
         self._busy, self._wall = _Clock(device), _Clock(device)
-        self.stage = _TimedStage(stage, self.index, self.pp, device, group=self.pp_group, clock=self._busy)
+        self.stages = [_TimedStage(part, part.index, part.pp, device, group=self.pp_group, clock=self._busy)
+                       for part in parts]
+        self.is_first, self.is_last = any(st.is_first for st in self.stages), any(st.is_last for st in self.stages)
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, unscaled
-        self._schedule = SCHEDULES[schedule](self.stage, self.microbatches, loss_fn=self._scaled(loss_fn),
-                                             scale_grads=False)
+        self._schedule = SCHEDULES[schedule](self.stages if len(parts) > 1 else self.stages[0], self.microbatches,
+                                             loss_fn=self._scaled(loss_fn), scale_grads=False)
         self._last: tuple[_Reading, _Reading] | None = None  # the last step's (busy, wall)
         self._pending: list[tuple[_Reading, _Reading]] = []  # steps not yet added to the totals
         self._totals = [0.0, 0.0, 0]  # busy s, wall s, steps: every training step after the first
         self._steps = 0
-        log.info("pipeline stage %d of %d: %s, %d micro-batches, bubble (p - 1) / (m + p - 1) = %.1f%%",
-                 self.index, self.pp, schedule, self.microbatches, 100 * bubble_fraction(self.pp, self.microbatches))
+        log.info("pipeline rank %d of %d: stages %s, %s, %d micro-batches, bubble (p - 1) / (v m + p - 1) = %.1f%%",
+                 self.index, self.pp, [part.index for part in parts], schedule, self.microbatches,
+                 100 * bubble_fraction(self.pp, self.microbatches, self.virtual))
 
     def _scaled(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         scale = self.microbatches * self.accum
@@ -425,14 +484,14 @@ class PipelineRunner:
                 raise ValueError(f"the batch of {t.shape[0]} {name} rows does not split into "
                                  f"parallel.microbatches={self.microbatches} equal micro-batches; "
                                  f"make the per-rank batch size a multiple of {self.microbatches}")
-        args = (inputs,) if self.stage.is_first else ()
+        args = (inputs,) if self.is_first else ()
         self._busy.take()  # drop what an interrupted step left
         self._losses = []
         with self._wall.span():
-            run(*args, target=target if self.stage.is_last else None, losses=[] if self.stage.is_last else None)
+            run(*args, target=target if self.is_last else None, losses=[] if self.is_last else None)
         self._last = (self._busy.take(), self._wall.take())
         losses = self._losses[-self.microbatches:]  # the schedule's first step may also run a shape probe
-        return torch.stack(losses).mean() if self.stage.is_last and losses else None
+        return torch.stack(losses).mean() if self.is_last and losses else None
 
     @property
     def busy(self) -> _Reading:
@@ -493,12 +552,16 @@ class PipelineRunner:
         torch.no_grad()): each stage but the first receives its input from the stage before (its shape and
         dtype first), runs, and sends its output on. The last stage's output (the logits) there, None
         elsewhere. Every stage of the pipeline calls it for every batch."""
-        stage = self.stage_module
-        x = stage(inputs) if self.index == 0 else stage(self._recv(self.index - 1))
-        if self.index == self.pp - 1:
-            return x
-        self._send(x, self.index + 1)
-        return None
+        mine = {part.index: part for part in stage_parts(self.stage_module)}
+        stages = next(iter(mine.values())).pp  # in all: pp x virtual, stage k on pipeline rank k % pp
+        x = inputs
+        for k in range(stages):
+            if k not in mine:
+                continue
+            x = mine[k](inputs if k == 0 else self._recv((k - 1) % self.pp))
+            if k < stages - 1:
+                self._send(x, (k + 1) % self.pp)
+        return x if stages - 1 in mine else None
 
     def _peer(self, index: int) -> int:
         return dist.get_global_rank(self.pp_group, index)

@@ -222,6 +222,7 @@ class Setting:
     mfu: float
     net_bytes_per_s: float
     usable_bytes: int
+    virtual: int = 1  # pipeline stages per GPU (the interleaved schedule): the bubble / virtual
 
 
 def stage_params(shape: Structure, tp: int, pp: int, stage: int) -> int:
@@ -274,7 +275,7 @@ def parallel_layout(st: Setting, kind: str, ac: str, *, gpus: int, tp: int, pp: 
     dp_s = dp_comm_s(kind, params=local, trainable=local, dp=dp, micro=m, cbytes=cb,
                      across=min(link, net) if multi and dp * tp > per_node else link, link=link, net=net,
                      within=max(1, min(dp, per_node // tp)))
-    return Parallel(kind, ac, gpus, dp, tp, pp, m, *memory, compute, bubble(pp, m), tp_s, pp_s, dp_s,
+    return Parallel(kind, ac, gpus, dp, tp, pp, m, *memory, compute, bubble(pp, m, st.virtual), tp_s, pp_s, dp_s,
                     sum(memory) <= st.usable_bytes, at_peak)
 
 

@@ -136,7 +136,7 @@ def _pipeline_record(job: Job) -> dict[str, Any]:
     bubbles = [1 - busy / wall if wall > 0 else None for busy, wall in every]
     measured = [b for b in bubbles if b is not None]
     return {"pp": runner.pp, "schedule": runner.schedule, "microbatches": runner.microbatches,
-            "bubble_formula": bubble_fraction(runner.pp, runner.microbatches),
+            "virtual": runner.virtual, "bubble_formula": bubble_fraction(runner.pp, runner.microbatches, runner.virtual),
             "bubble": sum(measured) / len(measured) if measured else None, "rank_bubble": bubbles}
 
 
@@ -144,9 +144,10 @@ def _pipeline_row(record: dict[str, Any]) -> list[tuple[str, str]]:
     if record["bubble"] is None:
         return []
     known = [b for b in record["rank_bubble"] if b is not None]
-    text = (f"pp {record['pp']}, {record['schedule']}, {record['microbatches']} micro-batches: bubble "
+    schedule = record["schedule"] + (f" x {record['virtual']} stages per rank" if record.get("virtual", 1) > 1 else "")
+    text = (f"pp {record['pp']}, {schedule}, {record['microbatches']} micro-batches: bubble "
             f"{100 * record['bubble']:.1f}% of the step measured (ranks {100 * min(known):.1f}-"
-            f"{100 * max(known):.1f}%), (p - 1)/(m + p - 1) = {100 * record['bubble_formula']:.1f}%")
+            f"{100 * max(known):.1f}%), (p - 1)/(v m + p - 1) = {100 * record['bubble_formula']:.1f}%")
     return [("pipeline", text)]
 
 
