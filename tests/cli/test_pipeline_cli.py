@@ -61,7 +61,8 @@ def test_gpt_pipelines_resume_at_pp1_and_from_fsdp(tmp_path):
     said = _legs(tmp_path, gpt, [["--nproc", "2", "--parallel.pp=2", "--parallel.pp_schedule=interleaved",
                                   "--data.batch_size=8", "--chaos.interrupt_step=3"],
                                  ["--nproc", "1", "--data.batch_size=8"]], "pp2-then-one")
-    assert "parallel: pp 2" in said[0], said[0]
+    assert "parallel: pp 2 | pipeline interleaved x 2 stages per rank, 4 micro-batches of 2: bubble (p - 1)/(v m + " \
+        "p - 1) = 11.1%" in said[0], said[0]
     assert "effective batch 8 = 8 per rank x 1 data-parallel rank x 1 accumulation" in said[0], said[0]
     assert "resumed from" in said[1] and "parallel.pp: 2 -> 1" in said[1], said[1]
     _close(tmp_path / "pp2-then-one", tmp_path / "one")

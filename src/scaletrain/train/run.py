@@ -60,6 +60,14 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     extras += [f"activation checkpointing {cfg.memory.activation_checkpointing}"] \
         if cfg.memory.activation_checkpointing != "none" else []
     extras += ["CPU offload"] if cfg.memory.cpu_offload and job.fsdp else []
+    if job.pipeline is not None:
+        from scaletrain.parallel.pipeline import bubble_fraction
+
+        runner = job.pipeline
+        virtual = f" x {runner.virtual} stages per rank" if runner.virtual > 1 else ""
+        extras.append(f"pipeline {runner.schedule}{virtual}, {runner.microbatches} micro-batches of "
+                      f"{plan.batch_size // runner.microbatches}: bubble (p - 1)/(v m + p - 1) = "
+                      f"{100 * bubble_fraction(runner.pp, runner.microbatches, runner.virtual):.1f}%")
     console.print(f"parallel: {layout}" + (f" ({job.strategy_reason})" if cfg.parallel.strategy == "auto" else "")
                   + "".join(f" | {e}" for e in extras))
     console.print(f"{plan.describe()} | {plan.steps_per_epoch} steps/epoch, {plan.total_steps} steps")
