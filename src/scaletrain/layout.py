@@ -183,24 +183,27 @@ def resolve_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, n
 
 def _model_parallel_share(cfg: ParallelConfig, world_size: int, nnodes: int) -> int:
     """The ranks left for data parallelism once tp x pp take theirs, or a one-line ConfigError."""
+    tp = cfg.tp
+    dp = dp_world_size(cfg, world_size)
+    per_node = world_size // max(nnodes, 1)
+    if tp > 1 and per_node % tp:
+        raise ConfigError("parallel.tp", tp, f"a divisor of the {per_node} ranks on each machine (tensor "
+                          "parallelism communicates every layer: it stays within a machine)",
+                          f"--parallel.tp={math.gcd(per_node, tp)}")
+    return dp
+
+
+def dp_world_size(cfg: ParallelConfig, world_size: int) -> int:
+    """The data-parallel ranks among ``world_size``: the ranks of a tensor-parallel group, and the stages of a
+    pipeline, read one batch together. A one-line ConfigError when tp x pp does not divide the world (a run
+    started without the CLI's checks, by torchrun or on one process, gets it here first)."""
     tp, pp = cfg.tp, cfg.pp
     if world_size % (tp * pp):
         key, value = ("parallel.tp", tp) if world_size % tp else ("parallel.pp", pp)
         raise ConfigError(key, value, f"degrees whose product divides the world size {world_size} "
                           f"(dp x pp x tp = world; here pp {pp} x tp {tp} = {pp * tp})",
                           f"--nproc a multiple of {pp * tp}, or smaller degrees")
-    per_node = world_size // max(nnodes, 1)
-    if tp > 1 and per_node % tp:
-        raise ConfigError("parallel.tp", tp, f"a divisor of the {per_node} ranks on each machine (tensor "
-                          "parallelism communicates every layer: it stays within a machine)",
-                          f"--parallel.tp={math.gcd(per_node, tp)}")
-    return dp_world_size(cfg, world_size)
-
-
-def dp_world_size(cfg: ParallelConfig, world_size: int) -> int:
-    """The data-parallel ranks among ``world_size``: the ranks of a tensor-parallel group, and the stages of a
-    pipeline, read one batch together."""
-    return world_size // (cfg.tp * cfg.pp)
+    return world_size // (tp * pp)
 
 
 def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nnodes: int = 1,
@@ -281,6 +284,10 @@ def check_pipeline(cfg: ParallelConfig, batch_size: int = 0) -> int:
     for the schedule, each a whole number of rows of the per-rank ``batch_size`` (when given)."""
     if cfg.pp == 1:
         return 1
+    if cfg.pp_schedule == "interleaved" and cfg.pp_virtual < 2:
+        raise ConfigError("parallel.pp_virtual", cfg.pp_virtual, "2 or more stages per rank with "
+                          "parallel.pp_schedule=interleaved (one stage per rank is 1f1b)",
+                          "--parallel.pp_virtual=2, or --parallel.pp_schedule=1f1b")
     try:
         m = resolve_microbatches(cfg.pp, cfg.microbatches, cfg.pp_schedule)
     except ValueError:

@@ -27,6 +27,8 @@ def run_main(argv, capsys):
      ["train.global_batch = 100", "a multiple of data.batch_size x world size = 32 x 2 = 64",
       "--train.global_batch=64"]),
     (["train", "digits", "--data.batch_size=2000"], ["data.batch_size = 2000", "no larger than the 1437"]),
+    (["train", "llama-tiny", "--parallel.pp=2"],  # one process: no launcher's preflight, the worker's own check
+     ["parallel.pp = 2", "degrees whose product divides the world size 1", "fix: --nproc a multiple of 2"]),
     (["train", "missing.toml"], ["config = 'missing.toml' (not found)", "fix: check the path"]),
     (["train", "digitz"], ["config = 'digitz'", "use one of the recipes: digits, gpt-stdlib"]),
     (["train", "digits", "--model.name=gpt"], ["model.name = 'gpt'", "mlp or cnn"]),

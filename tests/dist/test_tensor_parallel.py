@@ -108,6 +108,8 @@ def test_layout_places_tp_innermost_and_pp_outermost():
      "data.batch_size = 6: expected a multiple of the 4 micro-batches"),
     ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2}, {"name": "llama", "n_layer": 3}, 2, 1,
      "parallel.pp_virtual = 2: expected at most model.n_layer / parallel.pp = 3 / 2 stages per rank"),
+    ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 1}, {"name": "llama", "n_layer": 4}, 2, 1,
+     "parallel.pp_virtual = 1: expected 2 or more stages per rank with parallel.pp_schedule=interleaved"),
     ({"pp": 2, "pp_schedule": "interleaved", "microbatches": 5}, {"name": "llama", "n_layer": 4}, 2, 1,
      "parallel.microbatches = 5: expected whole rounds of parallel.pp = 2 with parallel.pp_schedule=interleaved"),
 ])
