@@ -20,10 +20,18 @@ tests/dist/test_pipeline.py.)
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import safetensors.torch
 from test_resume import losses, train
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "pipeline_loop.py"
+BIN = Path(sys.executable).parent
 
 JOB = ["--train.max_steps=6", "--log.every=3", "--train.eval_batches=1", "--data.eval_batch_size=8",
        "--train.progress=false",
@@ -120,3 +128,26 @@ def test_a_nan_on_a_stage_before_the_last_stops_the_pipeline_naming_it(tmp_path)
                          "--chaos.nan_step=2", "--run.dir=nan", cwd=tmp_path)
     assert code == 1, err[-3000:]
     assert "training failed: non-finite loss on rank 0 at step 2; the step was not applied" in err, err[-3000:]
+
+
+def test_a_loop_of_ones_own_runs_as_a_pipeline_and_equals_one_process(tmp_path):
+    """examples/pipeline_loop.py (a session loop: st.setup returns the stage, st.pipeline_step runs it) on one
+    process and as PP=2 through `scaletrain launch`: the same losses and final weights within 1e-5 after 20
+    steps, and the loss falls below 0.8 x log(vocabulary) (the model learns to continue the sequences)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    short = ["--train.max_steps=20", "--log.every=10"]
+    runs = {"one": [str(BIN / "python"), str(EXAMPLE)],
+            "pp2": [str(BIN / "scaletrain"), "launch", "--nproc", "2", str(EXAMPLE), "--parallel.pp=2"]}
+    for name, cmd in runs.items():
+        proc = subprocess.run([*cmd, *short, f"--run.dir={tmp_path / name}"], capture_output=True, text=True,
+                              env=env, timeout=240, check=False, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a = safetensors.torch.load_file(str(tmp_path / "pp2" / "model.safetensors"))
+    b = safetensors.torch.load_file(str(tmp_path / "one" / "model.safetensors"))
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in b) < 1e-5
+    mine, ref = losses(tmp_path / "pp2"), losses(tmp_path / "one")
+    assert [s for s, _ in mine] == [s for s, _ in ref] == [10, 20]
+    assert all(abs(x - y) < 1e-5 for (_, x), (_, y) in zip(mine, ref)), (mine, ref)
+    assert ref[-1][1] < 0.8 * math.log(64), ref
