@@ -106,11 +106,11 @@ def _stage_of(model: nn.Module, mesh: DeviceMesh, pp: int, virtual: int) -> nn.M
         raise ConfigError("parallel.pp", pp, f"1 for a {type(model).__name__}: pipeline stages split the built-in "
                           "GPT and Llama (model.name=gpt or llama)", "--parallel.pp=1, and "
                           "--parallel.strategy=fsdp for a model that does not fit one device")
-    try:
-        stage = rank_stages(model, pp, mesh.get_local_rank("pp"), virtual)
-    except ValueError as err:  # fewer blocks than stages
-        raise ConfigError("parallel.pp", pp, f"at most the model's {len(model.blocks if isinstance(model, GPT) else model.layers)} "
-                          "blocks (each stage holds at least one)", str(err).split("; ")[-1]) from None
+    blocks = len(model.blocks if isinstance(model, GPT) else model.layers)
+    if pp * virtual > blocks:  # a model built by the caller: its config was not checked before the workers
+        raise ConfigError("parallel.pp", pp, f"at most the model's {blocks} blocks in {pp * virtual} stages (each "
+                          "holds at least one)", f"--parallel.pp={max(1, blocks // virtual)}")
+    stage = rank_stages(model, pp, mesh.get_local_rank("pp"), virtual)
     stage.mesh = mesh
     return stage
 

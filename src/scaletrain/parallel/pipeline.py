@@ -47,7 +47,8 @@ from scaletrain.models.gpt import GPT, embed
 from scaletrain.models.llama import Llama
 
 __all__ = ["PipelineRunner", "StepTimes", "bubble_fraction", "clip_grad_norm", "is_stage", "pipeline_stage",
-           "rank_stages", "resolve_microbatches", "split_stages", "stage_grad_norm", "stage_layers", "stage_parts"]
+           "rank_stages", "resolve_microbatches", "schedule_text", "split_stages", "stage_grad_norm", "stage_layers",
+           "stage_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,11 @@ class _Stage(nn.Module):
         "head.weight": "tok_emb.weight"}): a checkpoint stores the weight once, under the kept name, as one
         process's does, and the copy loads from it."""
         return {self.tied_param: "tok_emb.weight"} if self.tied_copy and self.tied_param else {}
+
+    @property
+    def held_as(self) -> dict[str, str]:
+        """The inverse of tied_aliases: {the name a checkpoint stores the weight under: this stage's copy}."""
+        return {kept: copy for copy, kept in self.tied_aliases.items()}
 
     @property
     def is_first(self) -> bool:
@@ -252,6 +258,11 @@ def bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float:
         raise ValueError(f"bubble_fraction needs pp, microbatches and virtual >= 1, "
                          f"got {pp}, {microbatches}, {virtual}")
     return (pp - 1) / (virtual * microbatches + pp - 1)
+
+
+def schedule_text(schedule: str, virtual: int) -> str:
+    """How a run's header and summary name a schedule: "1f1b", "interleaved x 2 stages per rank"."""
+    return schedule + (f" x {virtual} stages per rank" if virtual > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -465,7 +476,12 @@ class PipelineRunner:
         self._steps = 0
         log.info("pipeline rank %d of %d: stages %s, %s, %d micro-batches, bubble (p - 1) / (v m + p - 1) = %.1f%%",
                  self.index, self.pp, [part.index for part in parts], schedule, self.microbatches,
-                 100 * bubble_fraction(self.pp, self.microbatches, self.virtual))
+                 100 * self.planned_bubble)
+
+    @property
+    def planned_bubble(self) -> float:
+        """The schedule's bubble by the formula, (p - 1) / (v m + p - 1) of the step (bubble_fraction)."""
+        return bubble_fraction(self.pp, self.microbatches, self.virtual)
 
     def _scaled(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         scale = self.microbatches * self.accum

@@ -41,7 +41,6 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from scaletrain.errors import ConfigError
 from scaletrain.layout import check_tp_split
 
 log = logging.getLogger(__name__)
@@ -58,14 +57,11 @@ def check_tp(model: nn.Module, tp: int, *, sharded: bool = False) -> None:
         first = _blocks(model)[0]
         heads = (("model.n_head", first.attention.n_head), ("model.n_kv_head", first.attention.n_kv_head))
         check_tp_split(tp, "llama", heads, hidden=first.feed_forward.w1.out_features, strategy=strategy)
-    elif is_stage(model):
-        raise ConfigError("parallel.tp", tp, "1 with parallel.pp > 1 on the built-in GPT (its tied embedding and "
-                          "head live on different stages; tensor parallelism ties them in one DTensor)",
-                          "--model.name=llama for pp x tp, or --parallel.tp=1")
-    elif isinstance(model, GPT):
-        check_tp_split(tp, "gpt", (("model.n_head", model.blocks[0].attn.n_head),),
-                       hidden=model.blocks[0].mlp[0].out_features, loss="fused" if model.fused_loss else "split",
-                       strategy=strategy)
+    elif isinstance(model, GPT) or is_stage(model):  # a GPT or a stage of one
+        first = model.blocks[0] if isinstance(model, GPT) else next(iter(model.blocks.values()))
+        check_tp_split(tp, "gpt", (("model.n_head", first.attn.n_head),), hidden=first.mlp[0].out_features,
+                       loss="fused" if getattr(model, "fused_loss", False) else "split", strategy=strategy,
+                       pipelined=is_stage(model))
     else:
         check_tp_split(tp, type(model).__name__, ())
 

@@ -281,7 +281,7 @@ def load_dcp(module: torch.nn.Module, optimizers: Optimizer | list[Optimizer], r
         dcp.load(state, resume.path / dcp.DCP_DIR)
     except (RuntimeError, KeyError, AssertionError, CheckpointException) as err:  # the last: every rank's
         raise dcp_failure(err, resume) from None
-    back = {kept: copy for copy, kept in copies.items()}
+    back = getattr(module, "held_as", {})
     if "model" in state:
         own = state.get(RANK_BUFFERS, {}).get(str(rank), {})
         loaded = _renamed(dcp.placed_like(state["model"], model), back)

@@ -60,14 +60,12 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     extras += [f"activation checkpointing {cfg.memory.activation_checkpointing}"] \
         if cfg.memory.activation_checkpointing != "none" else []
     extras += ["CPU offload"] if cfg.memory.cpu_offload and job.fsdp else []
-    if job.pipeline is not None:
-        from scaletrain.parallel.pipeline import bubble_fraction
+    if (runner := job.pipeline) is not None:
+        from scaletrain.parallel.pipeline import schedule_text
 
-        runner = job.pipeline
-        virtual = f" x {runner.virtual} stages per rank" if runner.virtual > 1 else ""
-        extras.append(f"pipeline {runner.schedule}{virtual}, {runner.microbatches} micro-batches of "
-                      f"{plan.batch_size // runner.microbatches}: bubble (p - 1)/(v m + p - 1) = "
-                      f"{100 * bubble_fraction(runner.pp, runner.microbatches, runner.virtual):.1f}%")
+        extras.append(f"pipeline {schedule_text(runner.schedule, runner.virtual)}, {runner.microbatches} "
+                      f"micro-batches of {plan.batch_size // runner.microbatches}: bubble (p - 1)/(v m + p - 1) = "
+                      f"{100 * runner.planned_bubble:.1f}%")
     console.print(f"parallel: {layout}" + (f" ({job.strategy_reason})" if cfg.parallel.strategy == "auto" else "")
                   + "".join(f" | {e}" for e in extras))
     console.print(f"{plan.describe()} | {plan.steps_per_epoch} steps/epoch, {plan.total_steps} steps")
@@ -133,8 +131,6 @@ def _pipeline_record(job: Job) -> dict[str, Any]:
     holds the schedule's set-up) beside (p - 1) / (m + p - 1), the same share by the formula. Collective."""
     import torch.distributed as dist
 
-    from scaletrain.parallel.pipeline import bubble_fraction
-
     runner = job.pipeline
     assert runner is not None
     times = runner.bubble()
@@ -144,16 +140,18 @@ def _pipeline_record(job: Job) -> dict[str, Any]:
     bubbles = [1 - busy / wall if wall > 0 else None for busy, wall in every]
     measured = [b for b in bubbles if b is not None]
     return {"pp": runner.pp, "schedule": runner.schedule, "microbatches": runner.microbatches,
-            "virtual": runner.virtual, "bubble_formula": bubble_fraction(runner.pp, runner.microbatches, runner.virtual),
+            "virtual": runner.virtual, "bubble_formula": runner.planned_bubble,
             "bubble": sum(measured) / len(measured) if measured else None, "rank_bubble": bubbles}
 
 
 def _pipeline_row(record: dict[str, Any]) -> list[tuple[str, str]]:
     if record["bubble"] is None:
         return []
+    from scaletrain.parallel.pipeline import schedule_text
+
     known = [b for b in record["rank_bubble"] if b is not None]
-    schedule = record["schedule"] + (f" x {record['virtual']} stages per rank" if record.get("virtual", 1) > 1 else "")
-    text = (f"pp {record['pp']}, {schedule}, {record['microbatches']} micro-batches: bubble "
+    text = (f"pp {record['pp']}, {schedule_text(record['schedule'], record['virtual'])}, "
+            f"{record['microbatches']} micro-batches: bubble "
             f"{100 * record['bubble']:.1f}% of the step measured (ranks {100 * min(known):.1f}-"
             f"{100 * max(known):.1f}%), (p - 1)/(v m + p - 1) = {100 * record['bubble_formula']:.1f}%")
     return [("pipeline", text)]

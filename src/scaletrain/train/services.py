@@ -222,16 +222,15 @@ def save_weights(module: Any, path: Path, *, sharded: bool, is_main: bool, meta:
     from scaletrain.parallel.pipeline import is_stage
     from scaletrain.train.state import full_model_state, stages_state, stored_once
 
+    # The first name of a tied weight is kept (by the module's order, whatever the layout), the others are
+    # aliases: safetensors.torch.load_model takes the file as it is, scaletrain's loaders restore the aliases.
     if is_stage(module):  # pipeline stages: every stage's weights, gathered on rank 0 (collective)
         tensors, aliases = stages_state(module)
     else:
         full = full_model_state(module, sharded=sharded)  # collective under FSDP
+        tensors, aliases = stored_once(module, full, sharded=sharded) if is_main else ({}, {})
     if not is_main:
         return
-    # The first name of a tied weight is kept (by the module's order, whatever the layout), the others are
-    # aliases: safetensors.torch.load_model takes the file as it is, scaletrain's loaders restore the aliases.
-    if not is_stage(module):
-        tensors, aliases = stored_once(module, full, sharded=sharded)
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     write_whole(path, sum(t.nbytes for t in tensors.values()), lambda tmp: safetensors.torch.save_file(
         tensors, str(tmp), metadata={**meta, "aliases": json.dumps(aliases)}))

@@ -90,6 +90,7 @@ from scaletrain.errors import (
     UserError,
     install_excepthook,
 )
+from scaletrain.layout import check_pipeline
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import run_totals
 from scaletrain.observe.memory import MemoryBreakdown, model_state_bytes, peak_bytes
@@ -921,7 +922,8 @@ class Session:
         box = self._box([entry], bare=bare)
         # compared by the model's name and its parameters' (net.lin.weight), whichever layout was saved
         named = f"{entry.name}."
-        want = {named + k: tuple(v.shape) for k, v in entry.module.state_dict().items() if isinstance(v, torch.Tensor)}
+        held = entry.module.state_dict()
+        want = {named + k: tuple(v.shape) for k, v in held.items() if isinstance(v, torch.Tensor)}
         saved = {named + k[len(prefix):]: v for k, v in saved_model_shapes(resume).items() if k.startswith(prefix)}
         if self._stage is not None:  # a pipeline stage holds its part of the saved model
             saved = {k: v for k, v in saved.items() if k in want}
@@ -933,12 +935,10 @@ class Session:
         if resume.meta.get("format") == FORMAT_DCP:
             self._restore_dcp(entry, box, bare)
         elif has_dtensors(entry.wrapped):  # a consolidated checkpoint (a DDP or one-process run) into shards
-            tensors = {k: v for k, v in with_aliases(*read_model(resume)).items() if k.startswith(prefix)}
+            # (a pipeline stage, FSDP- or TP-split, takes its part of them)
+            tensors = {k: v for k, v in with_aliases(*read_model(resume)).items()
+                       if k.startswith(prefix) and (self._stage is None or k in held)}
             trees = self._optimizer_trees(entry, bare)
-            if self._stage is not None:  # a pipeline stage's part of them (FSDP- or TP-split)
-                mine = set(entry.module.state_dict())
-                tensors = {k: v for k, v in tensors.items() if k in mine}
-                trees = [_stage_tree(t, entry.module) for t in trees]
             tree = {"state": {prefix + k: v for t in trees for k, v in t["state"].items()},
                     "param_groups": [{**g, "params": [prefix + p for p in g["params"]]}
                                      for t in trees for g in t["param_groups"]]}
@@ -948,9 +948,7 @@ class Session:
             if weights:
                 tensors, aliases = read_model(resume)
                 if self._stage is not None:  # this stage's part of one process's weights
-                    mine = set(entry.module.state_dict())
-                    tensors = {k: v for k, v in with_aliases(tensors, aliases).items() if k in mine}
-                    aliases = {}
+                    tensors, aliases = {k: v for k, v in with_aliases(tensors, aliases).items() if k in held}, {}
                 if not bare:
                     tensors = {k[len(prefix):]: v for k, v in with_aliases(tensors, aliases).items()
                                if k.startswith(prefix)}
@@ -959,8 +957,6 @@ class Session:
                                    str(resume.path))
             if optimizers:
                 for opt, tree in zip(entry.optimizers, self._optimizer_trees(entry, bare)):
-                    if self._stage is not None:  # this stage's parameters' state
-                        tree = _stage_tree(tree, entry.module)
                     load_optimizer_tree(entry.module, opt, tree, str(resume.path / OPTIMIZER))
         if self._rank_state is not None:
             self._since = int(self._rank_state.get("since", 0))
@@ -968,7 +964,8 @@ class Session:
                 self._sums[k] = torch.tensor(float(v), device=self.device)
 
     def _optimizer_trees(self, entry: _Model, bare: bool) -> list[dict[str, Any]]:
-        """The saved optimizer trees of ``entry`` (consolidated format), one per optimizer set up."""
+        """The saved optimizer trees of ``entry`` (consolidated format), one per optimizer set up; a pipeline
+        stage's parameters' part of them."""
         assert self.resume is not None
         trees = read_tree(self.resume, OPTIMIZER)
         if bare:
@@ -977,7 +974,8 @@ class Session:
             if f"{entry.name}/{i}" not in trees:
                 raise CheckpointError(self.resume.path, f"no optimizer {i} for {entry.name!r}",
                                       "set up the same optimizers for each model")
-        return [trees[f"{entry.name}/{i}"] for i in range(len(entry.optimizers))]
+        mine = [trees[f"{entry.name}/{i}"] for i in range(len(entry.optimizers))]
+        return mine if self._stage is None else [_stage_tree(tree, self._stage) for tree in mine]
 
     def _restore_dcp(self, entry: _Model, box: nn.Module, bare: bool) -> None:
         """A DCP checkpoint (made by a sharded run) into one model and its optimizers, sharded or not, at any
@@ -988,7 +986,7 @@ class Session:
         groups = [g for g in read_tree(resume, OPTIMIZER_GROUPS) if g["params"] and g["params"][0].startswith(prefix)]
         names = {id(p): name for name, p in box.named_parameters()}
         if self._stage is not None:  # a pipeline stage: its own parameters of the whole model's groups
-            groups = _stage_groups(groups, set(names.values()), getattr(self._stage, "tied_aliases", {}))
+            groups = _stage_groups(groups, set(names.values()), self._stage.held_as)
         live = [sorted(names[id(p)] for p in g["params"]) for opt in entry.optimizers for g in opt.param_groups]
         if [sorted(g["params"]) for g in groups] != live and "optimizer" not in self.skip:
             raise CheckpointError(resume.path, f"the optimizer param groups of {entry.name!r} differ",
@@ -1062,8 +1060,8 @@ class Session:
                                      bucket_mb=cfg.parallel.bucket_mb, precision=cfg.train.precision,
                                      compiled=cfg.train.compile,
                                      gpu_lead=statistics.median(self._lead_fracs) if self._lead_fracs else None,
-                                     pipeline=(cfg.parallel.pp, cfg.parallel.microbatches or 2 * cfg.parallel.pp,
-                                               cfg.parallel.pp_schedule) if self._stage is not None else None),
+                                     pipeline=(cfg.parallel.pp, check_pipeline(cfg.parallel), cfg.parallel.pp_schedule)
+                                     if self._stage is not None else None),
             "stragglers": self.services.stragglers.summary(), "peak_mem_bytes": int(peak.item()),
             "mem": self.last_mem, "skipped_steps": int(self._skipped_seen), "models": [m.name for m in self._models],
             **({"strategy": self.layout.strategy} if self.layout is not None else {}),
@@ -1169,18 +1167,15 @@ def _stage_peers(layout: Layout) -> dict[int, list[int]]:
 
 def _stage_tree(tree: dict[str, Any], stage: nn.Module) -> dict[str, Any]:
     """One process's optimizer tree (a consolidated checkpoint) cut to a pipeline stage's parameters."""
-    mine = {name for name, _ in stage.named_parameters()}
-    copies = getattr(stage, "tied_aliases", {})
-    back = {kept: copy for copy, kept in copies.items()}
-    return {"state": {back.get(n, n): v for n, v in tree["state"].items() if back.get(n, n) in mine},
-            "param_groups": _stage_groups(tree["param_groups"], mine, copies)}
+    mine, held_as = {name for name, _ in stage.named_parameters()}, stage.held_as
+    return {"state": {held_as.get(n, n): v for n, v in tree["state"].items() if held_as.get(n, n) in mine},
+            "param_groups": _stage_groups(tree["param_groups"], mine, held_as)}
 
 
-def _stage_groups(groups: list[dict[str, Any]], mine: set[str], copies: dict[str, str]) -> list[dict[str, Any]]:
+def _stage_groups(groups: list[dict[str, Any]], mine: set[str], held_as: dict[str, str]) -> list[dict[str, Any]]:
     """The saved param groups of the whole model (any layout's) cut to a pipeline stage's parameters ``mine``;
-    a weight the stage holds a copy of (``copies``: {copy: the name stored}) under the copy's name."""
-    back = {kept: copy for copy, kept in copies.items()}
-    cut = [{**g, "params": [back.get(n, n) for n in g["params"] if back.get(n, n) in mine]} for g in groups]
+    a weight the stage holds a copy of under the copy's name (``held_as``: {the name stored: the copy})."""
+    cut = [{**g, "params": [held_as.get(n, n) for n in g["params"] if held_as.get(n, n) in mine]} for g in groups]
     return [g for g in cut if g["params"]]
 
 
