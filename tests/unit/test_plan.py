@@ -269,7 +269,7 @@ def test_calibrate_takes_the_runs_mfu_and_activations(tmp_path, capsys):
         assert after["activations_bytes"] == pytest.approx(before["activations_bytes"] * 1.2, abs=2)
         assert after["params_bytes"] == before["params_bytes"]
     explicit = _plan_text(["gpt-stdlib", "--gpu", "h100", *small, "--mfu", "0.5", "--calibrate", *runs], capsys)
-    assert "MFU 0.5 assumed" in explicit
+    assert "MFU 0.5 given (its own layout, whole steps)" in " ".join(explicit.split())
 
 
 @pytest.mark.parametrize("kind, words", [

@@ -246,3 +246,64 @@ def test_a_given_pair_whose_data_parallel_ranks_do_not_split_the_global_batch_is
                  "--data.seq_len=32", "--train.global_batch=40"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("scaletrain: error: train.global_batch = 40"), err
+
+
+def test_a_given_mfu_is_the_whole_step_mfu_of_the_configs_own_layout(tmp_path, capsys):
+    """--mfu is MFU as summary.json and published runs count it: the model's FLOPs over the whole step, bubble,
+    exposed communication and recompute inside it. The config's own layout is planned at exactly that MFU; the
+    others at the compute efficiency it implies (full checkpointing's recompute a third more compute)."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "llama3-8b", "--gpu", "h100", "--nproc", "8", "--parallel.tp=2", "--parallel.pp=2",
+                 "--parallel.strategy=fsdp", "--train.global_batch=64", "--mfu", "0.3", "--json", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "MFU 0.3 given (its own layout, whole steps)" in said
+    record = json.loads(out.read_text())
+    rows = {(r["kind"], r["checkpointing"]): r for r in record["parallel"]["layouts"]}
+    own = rows["fsdp", "none"]
+    assert record["mfu_given"] == 0.3 and own["step_mfu"] == pytest.approx(0.3, rel=1e-9)
+    efficiency = record["mfu_assumed"]
+    assert f"its GPUs then compute at {efficiency:.3g} of peak" in said
+    assert 0.3 < efficiency < 1  # the bubble (1/32 here) and the tp/pp communication taken out
+    assert "reaches at most" not in said
+    # the same efficiency times every layout: full checkpointing computes a forward more
+    full = rows["fsdp", "full"]
+    assert full["compute_s"] == pytest.approx(own["compute_s"] * 4 / 3, rel=1e-9)
+    assert full["step_mfu"] < own["step_mfu"]
+
+
+def test_a_given_mfu_beyond_what_the_layout_can_reach_is_said(capsys):
+    """A toy model at tp 2 x pp 2: its tp/pp communication alone caps the step's MFU, whatever the GPUs do."""
+    assert main(["plan", "llama-tiny", "--gpu", "h100", "--nproc", "8", "--parallel.tp=2", "--parallel.pp=2",
+                 "--data.seq_len=32", "--train.global_batch=128", "--mfu", "0.3"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "its GPUs then compute at 1 of peak" in said
+    reached = float(said.split("that layout reaches at most MFU ")[1].split()[0])
+    assert 0 < reached < 0.3
+
+
+def test_a_given_mfu_on_a_data_parallel_plan_is_its_layouts_mfu(tmp_path, capsys):
+    """Without tp or pp: the config's strategy and checkpointing row runs at the MFU given."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt-stdlib", "--gpu", "h100", "--nproc", "8", "--memory.activation_checkpointing=full",
+                 "--mfu", "0.3", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    rows = {(r["strategy"], r["checkpointing"]): r for r in record["layouts"]}
+    own, plain = rows["ddp", "full"], rows["ddp", "none"]
+    assert own["compute_s"] >= own["comm_s"]  # compute-bound: the MFU is reached exactly
+    assert own["compute_s"] == pytest.approx(plain["compute_s"] / 0.3 * 0.4 * 4 / 3 * 0.3 / 0.4, rel=1e-9)
+    assert record["mfu_assumed"] == pytest.approx(0.4, rel=1e-9)  # 0.3 x 4/3: the GPUs' rate recomputing
+
+
+def test_llama3_405b_at_its_published_layout_and_mfu_is_within_20_percent_of_its_gpu_hours(tmp_path):
+    """Llama 3 405B (Meta 2024, the Llama 3 Herd of Models): 15.6T tokens on up to 16,384 H100s at tp 8,
+    pp 16, 16M-token batches (2,048 sequences of 8,192), BF16 MFU 38-43%; 30.84M GPU-hours published. The plan
+    at MFU 0.40 on that layout: the layout itself within 20%, and so is the fastest layout that fits (full
+    checkpointing: without it the 1F1B stage 0's 16 micro-batches in flight do not fit in the plan)."""
+    argv = ["plan", "llama3-405b", "--gpu", "h100", "--nproc", "8", "--nnodes", "2048", "--parallel.tp=8",
+            "--parallel.pp=16", "--train.global_batch=2048", "--tokens", "15.6T", "--mfu", "0.4"]
+    assert main([*argv, "--json", str(tmp_path / "plan.json")]) == 0
+    record = json.loads((tmp_path / "plan.json").read_text())
+    published = 30.84e6
+    own = next(r for r in record["parallel"]["layouts"] if (r["kind"], r["checkpointing"]) == ("ddp", "none"))
+    assert own["gpu_hours"] == pytest.approx(published, rel=0.20)
+    assert record["parallel"]["fastest"]["gpu_hours"] == pytest.approx(published, rel=0.20)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from scaletrain.config import Config
     from scaletrain.plan.actual import Calibration
     from scaletrain.plan.estimate import Layout, ModelFacts, Plan
-    from scaletrain.plan.parallel import Parallel, Search, Structure
+    from scaletrain.plan.parallel import Parallel, Search, Setting, Structure
 
 WIDTH = 80  # columns of the default output
 _SPLIT_BY = {2: "heads and MLP width", 3: "heads, key/value heads and MLP width"}  # Structure.tp_divides: GPT, Llama
@@ -167,7 +167,7 @@ def _show(table: Table, width: int | None) -> None:
 
 
 def _print_plan(name: str, plan: Plan, batch: str, width: int | None, calibration: Calibration | None = None,
-                mfu_source: str = "") -> None:
+                mfu_source: str = "", given: float | None = None) -> None:
     """The plan of config ``name`` in ``width`` columns (None: --wide, a line per sentence); ``batch`` as
     train.batching describes it."""
     from scaletrain.observe.memory import fmt_bytes
@@ -175,8 +175,10 @@ def _print_plan(name: str, plan: Plan, batch: str, width: int | None, calibratio
 
     acc, facts = plan.accelerator, plan.facts
     per = f" ({facts.tokens_per_sample} tokens each)" if facts.tokens_per_sample else ""
-    _say(f"plan: {name} on {plan.nodes} x {plan.gpus_per_node} {acc.key}, {plan.total_steps} steps, "
-         f"MFU {plan.mfu:g} assumed ({0.75 * plan.mfu:g} with full checkpointing)", width)
+    assumed = (f"MFU {given:g} given (its own layout, whole steps)" if given is not None else
+               f"MFU {plan.mfu:g} assumed ({0.75 * plan.mfu:g} with full checkpointing)")
+    _say(f"plan: {name} on {plan.nodes} x {plan.gpus_per_node} {acc.key}, {plan.total_steps} steps, {assumed}",
+         width)
     if calibration is not None:
         _say(calibration.describe(), width)
     elif mfu_source:
@@ -236,22 +238,55 @@ def _structure(cfg: Config, task: str, info: dict[str, Any], search: bool) -> St
     return shape
 
 
+def _setting(cfg: Config, plan: Plan, facts: ModelFacts, shape: Structure, global_batch: int) -> Setting:
+    from scaletrain.layout import virtual_stages
+    from scaletrain.plan.parallel import Setting
+
+    return Setting(facts, shape, plan.accelerator, plan.gpus_per_node, plan.precision, plan.tf32, plan.batch_size,
+                   global_batch, cfg.parallel.pp_schedule, cfg.optim.name, plan.mfu, plan.net_bytes_per_s,
+                   plan.usable_bytes, virtual_stages(cfg.parallel))
+
+
+def _anchored(cfg: Config, plan: Plan, setting: Setting | None, given: float) -> tuple[float, str]:
+    """(compute efficiency, what it is) for ``--mfu given``: the MFU of this config's own layout over whole
+    steps, as summary.json and published runs count it (the model's FLOPs over the step's wall time). ``plan``
+    and ``setting`` are planned at efficiency 1; the efficiency found is the one every layout is timed at."""
+    from scaletrain.plan.estimate import AC_PLANNED
+    from scaletrain.plan.parallel import kinds, parallel_layout
+
+    ac = cfg.memory.activation_checkpointing if cfg.memory.activation_checkpointing in AC_PLANNED else "none"
+    strategy = cfg.parallel.strategy
+    if setting is not None and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        tp, pp = cfg.parallel.tp, cfg.parallel.pp
+        offered = kinds(plan.world // (tp * pp), tp, plan.gpus_per_node)
+        kind = strategy if strategy in offered else "fsdp" if "fsdp" in offered else "ddp"
+        lay: Any = parallel_layout(setting, kind, ac, gpus=plan.world, tp=tp, pp=pp)
+        name = lay.name
+    else:
+        offered = [lay.strategy for lay in plan.layouts]
+        if strategy == "auto" and plan.choice is not None:
+            strategy = plan.choice.strategy
+        kind = strategy if strategy in offered else "fsdp" if "fsdp" in offered else "ddp"
+        lay = next(lay for lay in plan.layouts if (lay.strategy, lay.checkpointing) == (kind, ac))
+        name = kind
+    efficiency = lay.efficiency_for(given)
+    said = (f"--mfu {given:g} is that of this config's own layout ({name}, checkpointing {ac}) over whole steps, "
+            f"as summary.json and published runs count MFU: its GPUs then compute at {efficiency:.3g} of peak "
+            "(the bubble, exposed communication and recompute taken out), the rate every layout here is timed at")
+    if (reached := lay.mfu_at(efficiency)) < given * 0.995:
+        said += (f"; under the plan's model that layout reaches at most MFU {reached:.3g} (its communication and "
+                 "bubble leave no more)")
+    return efficiency, said
+
+
 def _search(cfg: Config, plan: Plan, facts: ModelFacts, shape: Structure, search: bool,
             global_batch: int) -> Search:
     """The dp x tp x pp layouts at the run's ``global_batch`` (the one its token budget and steps count: the
     trainer's, data.batch_size x the data-parallel ranks x accumulation, or train.global_batch, which
     plan_batches checked splits over the given pair's data-parallel ranks)."""
-    from scaletrain.layout import virtual_stages
-    from scaletrain.plan.parallel import Setting
     from scaletrain.plan.parallel import search as run_search
 
-    if cfg.parallel.microbatches:
-        print(f"scaletrain: warning: parallel.microbatches = {cfg.parallel.microbatches} ignored by the plan: it "
-              "holds the global batch and splits it into micro-batches of data.batch_size samples (the m column)",
-              file=sys.stderr)
-    setting = Setting(facts, shape, plan.accelerator, plan.gpus_per_node, plan.precision, plan.tf32,
-                      plan.batch_size, global_batch, cfg.parallel.pp_schedule, cfg.optim.name, plan.mfu,
-                      plan.net_bytes_per_s, plan.usable_bytes, virtual_stages(cfg.parallel))
+    setting = _setting(cfg, plan, facts, shape, global_batch)
     only = None if search else (cfg.parallel.tp, cfg.parallel.pp)
     return run_search(setting, gpus=plan.world, nodes=plan.nodes, total_steps=plan.total_steps,
                       price_per_gpu_hour=plan.price_per_gpu_hour, only=only)
@@ -347,7 +382,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
             raise ConfigError("--tokens", args.tokens, "no token budget for a model that reads no tokens "
                               f"(model.name = {cfg.model.name!r})", "--train.max_steps instead")
         total_steps = steps_for_tokens(tokens, batches.global_batch, facts.tokens_per_sample)
-    source = "given (--mfu)"
+    source = ""
     if args.mfu is None:
         mfu, source = default_mfu(acc.key, compiled=cfg.train.compile, params=facts.params)
     if calibration is not None:
@@ -358,12 +393,25 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
             facts = dataclasses.replace(facts, activations={k: round(v * scale) for k, v in facts.activations.items()},
                                         block_activations={k: round(v * scale)
                                                            for k, v in facts.block_activations.items()})
-    plan = make_plan(cfg, facts, acc, total_steps=total_steps, accum_steps=batches.accum_steps, mfu=mfu,
-                     net_bytes_per_s=net, price_per_gpu_hour=price)
+    if shape is not None and cfg.parallel.microbatches:
+        print(f"scaletrain: warning: parallel.microbatches = {cfg.parallel.microbatches} ignored by the plan: it "
+              "holds the global batch and splits it into micro-batches of data.batch_size samples (the m column)",
+              file=sys.stderr)
+
+    def planned(efficiency: float) -> Plan:
+        return make_plan(cfg, facts, acc, total_steps=total_steps, accum_steps=batches.accum_steps, mfu=efficiency,
+                         net_bytes_per_s=net, price_per_gpu_hour=price)
+
+    given = mfu if args.mfu is not None else None
+    if given is not None:  # the MFU of the config's own layout: the efficiency that gives it that MFU
+        at_one = planned(1.0)
+        mfu, source = _anchored(cfg, at_one, None if shape is None else
+                                _setting(cfg, at_one, facts, shape, batches.global_batch), given)
+    plan = planned(mfu)
     found = _search(cfg, plan, facts, shape, args.search, batches.global_batch) if shape is not None else None
 
     width = None if args.wide else WIDTH
-    _print_plan(args.config, plan, batches.describe(), width, calibration, source)
+    _print_plan(args.config, plan, batches.describe(), width, calibration, source, given)
     if tokens is not None:
         global_tokens = batches.global_batch * facts.tokens_per_sample
         _say(f"budget: {tokens:,} tokens (--tokens {args.tokens}) = {total_steps:,} steps of {global_tokens:,} "
@@ -371,7 +419,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     if found is not None:
         _print_search(found, args.search, width)
     if args.json:
-        record = {"config": args.config, "tokens": tokens, **plan.as_dict(),
+        record = {"config": args.config, "tokens": tokens, "mfu_given": given, **plan.as_dict(),
                   **({"parallel": found.as_dict()} if found is not None else {})}
         _say(f"wrote {write_json(args.json, record)}", width)
     return 0

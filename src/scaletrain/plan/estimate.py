@@ -102,6 +102,21 @@ class Layout(PerGpuBytes):
     def step_s(self) -> float:
         return max(self.compute_s, self.comm_s)
 
+    def efficiency_for(self, step_mfu: float) -> float:
+        """The compute efficiency (the fraction of peak the GPUs run at while computing, recompute included)
+        at which this layout, planned at efficiency 1, runs whole steps at ``step_mfu`` as summary.json and
+        published runs count MFU (the model's FLOPs over the step's wall time): full checkpointing's recompute
+        taken out. At most 1; a communication-bound layout stays below ``step_mfu`` at any efficiency."""
+        return min(1.0, self.compute_s * step_mfu / self._at_peak)
+
+    def mfu_at(self, efficiency: float) -> float:
+        """The whole-step MFU of this layout, planned at efficiency 1, when its GPUs compute at ``efficiency``."""
+        return self._at_peak / max(self.compute_s / efficiency, self.comm_s)
+
+    @property
+    def _at_peak(self) -> float:  # the model's FLOPs per step at peak, as MFU counts them (no recompute)
+        return self.compute_s * (0.75 if self.checkpointing == "full" else 1)
+
     @property
     def bound(self) -> str:
         return "communication" if self.comm_s > self.compute_s else "compute"

@@ -204,6 +204,19 @@ class Parallel(PerGpuBytes):
     def name(self) -> str:
         return f"{self.kind} dp{self.dp} tp{self.tp} pp{self.pp}"
 
+    def efficiency_for(self, step_mfu: float) -> float:
+        """The compute efficiency (the fraction of peak while computing, recompute included) at which this
+        layout, planned at efficiency 1, runs whole steps at ``step_mfu`` as published runs count MFU: the
+        bubble, the exposed tensor- and pipeline-parallel communication and full checkpointing's recompute
+        taken out. At most 1 (the MFU given is then beyond this layout under the plan's model)."""
+        room = self.flops_per_gpu_s / step_mfu - self.tp_comm_s - self.pp_comm_s
+        return 1.0 if room <= 0 else min(1.0, self.compute_s * (1 + self.bubble) / room)
+
+    def mfu_at(self, efficiency: float) -> float:
+        """The whole-step MFU of this layout, planned at efficiency 1, when its GPUs compute at ``efficiency``."""
+        step = max(self.compute_s * (1 + self.bubble) / efficiency, self.dp_comm_s) + self.tp_comm_s + self.pp_comm_s
+        return self.flops_per_gpu_s / step
+
 
 @dataclass(frozen=True)
 class Setting:
