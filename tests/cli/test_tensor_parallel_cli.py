@@ -64,3 +64,20 @@ def test_gpt_tp2_checkpoint_resumes_at_tp1(tmp_path):
         assert code == 0, err[-3000:]
     assert "resumed from" in out and "parallel.tp: 2 -> 1" in out, out
     _close(tmp_path / "mixed", tmp_path / "one")
+
+
+def test_a_data_straggler_within_a_tp_group_is_named(tmp_path):
+    """TP=2 on 2 ranks, rank 1 150 ms late reading every batch: both ranks' steps take as long (rank 0 waits for
+    it in the first tensor-parallel collective of forward), so only the time before forward starts, pre_comm,
+    tells them apart: rank 1 is named, in the data phase, and rank 0 is not."""
+    import json
+
+    code, out, err = train("llama-tiny", "--nproc", "2", "--parallel.tp=2", "--data.batch_size=8",
+                           "--train.max_steps=30", "--log.every=5", "--train.eval_batches=1", "--train.progress=false",
+                           "--checkpoint.every=1000", "--chaos.delay_rank=1", "--chaos.delay_phase=data",
+                           "--chaos.delay_ms=150", "--run.dir=slow", cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    assert "straggler: rank 1 (host" in out, out
+    (found,) = json.loads((tmp_path / "slow" / "summary.json").read_text())["stragglers"]
+    assert found["rank"] == 1 and found["phase"] == "data"
+    assert 0.12 < found["slower_by_s"] < 0.3, found

@@ -16,7 +16,9 @@ GPU that keeps the host waiting has work queued (a step or more); one that waits
 none, and that is the host-bound verdict on a GPU (CUDA events cannot see it: they time the GPU's idle
 gaps between kernels as compute). Exposed communication is measured for DDP (through a comm hook that notes when
 each bucket is handed to the all-reduce); under FSDP its reduce-scatters are counted in ``compute``, and
-``pre_comm`` ends where the root's forward starts its first all-gather (attach_fsdp_mark).
+``pre_comm`` ends where the root's forward starts its first all-gather (attach_forward_mark). Tensor
+parallelism is the same: its all-reduces and all-gathers wait inside forward and backward, so ``pre_comm``
+ends where forward starts; within a TP group a data or copy straggler is named, a compute one is not.
 
 A pipeline stage (parallel.pp > 1) spends its step partly computing its micro-batches and partly waiting for the
 other stages and its replicas (the bubble, point-to-point, the replicas' all-reduce), interleaved: the runner
@@ -214,13 +216,15 @@ def attach_comm_hook(model: torch.nn.Module, timer: StepTimer | None, *, overlap
     return True
 
 
-def attach_fsdp_mark(model: torch.nn.Module, timer: StepTimer | None) -> bool:
-    """Under FSDP, tell the timer when the root's forward is about to start the step's first all-gather: a
-    forward pre-hook placed ahead of fully_shard's own. Returns False (and does nothing) for a model that
-    fully_shard did not shard, or when there is nothing to time."""
-    from scaletrain.parallel import is_fsdp
+def attach_forward_mark(model: torch.nn.Module, timer: StepTimer | None) -> bool:
+    """Under FSDP or tensor parallelism, tell the timer when the root's forward is about to start the step's
+    first collective (FSDP's all-gather, TP's first all-reduce or all-gather): a forward pre-hook placed ahead
+    of fully_shard's own (a pipeline stage's runner marks its step itself, which takes precedence). Returns
+    False (and does nothing) for a model of plain tensors (DDP times its all-reduce through the comm hook), or
+    when there is nothing to time."""
+    from scaletrain.parallel import has_dtensors
 
-    if timer is None or not is_fsdp(model):
+    if timer is None or not has_dtensors(model):
         return False
     model.register_forward_pre_hook(lambda module, args: timer.collective_entered(), prepend=True)
     return True

@@ -97,7 +97,7 @@ from scaletrain.observe.memory import MemoryBreakdown, model_state_bytes, peak_b
 from scaletrain.observe.metrics import MetricsWriter, write_json
 from scaletrain.observe.stragglers import bottleneck, phase_fractions
 from scaletrain.observe.throughput import device_peak, throughput
-from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_fsdp_mark
+from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_forward_mark
 from scaletrain.parallel import Layout, has_dtensors, is_fsdp, parallelize, resolve_layout, units_line
 from scaletrain.parallel.pipeline import PipelineRunner, clip_with_norm, is_stage, stage_grad_norm
 from scaletrain.runtime import Runtime
@@ -418,7 +418,7 @@ class Session:
             if opt not in given:  # built here from the function given: checked now
                 _check_optimizer(opt, model)
         attach_comm_hook(wrapped, self.timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap)
-        attach_fsdp_mark(wrapped, self.timer if cfg.log.phase_times else None)
+        attach_forward_mark(wrapped, self.timer if cfg.log.phase_times else None)
         if self.layout is None:  # auto: decided by this model's memory; the strategy given was checked at open
             check_precision(cfg.train.precision, self.device, "fsdp" if is_fsdp(wrapped) else "ddp")
         if self.scaler.is_enabled():
