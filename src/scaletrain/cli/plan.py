@@ -35,7 +35,7 @@ TIME = ("compute", "comm", "step", "run", "cost $")
 WIDE_COLUMNS = ("layout", "checkpointing", *MEMORY, "fits", "compute", "comm", "run", "cost $")
 PARALLEL_CAPTION = ("m: micro-batches of data.batch_size per pipeline (accumulation steps at pp 1), the global batch "
                     "held; step = max(compute x (1 + bubble), dp comm) + tp+pp comm (exposed); bubble (pp-1)/m; "
-                    "activations per block x 1/tp (Korthikanti et al. 2022, sequence-parallel) x micro-batches in "
+                    "activations per block measured on the tensor-parallel step (fake tensors) x micro-batches in "
                     "flight (docs/plan.md)")
 CAPTION = ("compute: model FLOPs / (GPUs x peak x MFU), MFU x 3/4 with full checkpointing (the GPU also "
            "recomputes a forward); comm: ring collectives at the link rate, a lower bound; step = max(compute, comm) "
@@ -358,7 +358,13 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
                             "runs; fix: calibrate with runs of a built-in model on this --gpu")
     from scaletrain.bench.report import check_output_path, write_json
     from scaletrain.data import build_splits
-    from scaletrain.plan.estimate import make_plan, measure_model, steps_for_tokens, with_block_activations
+    from scaletrain.plan.estimate import (
+        make_plan,
+        measure_model,
+        steps_for_tokens,
+        with_block_activations,
+        with_tp_activations,
+    )
     from scaletrain.train.batching import plan_batches
 
     check_output_path(args.json or None, "--json", ".json")
@@ -375,7 +381,11 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     sample = splits.train[0][0]
     facts = measure_model(cfg, splits.task, splits.info, sample, target=splits.train[0][1])
     if parallel:
+        from scaletrain.plan.parallel import tp_degrees
+
         facts = with_block_activations(cfg, splits.task, splits.info, sample, facts, target=splits.train[0][1])
+        degrees = tp_degrees(shape, cfg.dist.nproc) if args.search else [cfg.parallel.tp]  # type: ignore[arg-type]
+        facts = with_tp_activations(cfg, splits.task, splits.info, sample, facts, degrees, target=splits.train[0][1])
     total_steps = batches.total_steps
     if tokens is not None:
         if not facts.tokens_per_sample:

@@ -185,7 +185,9 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+            if isinstance(t, DTensor):  # a tensor-parallel op's result: its local shard is this rank's memory
+                t = local_shard(t)
+            if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 key = storage._cdata
                 if key in self._skip or key in self._live:

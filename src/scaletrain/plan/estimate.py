@@ -33,6 +33,7 @@ fully at best, so a plan's step time is a lower bound, and "communication-bound"
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -68,6 +69,9 @@ class ModelFacts:
     # the same keys -> what one more block adds to ``activations`` (a GPT or Llama: measured at 3 and 4 blocks;
     # empty until measured), which tensor and pipeline parallelism divide (plan/parallel.py)
     block_activations: dict[str, int] = field(default_factory=dict, compare=False)  # a by-product, not a fact
+    # tp -> the same keys -> (one block's, the rest's) activations on a rank of a tp-way tensor-parallel step,
+    # measured on that step itself (with_tp_activations); a tp missing is planned by Korthikanti's ratio
+    tp_activations: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict, compare=False)
 
 
 class PerGpuBytes:
@@ -287,6 +291,80 @@ def with_block_activations(cfg: Config, task: str, info: dict[str, Any], sample:
                              flops=facts.flops_per_sample)
     lo, hi = _compiled(cfg, lo), _compiled(cfg, hi)
     return replace(facts, block_activations={k: v - lo.activations[k] for k, v in hi.activations.items()})
+
+
+def with_tp_activations(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, facts: ModelFacts,
+                        degrees: Iterable[int], *, target: torch.Tensor | None = None) -> ModelFacts:
+    """``facts`` with tp_activations for each tensor-parallel degree above 1 in ``degrees``: the model split as
+    parallel/tensor.py splits it in training (torch's tensor parallelism on a "tp" mesh), one forward and
+    backward measured on fake tensors over torch's fake process group (one process playing rank 0 of tp: no
+    communication, no memory), at MEASURED_LAYERS blocks. What torch's tensor parallelism keeps differs from
+    Megatron's, which Korthikanti's ratio describes: the all-gathered inputs of the column-parallel matmuls
+    stay whole for their backward, and a GPT's norms are not sequence-parallel. Where the fake process group
+    cannot be had (a process group of this process's own already), the ratio stays."""
+    wanted = sorted(t for t in set(degrees) if t > 1 and t not in facts.tp_activations)
+    if not wanted or cfg.model.name not in BLOCK_MODELS or not facts.block_activations:
+        return facts
+    found = dict(facts.tp_activations)
+    keys = tuple(facts.activations)
+    for tp in wanted:
+        measured = _measure_tp(cfg, task, info, sample, tp, keys, target=target)
+        if measured is None:
+            break
+        found[tp] = measured
+    return replace(facts, tp_activations=found)
+
+
+def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, tp: int, keys: tuple[str, ...],
+                *, target: torch.Tensor | None) -> dict[str, tuple[int, int]] | None:
+    """key -> (one block's, the rest's) activations on rank 0 of a tp-way tensor-parallel step
+    (with_tp_activations); None without the fake process group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
+    from scaletrain.parallel.tensor import apply_tp
+
+    try:  # torch's own, for single-process simulations of a rank (torchtitan's memory estimation uses it)
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        return None
+    if dist.is_initialized():
+        return None
+    precision, batch = cfg.train.precision, cfg.data.batch_size
+    dtype = AUTOCAST_DTYPE.get(precision)
+    totals: dict[str, list[int]] = {k: [] for k in keys}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))  # outside fake mode: it reads its ranks
+        for n in MEASURED_LAYERS:
+            at = replace(cfg, model=replace(cfg.model, n_layer=n))
+            for key in keys:
+                ac, low = key.removeprefix("sharded-"), key.startswith("sharded-")
+                with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+                    fake_sample: torch.Tensor | Batch = mode.from_tensor(sample)
+                    if target is not None and cfg.model.name == "gpt" and cfg.model.loss == "fused":
+                        one, fake_target = fake_sample.unsqueeze(0), mode.from_tensor(target).unsqueeze(0)
+                        fake_sample = Batch((one,), {"targets": fake_target}, fake_target)
+                    model = _fake_model(at, task, info, "none", dtype if low and dtype is not None else torch.float32)
+                apply_tp(model, mesh["tp"])  # torch's parallelize_module; the fake parameters keep their mode
+                apply_activation_checkpointing(model, ac)  # after the split, as parallelize() orders them
+                with mode:
+                    if low and dtype is not None:
+                        if isinstance(fake_sample, torch.Tensor) and fake_sample.is_floating_point():
+                            fake_sample = fake_sample.to(dtype)
+                        totals[key].append(estimate_activation_bytes(model, fake_sample, batch, whole_step=True))
+                    else:
+                        totals[key].append(estimate_activation_bytes(model, fake_sample, batch, precision=precision,
+                                                                     whole_step=True))
+    finally:
+        dist.destroy_process_group()
+    lo, hi = MEASURED_LAYERS
+    out = {}
+    for key, (a, b) in totals.items():
+        block = (b - a) // (hi - lo)
+        out[key] = (block, a - lo * block)
+    return out
 
 
 def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,

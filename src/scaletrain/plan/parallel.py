@@ -12,13 +12,15 @@ by t; the norms' vectors stay whole on each rank. Pipeline parallelism over p st
 of the blocks (the first n_layer % p stages one more, as parallel/pipeline.py splits them), the embeddings to
 stage 0 and the final norm and head to the last (a GPT's tied head: a copy on the last stage when p > 1).
 
-Activations combine the fake-tensor measurement with Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models", table 2): what one block keeps is measured (ModelFacts.
-block_activations) and multiplied by the paper's ratio at t to t = 1 (with sequence parallelism, which
-parallel/tensor.py applies, the ratio is exactly 1/t); a stage keeps that for each of its blocks and each
-micro-batch in flight (1F1B: stage i holds p - i, GPipe all m); the rest of the measured peak (embeddings,
-head, logits and loss, and under full checkpointing the one block recomputed at a time) is counted whole on
-every stage: exact at t = p = 1, an overestimate elsewhere. The largest stage is the layout's.
+Activations are measured on fake tensors: what one block keeps and the rest (embeddings, head, logits and
+loss, the block recomputed under full checkpointing), on the tensor-parallel step itself at each tp (plan/
+estimate.py with_tp_activations: torch's fake process group, one process playing rank 0); a stage keeps a
+block's for each of its blocks and each micro-batch in flight (1F1B: stage i holds p - i, GPipe all m), the
+rest whole on every stage: exact at p = 1, an overestimate elsewhere. Where the fake process group cannot be
+had, Korthikanti et al. 2022's ratio ("Reducing Activation Recomputation in Large Transformer Models", table
+2) at t to t = 1 (with sequence parallelism exactly 1/t) divides the block measured at t = 1; it is 8-20% low
+for torch's tensor parallelism, which keeps the all-gathered inputs of the column-parallel matmuls whole for
+backward (tests/dist/test_plan_tp_memory.py). The largest stage is the layout's.
 
 Time per step, at a global batch held fixed (the config's, as the data-parallel table plans it) in
 micro-batches of data.batch_size samples: n = global batch / (dp x data.batch_size) micro-batches per
@@ -260,6 +262,8 @@ def _stage_memory(st: Setting, kind: str, ac: str, dp: int, tp: int, pp: int, m:
     block = facts.block_activations[key]
     rest = facts.activations[key] - shape.n_layer * block  # the ends and the transients, counted whole
     ratio = activation_ratio(shape.seq_len, shape.n_embd, shape.n_head, tp, ac)
+    if tp in facts.tp_activations:  # measured on the tensor-parallel step itself
+        (block, rest), ratio = facts.tp_activations[tp][key], 1.0
     blocks = stage_blocks(shape.n_layer, pp)[stage]
     acts = round(in_flight(pp, stage, m, st.schedule) * blocks * block * ratio) + rest
     buffers = 0 if key == ac else math.ceil(facts.largest_unit / tp) * (2 * compute_bytes(st.precision) + 4)
