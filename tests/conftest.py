@@ -7,6 +7,15 @@ import pytest
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test` runs 2 workers, `--dist loadgroup`): a file's tests stay on one worker, so
+    its module fixtures (a trained run several tests read) run once; every test that reads the docs tour joins
+    one group, so the tour (the longest fixture) runs once too."""
+    for item in items:
+        group = "docs_tour" if "docs_tour" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True)
 def _no_process_group_left():
     yield
