@@ -7,13 +7,14 @@ import pytest
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test` runs 2 workers, `--dist loadgroup`): a file's tests stay on one worker, so
     its module fixtures (a trained run several tests read) run once; every test that reads the docs tour joins
     one group, so the tour (the longest fixture) runs once too."""
     for item in items:
         group = "docs_tour" if "docs_tour" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(name=group))
 
 
 @pytest.fixture(autouse=True)

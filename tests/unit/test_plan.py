@@ -52,6 +52,23 @@ def test_activations_on_fake_tensors_are_the_bytes_of_a_real_step(precision):
     assert facts.units == 2 and facts.tokens_per_sample == 64
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_selective_checkpointing_on_fake_tensors_is_the_bytes_of_a_real_step(precision):
+    """The dp x tp x pp plans' selective rows: the op-level policy's step measured on fake tensors is a real
+    model's under the same policy to the byte, between none and full."""
+    from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    cfg = load("gpt-stdlib", cli_overrides={**SMALL, "train.precision": precision})
+    splits = build_splits(cfg.data, cfg.model)
+    sample = splits.train[0][0]
+    facts = measure_model(cfg, splits.task, splits.info, sample, modes=("none", "selective", "full"))
+    real = build_model(cfg.model, splits.task, splits.info)
+    apply_activation_checkpointing(real, "selective")
+    assert facts.activations["selective"] == estimate_activation_bytes(real, sample, 3, precision=precision,
+                                                                       whole_step=True)
+    assert facts.activations["none"] > facts.activations["selective"] > facts.activations["full"]
+
+
 def test_a_deep_gpt_measured_at_3_and_4_blocks_is_the_whole_models_measure_to_the_byte():
     """measure_model extrapolates a GPT deeper than 8 blocks from 3 and 4 (its blocks are identical); under
     bf16 autocast with full checkpointing 2 blocks keep more than 3, the case that sets the depths."""

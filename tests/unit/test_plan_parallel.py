@@ -307,3 +307,19 @@ def test_llama3_405b_at_its_published_layout_and_mfu_is_within_20_percent_of_its
     own = next(r for r in record["parallel"]["layouts"] if (r["kind"], r["checkpointing"]) == ("ddp", "none"))
     assert own["gpu_hours"] == pytest.approx(published, rel=0.20)
     assert record["parallel"]["fastest"]["gpu_hours"] == pytest.approx(published, rel=0.20)
+
+
+def test_selective_checkpointing_is_planned_between_none_and_full(tmp_path):
+    """The dp x tp x pp rows plan selective checkpointing (torchtitan's op-level policy): its activations, measured
+    on fake tensors, between none's and full's; its compute 7/6 of the model's (full's 4/3); its tensor-parallel
+    collectives 6 per block per micro-batch, as full's (recompute runs the forward's all-gathers again)."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "llama-tiny", "--gpu", "h100", "--nproc", "8", "--parallel.tp=2", "--parallel.pp=2",
+                 "--data.seq_len=32", "--train.global_batch=128", "--json", str(out)]) == 0
+    rows = {(r["kind"], r["checkpointing"]): r for r in json.loads(out.read_text())["parallel"]["layouts"]}
+    none, selective, full = (rows["fsdp", ac] for ac in ("none", "selective", "full"))
+    assert none["activations_bytes"] > selective["activations_bytes"] > full["activations_bytes"]
+    assert selective["compute_s"] == pytest.approx(none["compute_s"] * 7 / 6, rel=1e-12)
+    assert full["compute_s"] == pytest.approx(none["compute_s"] * 4 / 3, rel=1e-12)
+    assert selective["tp_comm_s"] == pytest.approx(full["tp_comm_s"], rel=1e-12)
+    assert selective["tp_comm_s"] == pytest.approx(none["tp_comm_s"] * 6 / 4, rel=1e-12)

@@ -34,7 +34,8 @@ MEMORY = ("params", "grads", "optimizer", "activations", "fsdp buffers", "total"
 TIME = ("compute", "comm", "step", "run", "cost $")
 WIDE_COLUMNS = ("layout", "checkpointing", *MEMORY, "fits", "compute", "comm", "run", "cost $")
 PARALLEL_CAPTION = ("m: micro-batches of data.batch_size per pipeline (accumulation steps at pp 1), the global batch "
-                    "held; step = max(compute x (1 + bubble), dp comm) + tp+pp comm (exposed); bubble (pp-1)/m; "
+                    "held; ckpt: none, selective (x7/6 compute), full (x4/3); "
+                    "step = max(compute x (1 + bubble), dp comm) + tp+pp comm (exposed); bubble (pp-1)/m; "
                     "activations per block measured on the tensor-parallel step (fake tensors) x micro-batches in "
                     "flight (docs/plan.md)")
 CAPTION = ("compute: model FLOPs / (GPUs x peak x MFU), MFU x 3/4 with full checkpointing (the GPU also "
@@ -254,7 +255,7 @@ def _anchored(cfg: Config, plan: Plan, setting: Setting | None, given: float) ->
     from scaletrain.plan.estimate import AC_PLANNED
     from scaletrain.plan.parallel import kinds, parallel_layout
 
-    ac = cfg.memory.activation_checkpointing if cfg.memory.activation_checkpointing in AC_PLANNED else "none"
+    ac = cfg.memory.activation_checkpointing
     strategy = cfg.parallel.strategy
     if setting is not None and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         tp, pp = cfg.parallel.tp, cfg.parallel.pp
@@ -263,6 +264,7 @@ def _anchored(cfg: Config, plan: Plan, setting: Setting | None, given: float) ->
         lay: Any = parallel_layout(setting, kind, ac, gpus=plan.world, tp=tp, pp=pp)
         name = lay.name
     else:
+        ac = ac if ac in AC_PLANNED else "none"  # the data-parallel table plans none and full
         offered = [lay.strategy for lay in plan.layouts]
         if strategy == "auto" and plan.choice is not None:
             strategy = plan.choice.strategy
@@ -359,6 +361,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.bench.report import check_output_path, write_json
     from scaletrain.data import build_splits
     from scaletrain.plan.estimate import (
+        AC_PLANNED,
+        AC_SEARCHED,
         make_plan,
         measure_model,
         steps_for_tokens,
@@ -379,7 +383,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     shape = _structure(cfg, splits.task, splits.info, args.search) if parallel else None  # degrees checked first
     batches = plan_batches(cfg, world, len(splits.train))  # type: ignore[arg-type]
     sample = splits.train[0][0]
-    facts = measure_model(cfg, splits.task, splits.info, sample, target=splits.train[0][1])
+    facts = measure_model(cfg, splits.task, splits.info, sample, target=splits.train[0][1],
+                          modes=AC_SEARCHED if parallel else AC_PLANNED)
     if parallel:
         from scaletrain.plan.parallel import tp_degrees
 

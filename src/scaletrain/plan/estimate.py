@@ -52,7 +52,12 @@ from scaletrain.observe.memory import (
 )
 from scaletrain.plan.catalog import Accelerator
 
-AC_PLANNED = ("none", "full")
+AC_PLANNED = ("none", "full")  # the data-parallel table's columns
+AC_SEARCHED = ("none", "selective", "full")  # the dp x tp x pp layouts' rows
+# Compute per step over the model's FLOPs, by activation checkpointing: full recomputes each block's forward (a
+# third of the step's matmuls); selective (parallel/activation_checkpoint.py, torchtitan's op-level policy)
+# every second matmul of it, half that, and the pointwise ops, which are next to free; attention is saved.
+RECOMPUTE = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ class Layout(PerGpuBytes):
 
     @property
     def _at_peak(self) -> float:  # the model's FLOPs per step at peak, as MFU counts them (no recompute)
-        return self.compute_s * (0.75 if self.checkpointing == "full" else 1)
+        return self.compute_s / RECOMPUTE[self.checkpointing]
 
     @property
     def bound(self) -> str:
@@ -463,7 +468,7 @@ def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Acceler
     flops = facts.flops_per_sample * batch_size * world * accum_steps  # the model's, as MFU counts them
     # ``mfu`` is a run's without recompute; full checkpointing does a forward more on the same hardware
     # (HFU unchanged), so its MFU is 3/4 of that.
-    compute = flops / (world * acc.peak(precision, tf32=tf32) * mfu * (0.75 if checkpointing == "full" else 1))
+    compute = flops * RECOMPUTE[checkpointing] / (world * acc.peak(precision, tf32=tf32) * mfu)
     link = acc.link_bytes_per_s
     across = min(link, net_bytes_per_s) if nodes > 1 else link
     comm = dp_comm_s(strategy, params=facts.params, trainable=facts.trainable, dp=world, micro=accum_steps,

@@ -42,7 +42,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from scaletrain.plan.estimate import PerGpuBytes, compute_bytes, dp_comm_s
+from scaletrain.plan.estimate import AC_SEARCHED, RECOMPUTE, PerGpuBytes, compute_bytes, dp_comm_s
 
 ZERO_KINDS = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
@@ -157,7 +157,7 @@ def tp_comm_bytes(s: int, b: int, h: int, tp: int, *, cbytes: int, blocks: int, 
     """Bytes one GPU sends per step for tensor parallelism (module docstring)."""
     if tp == 1:
         return 0.0
-    collectives = 6 if checkpointing == "full" else 4
+    collectives = 4 if checkpointing == "none" else 6  # recompute runs the forward's two again
     return microbatches * blocks * collectives * 2 * (tp - 1) / tp * s * b * h * cbytes
 
 
@@ -279,7 +279,7 @@ def parallel_layout(st: Setting, kind: str, ac: str, *, gpus: int, tp: int, pp: 
     flops = st.facts.flops_per_sample * st.global_batch
     peak = st.acc.peak(st.precision, tf32=st.tf32)
     at_peak = flops / (gpus * peak)  # seconds at MFU 1
-    compute = flops / (gpus * peak * st.mfu * (0.75 if ac == "full" else 1))  # as the data-parallel table
+    compute = flops * RECOMPUTE[ac] / (gpus * peak * st.mfu)  # as the data-parallel table
     link, net = st.acc.link_bytes_per_s, st.net_bytes_per_s
     per_node = st.gpus_per_node
     multi = gpus > per_node
@@ -315,9 +315,15 @@ def kinds(dp: int, tp: int, gpus_per_node: int) -> list[str]:
             or (k == "hsdp" and dp > within > 1 and dp % within == 0)]
 
 
-def candidates(st: Setting, gpus: int, checkpointing: tuple[str, ...] = ("none", "full")) -> list[Parallel]:
+def measured_modes(st: Setting) -> tuple[str, ...]:
+    """The checkpointing modes of AC_SEARCHED whose activations were measured (ModelFacts.block_activations)."""
+    return tuple(ac for ac in AC_SEARCHED if ac in st.facts.block_activations)
+
+
+def candidates(st: Setting, gpus: int, checkpointing: tuple[str, ...] | None = None) -> list[Parallel]:
     """Every layout of ``gpus`` GPUs: ZeRO kind x tp x pp (pp dividing the blocks) x checkpointing, where the
     global batch splits into whole micro-batches."""
+    checkpointing = measured_modes(st) if checkpointing is None else checkpointing
     out = []
     for tp in tp_degrees(st.shape, st.gpus_per_node):
         for pp in (p for p in range(1, st.shape.n_layer + 1) if st.shape.n_layer % p == 0):
@@ -375,7 +381,7 @@ def search(st: Setting, *, gpus: int, nodes: int, total_steps: int, price_per_gp
     if only is not None:
         tp, pp = only
         out.layouts = [parallel_layout(st, k, ac, gpus=gpus, tp=tp, pp=pp)
-                       for k in kinds(gpus // (tp * pp), tp, st.gpus_per_node) for ac in ("none", "full")]
+                       for k in kinds(gpus // (tp * pp), tp, st.gpus_per_node) for ac in measured_modes(st)]
     else:
         for n in (k for k in range(1, nodes + 1) if nodes % k == 0):
             out.layouts += candidates(st, n * st.gpus_per_node)
