@@ -26,6 +26,7 @@ one process's GPT, whose state_dict also lists the one tied tensor under both na
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import time
@@ -503,8 +504,11 @@ class PipelineRunner:
         args = (inputs,) if self.is_first else ()
         self._busy.take()  # drop what an interrupted step left
         self._losses = []
+        # The schedule keeps every micro-batch's output (the logits) to merge and return them unless told not
+        # to: m logits-sized tensors held on the last stage through the step, which nothing here reads.
+        quiet = {"return_outputs": False} if "return_outputs" in inspect.signature(run).parameters else {}
         with self._wall.span():
-            run(*args, target=target if self.is_last else None, losses=[] if self.is_last else None)
+            run(*args, target=target if self.is_last else None, losses=[] if self.is_last else None, **quiet)
         self._last = (self._busy.take(), self._wall.take())
         losses = self._losses[-self.microbatches:]  # the schedule's first step may also run a shape probe
         return torch.stack(losses).mean() if self.is_last and losses else None

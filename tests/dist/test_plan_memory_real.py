@@ -1,4 +1,4 @@
-"""The planner's activations per rank under tensor parallelism against the real tensor-parallel step.
+"""The planner's activations per rank under tensor and pipeline parallelism against the real steps.
 
 The plan measures a t-way tensor-parallel step on fake tensors over torch's fake process group (one process
 playing rank 0: plan/estimate.py with_tp_activations); here the same configs run the real step on 2 Gloo ranks
@@ -14,6 +14,13 @@ Korthikanti et al.'s ratio (1/t with sequence parallelism), which the plan used 
 plan's measurement and below most real runs: torch's tensor parallelism keeps the all-gathered inputs of the
 column-parallel matmuls whole for backward (Megatron gathers them again), and the GPT's norms are not
 sequence-parallel.
+
+Pipeline parallelism (PP=2, Llama fp32, 4 micro-batches of 2): each stage's peak through PipelineRunner.step
+against the plan's stage (its blocks x the micro-batches in flight, the rest whole). Measured 2026-11-25:
+1F1B stage 0 (the largest: 2 micro-batches in flight) 6.38 MB planned, 6.57-6.64 MB real; the last stage 3.48
+planned, 3.62-3.88 real once the runner stopped torch's schedule from keeping every micro-batch's logits to
+return them (return_outputs=False: 0.39 MB less). GPipe's last stage keeps every micro-batch's logits and loss
+graph, which the plan counts once: 12.17 MB planned, 13.4-13.7 MB real (-11%).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from scaletrain.layout import resolve_layout
 from scaletrain.models import build_model
 from scaletrain.observe.memory import estimate_activation_bytes
 from scaletrain.parallel import parallelize
+from scaletrain.parallel.pipeline import PipelineRunner
 
 SHAPE = {"data.seq_len": "64", "data.batch_size": "4", "model.n_layer": "4", "model.n_embd": "128",
          "model.n_head": "8"}
@@ -61,7 +69,12 @@ def _planned(recipe: str, overrides: dict, precision: str, tp: int) -> tuple[int
     """(measured on the fake tensor-parallel step, Korthikanti's ratio) activations per rank of the plan."""
     from scaletrain.plan import parallel as par
     from scaletrain.plan.catalog import ACCELERATORS
-    from scaletrain.plan.estimate import measure_model, usable_bytes, with_block_activations, with_tp_activations
+    from scaletrain.plan.estimate import (
+        measure_model,
+        usable_bytes,
+        with_block_activations,
+        with_tp_activations,
+    )
 
     cfg = _config(recipe, overrides, precision, tp)
     splits = build_splits(cfg.data, cfg.model)
@@ -86,3 +99,65 @@ def test_tp2_activations_per_rank_are_the_real_steps_within_10_percent():
         for rank in (0, 1):
             assert measured == pytest.approx(real[rank][i], rel=0.10), (case, rank, measured, real[rank][i])
         assert ratio < 0.93 * measured, (case, ratio, measured)  # the ratio alone misses what torch keeps
+
+
+PP_SHAPE = {**SHAPE, "data.batch_size": "2", "model.n_kv_head": "4", "model.ffn_hidden": "384"}
+MICRO = 4
+
+
+def _pp_real(rank: int, world: int) -> dict[str, int]:
+    import torch.nn.functional as F
+
+    from scaletrain.observe.memory import LiveBytes
+
+    runtime.init(DistConfig(device="cpu"))
+    out = {}
+    for schedule in ("gpipe", "1f1b"):
+        cfg = load("llama-tiny", cli_overrides={**PP_SHAPE, "parallel.pp": "2", "parallel.pp_schedule": schedule})
+        splits = build_splits(cfg.data, cfg.model)
+        stage = parallelize(build_model(cfg.model, splits.task, splits.info), torch.device("cpu"), world,
+                            cfg.parallel, compile=False, layout=resolve_layout(cfg.parallel, cfg.memory, world))
+        runner = PipelineRunner(stage, stage.mesh, device=torch.device("cpu"), microbatches=MICRO, schedule=schedule,
+                                loss_fn=lambda y, t: F.cross_entropy(y.reshape(-1, y.shape[-1]), t.reshape(-1)))
+        rows = [splits.train[i] for i in range(cfg.data.batch_size * MICRO)]
+        xs, ys = torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])
+        params = list(stage.parameters())
+        for p in params:  # allocated before, as the trainer's gradients are after its first step
+            p.grad = torch.zeros_like(p)
+        peaks = []
+        for _ in range(2):  # the first step also sets the schedule up
+            tracker = LiveBytes([*params, *(p.grad for p in params), *stage.buffers(), xs, ys])
+            with tracker:
+                runner.step(xs, ys)
+            peaks.append(tracker.peak)
+        out[schedule] = peaks[-1]
+    return out
+
+
+def _pp_planned(schedule: str) -> list[int]:
+    from scaletrain.plan import parallel as par
+    from scaletrain.plan.catalog import ACCELERATORS
+    from scaletrain.plan.estimate import measure_model, usable_bytes, with_block_activations
+
+    cfg = _config("llama-tiny", PP_SHAPE, "fp32", 1)
+    splits = build_splits(cfg.data, cfg.model)
+    sample, target = splits.train[0]
+    facts = with_block_activations(cfg, splits.task, splits.info, sample,
+                                   measure_model(cfg, splits.task, splits.info, sample, target=target), target=target)
+    with torch.device("meta"):
+        shape = par.structure(build_model(cfg.model, splits.task, splits.info), facts.tokens_per_sample)
+    h100, b = ACCELERATORS["h100"], cfg.data.batch_size
+    st = par.Setting(facts, shape, h100, 2, "fp32", True, b, b * MICRO, schedule, "adamw", 0.4, 50e9,
+                     usable_bytes(h100))
+    return [par._stage_memory(st, "ddp", "none", 1, 1, 2, MICRO, stage)[3] for stage in (0, 1)]
+
+
+def test_pp2_activations_per_stage_against_the_real_pipeline_step():
+    real = run_ranks(_pp_real, 2)
+    first, last = _pp_planned("1f1b")
+    assert first == pytest.approx(real[0]["1f1b"], rel=0.06)  # the largest stage: the layout's number
+    assert last == pytest.approx(real[1]["1f1b"], rel=0.15)
+    assert real[0]["1f1b"] > real[1]["1f1b"] and first > last  # stage 0 holds 2 micro-batches in flight
+    first, last = _pp_planned("gpipe")
+    assert first == pytest.approx(real[0]["gpipe"], rel=0.06)
+    assert last == pytest.approx(real[1]["gpipe"], rel=0.15)  # m logits and loss graphs, planned once
