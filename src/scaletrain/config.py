@@ -472,6 +472,8 @@ class ParallelConfig:
     """ddp: gradient bucket size in MB, from 0.001 (about a KB) to 1048576 (a TB); smaller buckets start communication earlier in backward."""
     overlap: bool = True
     """ddp: all-reduce each gradient bucket as soon as it is ready, during backward (false: all at the end, to see what overlap buys)."""
+    loss_parallel: bool = True
+    """tp > 1: keep a built-in model's logits split by vocabulary and compute the trainer's cross-entropy on the shards (torch's loss_parallel: 1/tp of the logits per rank; false: gathered whole on every rank). A loss function of one's own always sees whole logits."""
     find_unused: bool = False
     """ddp: tolerate parameters that get no gradient in a step (costs a graph traversal every step)."""
     fsdp_units: Annotated[str, Text("class names separated by commas, e.g. GPT2Block or Block,MoEBlock", _class_names,

@@ -119,3 +119,41 @@ def test_bad_layouts_fail_in_one_line(parallel, model, world, nnodes, message):
         check_layout(ParallelConfig(**parallel), MemoryConfig(), world, nnodes,
                      ModelConfig(**{"n_embd": 32, **model}), batch_size=batch)
     assert str(err.value).startswith(message) and "\n" not in str(err.value) and "fix: " in str(err.value)
+
+
+def _loss_parallel_run(rank: int, world: int, name: str) -> dict:
+    """One forward and backward of the default cross-entropy, logits split by vocabulary (loss parallel) and
+    gathered whole, on the same weights and batch."""
+    import torch.nn.functional as F
+
+    from scaletrain.parallel.tensor import loss_context, plain
+
+    runtime.init(DistConfig(device="cpu"))
+    torch.manual_seed(1)
+    x, y = torch.randint(0, V, (4, T)), torch.randint(0, V, (4, T))
+    out = {}
+    for split in (True, False):
+        model = _model(name)
+        cfg = ParallelConfig(tp=world)
+        parallelize(model, torch.device("cpu"), world, cfg, compile=False,
+                    layout=resolve_layout(cfg, MemoryConfig(), world), loss_parallel=split)
+        with loss_context(model):
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+        local = logits.to_local() if hasattr(logits, "to_local") else logits
+        out[split] = {"loss": plain(loss.detach()).item(), "logits_local": tuple(local.shape),
+                      "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_loss_parallel_keeps_half_the_logits_per_rank_and_the_same_gradients(name):
+    """parallel.loss_parallel: each of 2 ranks holds its half of the vocabulary's logits (torch's loss_parallel
+    computes the cross-entropy on the shards), and the loss and every gradient equal the gathered logits' to
+    1e-6 (the softmax's sums taken in halves)."""
+    for r in run_ranks(_loss_parallel_run, 2, name):
+        split, whole = r[True], r[False]
+        assert split["logits_local"] == (4, T, V // 2) and whole["logits_local"] == (4, T, V)
+        assert abs(split["loss"] - whole["loss"]) < 1e-6
+        assert max((split["grads"][k] - whole["grads"][k]).abs().max().item() for k in whole["grads"]) < 1e-6

@@ -297,7 +297,7 @@ def test_a_given_mfu_on_a_data_parallel_plan_is_its_layouts_mfu(tmp_path, capsys
 def test_llama3_405b_at_its_published_layout_and_mfu_is_within_20_percent_of_its_gpu_hours(tmp_path):
     """Llama 3 405B (Meta 2024, the Llama 3 Herd of Models): 15.6T tokens on up to 16,384 H100s at tp 8,
     pp 16, 16M-token batches (2,048 sequences of 8,192), BF16 MFU 38-43%; 30.84M GPU-hours published. The plan
-    at MFU 0.40 on that layout: the layout itself within 20%, and so is the fastest layout that fits (full
+    at MFU 0.40 on that layout: the layout itself within 20%, and so is the fastest layout that fits (with
     checkpointing: without it the 1F1B stage 0's 16 micro-batches in flight do not fit in the plan)."""
     argv = ["plan", "llama3-405b", "--gpu", "h100", "--nproc", "8", "--nnodes", "2048", "--parallel.tp=8",
             "--parallel.pp=16", "--train.global_batch=2048", "--tokens", "15.6T", "--mfu", "0.4"]

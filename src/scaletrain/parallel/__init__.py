@@ -148,13 +148,14 @@ def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, 
 def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: ParallelConfig, *,
                 compile: bool, precision: str = "fp32", memory: MemoryConfig | None = None, nnodes: int = 1,
                 optimizer: str = "adamw", sample: torch.Tensor | None = None,
-                batch_size: int = 1, layout: Layout | None = None) -> nn.Module:
+                batch_size: int = 1, layout: Layout | None = None, loss_parallel: bool = False) -> nn.Module:
     """Returns the module that forward/backward go through: the DDP wrapper, or ``model`` itself (sharded in
     place under FSDP); with pp > 1 this rank's pipeline stage of ``model`` (parallel/pipeline.py; sharded in
     place under FSDP; its ``mesh`` set), which the caller keeps in place of the model. ``model`` is on ``device``. ``layout``: the run's Layout, resolved once by the caller
     (the trainer and a session do); without it, it is resolved here: ``sample`` (one input, no batch dim) and
     ``batch_size`` (per rank) let strategy=auto measure activations, ``optimizer`` names its per-parameter
-    state."""
+    state. ``loss_parallel``: under tensor parallelism keep the logits split by vocabulary (parallel/tensor.py
+    apply_tp; the loss then runs inside loss_context(model))."""
     memory = memory or MemoryConfig()
     if layout is None:
         strategy, reason = resolve_strategy(model, cfg, world_size=world_size, nnodes=nnodes, precision=precision,
@@ -175,7 +176,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
         model = _stage_of(model, mesh, layout.pp, virtual_stages(cfg))
     if layout.tp > 1:
         assert mesh is not None
-        apply_tp(model, mesh["tp"], sharded=layout.sharded)
+        apply_tp(model, mesh["tp"], sharded=layout.sharded, loss_parallel=loss_parallel)
     units = find_units(model, cfg.fsdp_units)
     sharded = mesh is not None and layout.sharded
     for line in unit_warnings(model, units, sharded=sharded, checkpointing=memory.activation_checkpointing):

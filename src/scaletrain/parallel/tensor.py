@@ -11,8 +11,9 @@ norms), torchtitan's plan:
 - the norms (and the residual stream between blocks) sequence-parallel: each rank holds T / tp positions of the
   residual, so the norms' activations are split too; the all-gather happens where the attention and MLP need
   the whole sequence.
-- embedding split by vocabulary rows; the output head split by vocabulary columns, its logits gathered whole so
-  that any loss function sees ordinary logits (torch's loss_parallel would keep them split: not used yet).
+- embedding split by vocabulary rows; the output head split by vocabulary columns. The trainer's own
+  cross-entropy keeps its logits split (torch's loss_parallel: 1/tp of them per rank, parallel.loss_parallel);
+  with a loss function of one's own they are gathered whole, so that it sees ordinary logits.
 
 The built-in GPT: the same split of attention and MLP, its query, key and value (one fused matrix) split part by
 part (FusedColwise); its layer norms whole on every rank, since its learned position embedding is added to the
@@ -24,6 +25,7 @@ Numbers: the same math as one process up to the order of floating-point sums (te
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -120,23 +122,27 @@ class Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sharded: bool = False) -> nn.Module:
+def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sharded: bool = False, loss_parallel: bool = False) -> nn.Module:
     """Split ``model`` (a built-in GPT or Llama) in place over the 1-D ``mesh``; returns it (``sharded``: FSDP
     will shard it next, checked with the rest). Parameters become DTensors on ``mesh`` (split or replicated):
     state_dict keys are unchanged, and DCP saves them whole-tensor-addressable, so a checkpoint resumes at
-    another tp."""
+    another tp. ``loss_parallel``: the logits stay split by vocabulary (a DTensor, Shard(-1)), for a
+    cross-entropy computed on the shards under loss_context(): 1/tp of the logits and of their gradient per
+    rank instead of all of them; else they are gathered whole, for any loss function."""
     from scaletrain.models import GPT
 
     check_tp(model, mesh.size(), sharded=sharded)
     _quiet()
+    logits = {"output_layouts": Shard(-1), "use_local_output": False} if loss_parallel else \
+        {"output_layouts": Replicate()}
+    model.loss_parallel = loss_parallel
     if isinstance(model, GPT):
-        return _apply_tp_gpt(model, mesh)
+        return _apply_tp_gpt(model, mesh, logits)
     ends = {
         # Vocabulary rows split; the output is the residual stream, sequence-sharded from here on.
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        # Logits gathered whole: the loss is any function of ordinary logits.
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "output": ColwiseParallel(input_layouts=Shard(1), **logits),
     }
     # A pipeline stage holds some of them; the residual stream it receives and sends is this rank's positions
     parallelize_module(model, mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
@@ -161,7 +167,20 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sharded: bool = False) -> nn
     return model
 
 
-def _apply_tp_gpt(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
+    """torch's loss_parallel() where ``model``'s logits stay split by vocabulary (apply_tp's ``loss_parallel``):
+    the cross-entropy and its backward run on the shards inside it. A no-op context for any other model."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if getattr(model, "loss_parallel", False) else contextlib.nullcontext()
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss_context() is a replicated DTensor: its value as an ordinary tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _apply_tp_gpt(model: nn.Module, mesh: DeviceMesh, logits: dict) -> nn.Module:
     """The built-in GPT: Megatron's split of attention (fused qkv by heads, FusedColwise) and MLP; the layer
     norms and the residual stream whole on every rank (no sequence parallelism: the learned position embedding
     is added to the token embedding's full sequence); the tied embedding and head split by vocabulary."""
@@ -171,7 +190,7 @@ def _apply_tp_gpt(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         "ln_f": Replicated(),
     })
     model.head.weight = model.tok_emb.weight  # the tie, now one DTensor split by vocabulary rows
-    parallelize_module(model.head, mesh, TiedColwise(output_layouts=Replicate()))
+    parallelize_module(model.head, mesh, TiedColwise(**logits))
     for block in model.blocks:
         parallelize_module(block, mesh, {
             "ln1": Replicated(),

@@ -328,7 +328,7 @@ def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tens
     from torch.distributed.device_mesh import init_device_mesh
 
     from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
-    from scaletrain.parallel.tensor import apply_tp
+    from scaletrain.parallel.tensor import apply_tp, loss_context
 
     try:  # torch's own, for single-process simulations of a rank (torchtitan's memory estimation uses it)
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -352,9 +352,11 @@ def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tens
                         one, fake_target = fake_sample.unsqueeze(0), mode.from_tensor(target).unsqueeze(0)
                         fake_sample = Batch((one,), {"targets": fake_target}, fake_target)
                     model = _fake_model(at, task, info, "none", dtype if low and dtype is not None else torch.float32)
-                apply_tp(model, mesh["tp"])  # torch's parallelize_module; the fake parameters keep their mode
+                # torch's parallelize_module (the fake parameters keep their mode); the trainer's cross-entropy
+                # on logits split by vocabulary, as parallel.loss_parallel has it
+                apply_tp(model, mesh["tp"], loss_parallel=cfg.parallel.loss_parallel)
                 apply_activation_checkpointing(model, ac)  # after the split, as parallelize() orders them
-                with mode:
+                with mode, loss_context(model):
                     if low and dtype is not None:
                         if isinstance(fake_sample, torch.Tensor) and fake_sample.is_floating_point():
                             fake_sample = fake_sample.to(dtype)

@@ -6,9 +6,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from scaletrain.batch import IGNORE_INDEX, Batch, collate_one, logits_of, loss_of
 from scaletrain.data import eval_indices, eval_loader
+from scaletrain.parallel.tensor import loss_context, plain
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast
 
@@ -45,11 +47,11 @@ def evaluate(job: Job) -> dict[str, float]:
     for raw in _padded(loader, forwards):
         # None: this rank is out of samples; keep FSDP's collectives in step, count nothing
         batch = job.batcher(collate_one(job.eval_data) if raw is None else raw).to(rt.device)
-        with autocast(cfg.train.precision, rt.device, sharded=job.fsdp):
+        with autocast(cfg.train.precision, rt.device, sharded=job.fsdp), loss_context(module):
             out = batch(module) if job.pipeline is None else job.pipeline.forward(batch.args[0])
             if raw is None or out is None:  # padding, or a pipeline stage before the last
                 continue
-            loss = job.loss_fn(out, batch.target)
+            loss = plain(job.loss_fn(out, batch.target))
         totals += _sums(out, batch, loss)
     module.train()
     if not layout.counts_eval(rt.rank):
@@ -72,6 +74,8 @@ def _sums(out: Any, batch: Batch, loss: torch.Tensor) -> torch.Tensor:
     was computed from here (a model that computes its own loss, a causal LM, may shift its labels).
     """
     y, logits = batch.target, logits_of(out)
+    if isinstance(logits, DTensor):  # split by vocabulary (loss parallel): whole for the argmax, at evaluation only
+        logits = logits.full_tensor()
     classes = isinstance(y, torch.Tensor) and not y.is_floating_point() and logits is not None \
         and logits.shape[:-1] == y.shape and loss_of(out) is None
     if isinstance(y, torch.Tensor) and not y.is_floating_point():

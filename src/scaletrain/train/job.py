@@ -22,6 +22,7 @@ from scaletrain.models import GPT, build_model
 from scaletrain.observe.throughput import flops_per_sample
 from scaletrain.parallel import Layout, gradient_sync, has_dtensors, is_fsdp, resolve_layout, resolve_strategy
 from scaletrain.parallel.pipeline import PipelineRunner
+from scaletrain.parallel.tensor import loss_context, plain
 from scaletrain.runtime import Runtime, seed_all, set_deterministic
 from scaletrain.train.batching import BatchPlan, plan_batches
 from scaletrain.train.lr import build_scheduler
@@ -88,6 +89,7 @@ class Job:
         decay on matrices only), LR schedule (tracked: in every checkpoint) and loader (``plan``'s batches)."""
         cfg, plan = self.cfg, self.plan
         st.total_steps, st.flops_per_sample = plan.total_steps, self.flops
+        st.loss_parallel = cfg.parallel.loss_parallel and self.loss_fn is default_loss
         self.st = st
         self.model, self.optimizer = st.setup(self.module, lambda params: build_optimizer(params, cfg.optim,
                                                                                           plan.peak_lr), name="model")
@@ -134,14 +136,14 @@ def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
         batch = job.batcher(next(batches)).to(st.device)
         last = micro == accum - 1
         if job.pipeline is not None:  # every stage is given the batch: the first reads its inputs, the last its target
-            with st.autocast():
+            with st.autocast(), loss_context(job.module):
                 loss = st.pipeline_step(job.pipeline, batch.args[0], batch.target, sync=last) / accum
         else:  # only the last micro-step all-reduces (or reduce-scatters) gradients; the others accumulate locally
-            with gradient_sync(model, last):
+            with gradient_sync(model, last), loss_context(job.module):  # logits split by vocabulary: their loss
                 with st.autocast():
                     loss = job.loss_fn(batch(model), batch.target) / accum
                 st.backward(loss)
-        step_loss += loss.detach()
+        step_loss += plain(loss.detach())
     st.optimizer_step(job.optimizer)
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()

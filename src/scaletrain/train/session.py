@@ -100,6 +100,7 @@ from scaletrain.observe.throughput import device_peak, throughput
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_forward_mark
 from scaletrain.parallel import Layout, has_dtensors, is_fsdp, parallelize, resolve_layout, units_line
 from scaletrain.parallel.pipeline import PipelineRunner, clip_with_norm, is_stage, stage_grad_norm
+from scaletrain.parallel.tensor import plain
 from scaletrain.runtime import Runtime
 from scaletrain.train.chaos import Chaos
 from scaletrain.train.checkpointing import (
@@ -274,6 +275,9 @@ class Session:
         self.chaos = Chaos(cfg.chaos, rt.rank, rt.world_size)  # first: a rank beyond the world writes nothing
         self.total_steps = cfg.train.max_steps  # 0: the loop decides when it is done
         self.flops_per_sample = 0.0  # model FLOPs per training sample, where known: MFU in the records
+        # the trainer's own cross-entropy on a built-in model under tensor parallelism: logits kept split
+        # (parallel/tensor.py loss_context); a loop of one's own sees ordinary logits
+        self.loss_parallel = False
         self.skip: set[str] = cfg.debug.skipped()  # debug.skip_restore: parts a resume leaves as built
         if opened is not None:  # scaletrain train / fit(): the run resolved these before building its model
             self.layout: Layout | None = opened.layout
@@ -404,7 +408,7 @@ class Session:
         cfg = self.cfg
         wrapped = parallelize(model, self.device, self.world_size, cfg.parallel, compile=cfg.train.compile,
                               precision=cfg.train.precision, memory=cfg.memory, nnodes=self._nnodes,
-                              optimizer=cfg.optim.name, layout=self.layout)
+                              optimizer=cfg.optim.name, layout=self.layout, loss_parallel=self.loss_parallel)
         if is_stage(wrapped):  # pp > 1: this rank keeps its stage of the model (the model's names for its part)
             model = self._stage = wrapped
         if has_dtensors(wrapped):  # FSDP/TP replaced the parameters: an optimizer built before takes the new ones
@@ -580,7 +584,7 @@ class Session:
             raise UserError("session.backward() outside `with st.step():`; fix: call it inside the step")
         self.chaos.delay("compute")
         loss = self.chaos.poison(self.steps + 1, loss)
-        self.guard.watch_loss(self.steps + 1, loss.detach())
+        self.guard.watch_loss(self.steps + 1, plain(loss.detach()))  # loss parallel's is a DTensor
         try:
             self.scaler.scale(loss).backward()
         except RuntimeError as err:
@@ -613,6 +617,7 @@ class Session:
             loss = torch.full((), math.nan, device=self.device)
         if loss is None:  # a stage before the last: no loss of its own
             return torch.full((), math.nan, device=self.device)
+        loss = plain(loss)  # loss parallel's is a DTensor
         self.guard.watch_loss(self.steps + 1, loss)
         return loss
 
