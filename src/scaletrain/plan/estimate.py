@@ -74,9 +74,15 @@ class ModelFacts:
     # the same keys -> what one more block adds to ``activations`` (a GPT or Llama: measured at 3 and 4 blocks;
     # empty until measured), which tensor and pipeline parallelism divide (plan/parallel.py)
     block_activations: dict[str, int] = field(default_factory=dict, compare=False)  # a by-product, not a fact
-    # tp -> the same keys -> (one block's, the rest's) activations on a rank of a tp-way tensor-parallel step,
-    # measured on that step itself (with_tp_activations); a tp missing is planned by Korthikanti's ratio
-    tp_activations: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict, compare=False)
+    # the same keys -> what one more block keeps from forward until its backward (the step's peak may not grow
+    # by a block's: under checkpointing it comes at the end, after the blocks' backward): what each further
+    # micro-batch a pipeline stage holds in flight costs per block (plan/parallel.py)
+    block_kept: dict[str, int] = field(default_factory=dict, compare=False)
+    kept: dict[str, int] = field(default_factory=dict, compare=False)  # the whole model's, where measured
+    # tp -> the same keys -> (one block's, the rest's, one block's kept) activations on a rank of a tp-way
+    # tensor-parallel step, measured on that step itself (with_tp_activations); a tp missing is planned by
+    # Korthikanti's ratio
+    tp_activations: dict[int, dict[str, tuple[int, int, int]]] = field(default_factory=dict, compare=False)
 
 
 class PerGpuBytes:
@@ -255,7 +261,8 @@ def _compiled(cfg: Config, facts: ModelFacts) -> ModelFacts:
         return m.ratio if m is not None else 1.0
 
     return replace(facts, activations={k: round(v * ratio(k)) for k, v in facts.activations.items()},
-                   block_activations={k: round(v * ratio(k)) for k, v in facts.block_activations.items()})
+                   block_activations={k: round(v * ratio(k)) for k, v in facts.block_activations.items()},
+                   block_kept={k: round(v * ratio(k)) for k, v in facts.block_kept.items()})
 
 
 def _measure_eager(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
@@ -271,7 +278,8 @@ def _measure_eager(cfg: Config, task: str, info: dict[str, Any], sample: torch.T
         hi.flops_per_sample + more * (hi.flops_per_sample - lo.flops_per_sample)
     return replace(whole, flops_per_sample=per_sample,
                    activations={k: v + more * (v - lo.activations[k]) for k, v in hi.activations.items()},
-                   block_activations={k: v - lo.activations[k] for k, v in hi.activations.items()})
+                   block_activations={k: v - lo.activations[k] for k, v in hi.activations.items()},
+                   block_kept={k: v - lo.kept[k] for k, v in hi.kept.items()})
 
 
 def _measure_depths(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
@@ -279,7 +287,7 @@ def _measure_depths(cfg: Config, task: str, info: dict[str, Any], sample: torch.
                     flops: float | None) -> tuple[ModelFacts, ModelFacts]:
     """The model of ``cfg`` measured at each of MEASURED_LAYERS blocks."""
     lo, hi = (_measure(replace(cfg, model=replace(cfg.model, n_layer=n)), task, info, sample, target=target,
-                       steps=True, modes=modes, sharded=sharded, flops=flops)
+                       steps=True, modes=modes, sharded=sharded, flops=flops, kept=True)
               for n in MEASURED_LAYERS)
     return lo, hi
 
@@ -295,7 +303,8 @@ def with_block_activations(cfg: Config, task: str, info: dict[str, Any], sample:
     lo, hi = _measure_depths(cfg, task, info, sample, target=target, modes=modes, sharded=(False, True),
                              flops=facts.flops_per_sample)
     lo, hi = _compiled(cfg, lo), _compiled(cfg, hi)
-    return replace(facts, block_activations={k: v - lo.activations[k] for k, v in hi.activations.items()})
+    return replace(facts, block_activations={k: v - lo.activations[k] for k, v in hi.activations.items()},
+                   block_kept={k: v - lo.kept[k] for k, v in hi.kept.items()})
 
 
 def with_tp_activations(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, facts: ModelFacts,
@@ -322,8 +331,8 @@ def with_tp_activations(cfg: Config, task: str, info: dict[str, Any], sample: to
 
 def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, tp: int, keys: tuple[str, ...],
                 *, target: torch.Tensor | None) -> dict[str, tuple[int, int]] | None:
-    """key -> (one block's, the rest's) activations on rank 0 of a tp-way tensor-parallel step
-    (with_tp_activations); None without the fake process group."""
+    """key -> (one block's, the rest's, one block's kept) activations on rank 0 of a tp-way tensor-parallel
+    step (with_tp_activations); None without the fake process group."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -339,6 +348,7 @@ def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tens
     precision, batch = cfg.train.precision, cfg.data.batch_size
     dtype = AUTOCAST_DTYPE.get(precision)
     totals: dict[str, list[int]] = {k: [] for k in keys}
+    held: dict[str, list[int]] = {k: [] for k in keys}
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))  # outside fake mode: it reads its ranks
@@ -357,26 +367,26 @@ def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tens
                 apply_tp(model, mesh["tp"], loss_parallel=cfg.parallel.loss_parallel)
                 apply_activation_checkpointing(model, ac)  # after the split, as parallelize() orders them
                 with mode, loss_context(model):
-                    if low and dtype is not None:
-                        if isinstance(fake_sample, torch.Tensor) and fake_sample.is_floating_point():
-                            fake_sample = fake_sample.to(dtype)
-                        totals[key].append(estimate_activation_bytes(model, fake_sample, batch, whole_step=True))
-                    else:
-                        totals[key].append(estimate_activation_bytes(model, fake_sample, batch, precision=precision,
-                                                                     whole_step=True))
+                    if low and dtype is not None and isinstance(fake_sample, torch.Tensor) and \
+                            fake_sample.is_floating_point():
+                        fake_sample = fake_sample.to(dtype)
+                    autocast = "fp32" if low and dtype is not None else precision  # FSDP's cast, or autocast
+                    for whole, into in ((True, totals), (False, held)):
+                        into[key].append(estimate_activation_bytes(model, fake_sample, batch, precision=autocast,
+                                                                   whole_step=whole))
     finally:
         dist.destroy_process_group()
     lo, hi = MEASURED_LAYERS
     out = {}
     for key, (a, b) in totals.items():
         block = (b - a) // (hi - lo)
-        out[key] = (block, a - lo * block)
+        out[key] = (block, a - lo * block, (held[key][1] - held[key][0]) // (hi - lo))
     return out
 
 
 def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
              target: torch.Tensor | None = None, steps: bool = True, modes: tuple[str, ...] = AC_PLANNED, sharded: tuple[bool, ...] = (False, True),
-             flops: float | None = None) -> ModelFacts:
+             flops: float | None = None, kept: bool = False) -> ModelFacts:
     """ModelFacts of cfg's model, measured whole (``steps=False``: the parameters only, no FLOPs or
     activations).
 
@@ -389,6 +399,7 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
     precision, batch = cfg.train.precision, cfg.data.batch_size
     dtype = AUTOCAST_DTYPE.get(precision)
     acts: dict[str, int] = {}
+    held: dict[str, int] = {}  # with ``kept``: what forward keeps for backward, per key
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fake_sample: torch.Tensor | Batch = mode.from_tensor(sample)
         if target is not None and cfg.model.name == "gpt" and cfg.model.loss == "fused":
@@ -404,16 +415,23 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
             if False in sharded or dtype is None:
                 acts[ac] = estimate_activation_bytes(model, fake_sample, batch, precision=precision,
                                                      whole_step=True)
+                if kept:
+                    held[ac] = estimate_activation_bytes(model, fake_sample, batch, precision=precision)
             if dtype is None:
                 acts[f"sharded-{ac}"] = acts[ac]
+                if kept:
+                    held[f"sharded-{ac}"] = held[ac]
                 continue
             if True in sharded:
                 low = fake_sample.to(dtype) if isinstance(fake_sample, torch.Tensor) and \
                     fake_sample.is_floating_point() else fake_sample
                 low_model = _fake_model(cfg, task, info, ac, dtype)
                 acts[f"sharded-{ac}"] = estimate_activation_bytes(low_model, low, batch, whole_step=True)
+                if kept:
+                    held[f"sharded-{ac}"] = estimate_activation_bytes(low_model, low, batch)
     return ModelFacts(*counts, flops_per_sample=flops or 0.0,
-                      tokens_per_sample=int(info.get("seq_len", 0)) if task == "lm" else 0, activations=acts)
+                      tokens_per_sample=int(info.get("seq_len", 0)) if task == "lm" else 0, activations=acts,
+                      kept=held)
 
 
 def model_counts(model: nn.Module, units_given: str = "") -> tuple[int, int, int, int]:

@@ -14,9 +14,11 @@ stage 0 and the final norm and head to the last (a GPT's tied head: a copy on th
 
 Activations are measured on fake tensors: what one block keeps and the rest (embeddings, head, logits and
 loss, the block recomputed under full checkpointing), on the tensor-parallel step itself at each tp (plan/
-estimate.py with_tp_activations: torch's fake process group, one process playing rank 0); a stage keeps a
-block's for each of its blocks and each micro-batch in flight (1F1B: stage i holds p - i, GPipe all m), the
-rest whole on every stage: exact at p = 1, an overestimate elsewhere. Where the fake process group cannot be
+estimate.py with_tp_activations: torch's fake process group, one process playing rank 0); a stage holds its
+blocks' share of one micro-batch's step and, for each further micro-batch in flight (1F1B: stage i holds
+p - i, GPipe all m), what forward keeps of its blocks until their backward (ModelFacts.block_kept: under
+checkpointing the step's peak comes at its end and does not grow with depth, the inputs kept do), the rest
+whole on every stage: exact at p = 1, an overestimate elsewhere. Where the fake process group cannot be
 had, Korthikanti et al. 2022's ratio ("Reducing Activation Recomputation in Large Transformer Models", table
 2) at t to t = 1 (with sequence parallelism exactly 1/t) divides the block measured at t = 1; it is 8-20% low
 for torch's tensor parallelism, which keeps the all-gathered inputs of the column-parallel matmuls whole for
@@ -260,12 +262,16 @@ def _stage_memory(st: Setting, kind: str, ac: str, dp: int, tp: int, pp: int, m:
                              optim_states=OPTIM_STATES.get(st.optimizer, 2))
     key = f"sharded-{ac}" if kind in ("fsdp", "hsdp") and shard > 1 else ac
     block = facts.block_activations[key]
+    kept = facts.block_kept.get(key, block)
     rest = facts.activations[key] - shape.n_layer * block  # the ends and the transients, counted whole
     ratio = activation_ratio(shape.seq_len, shape.n_embd, shape.n_head, tp, ac)
     if tp in facts.tp_activations:  # measured on the tensor-parallel step itself
-        (block, rest), ratio = facts.tp_activations[tp][key], 1.0
+        (block, rest, kept), ratio = facts.tp_activations[tp][key], 1.0
     blocks = stage_blocks(shape.n_layer, pp)[stage]
-    acts = round(in_flight(pp, stage, m, st.schedule) * blocks * block * ratio) + rest
+    # one micro-batch's step (its blocks' share of the peak, and the rest), and what forward keeps of each
+    # further micro-batch in flight until its backward
+    more = in_flight(pp, stage, m, st.schedule) - 1
+    acts = round((blocks * block + more * blocks * max(kept, 0)) * ratio) + rest
     buffers = 0 if key == ac else math.ceil(facts.largest_unit / tp) * (2 * compute_bytes(st.precision) + 4)
     return (*state, acts, buffers)
 
