@@ -19,7 +19,7 @@ against the plan's stage (its blocks x the micro-batches in flight, the rest who
 1F1B stage 0 (the largest: 2 micro-batches in flight) 6.38 MB planned, 6.57-6.64 MB real; the last stage 3.48
 planned, 3.62-3.88 real once the runner stopped torch's schedule from keeping every micro-batch's logits to
 return them (return_outputs=False: 0.39 MB less). GPipe's last stage keeps every micro-batch's logits and loss
-graph, which the plan counts once: 12.17 MB planned, 13.4-13.7 MB real (-11%).
+graph: 13.15 MB planned (12.17 before the plan held them per micro-batch in flight), 13.4-13.7 MB real.
 """
 
 from __future__ import annotations
@@ -158,8 +158,8 @@ def test_pp2_activations_per_stage_against_the_real_pipeline_step():
     real = run_ranks(_pp_real, 2)
     first, last = _pp_planned("1f1b")
     assert first == pytest.approx(real[0]["1f1b"], rel=0.06)  # the largest stage: the layout's number
-    assert last == pytest.approx(real[1]["1f1b"], rel=0.15)
+    assert last == pytest.approx(real[1]["1f1b"], rel=0.12)
     assert real[0]["1f1b"] > real[1]["1f1b"] and first > last  # stage 0 holds 2 micro-batches in flight
     first, last = _pp_planned("gpipe")
     assert first == pytest.approx(real[0]["gpipe"], rel=0.06)
-    assert last == pytest.approx(real[1]["gpipe"], rel=0.15)  # m logits and loss graphs, planned once
+    assert last == pytest.approx(real[1]["gpipe"], rel=0.06)  # all m micro-batches' logits and loss graphs

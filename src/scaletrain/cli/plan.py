@@ -408,7 +408,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
             facts = dataclasses.replace(facts, activations={k: round(v * scale) for k, v in facts.activations.items()},
                                         block_activations={k: round(v * scale)
                                                            for k, v in facts.block_activations.items()},
-                                        block_kept={k: round(v * scale) for k, v in facts.block_kept.items()})
+                                        block_kept={k: round(v * scale) for k, v in facts.block_kept.items()},
+                                        rest_kept={k: round(v * scale) for k, v in facts.rest_kept.items()})
     if shape is not None and cfg.parallel.microbatches:
         print(f"scaletrain: warning: parallel.microbatches = {cfg.parallel.microbatches} ignored by the plan: it "
               "holds the global batch and splits it into micro-batches of data.batch_size samples (the m column)",

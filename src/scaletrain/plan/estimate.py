@@ -78,11 +78,14 @@ class ModelFacts:
     # by a block's: under checkpointing it comes at the end, after the blocks' backward): what each further
     # micro-batch a pipeline stage holds in flight costs per block (plan/parallel.py)
     block_kept: dict[str, int] = field(default_factory=dict, compare=False)
+    # what forward keeps outside the blocks (the head's logits and the loss's): per micro-batch in flight on
+    # the last pipeline stage (GPipe holds all of them)
+    rest_kept: dict[str, int] = field(default_factory=dict, compare=False)
     kept: dict[str, int] = field(default_factory=dict, compare=False)  # the whole model's, where measured
-    # tp -> the same keys -> (one block's, the rest's, one block's kept) activations on a rank of a tp-way
+    # tp -> the same keys -> (one block's, the rest's, one block's kept, the rest's kept) activations on a rank of a tp-way
     # tensor-parallel step, measured on that step itself (with_tp_activations); a tp missing is planned by
     # Korthikanti's ratio
-    tp_activations: dict[int, dict[str, tuple[int, int, int]]] = field(default_factory=dict, compare=False)
+    tp_activations: dict[int, dict[str, tuple[int, int, int, int]]] = field(default_factory=dict, compare=False)
 
 
 class PerGpuBytes:
@@ -262,7 +265,8 @@ def _compiled(cfg: Config, facts: ModelFacts) -> ModelFacts:
 
     return replace(facts, activations={k: round(v * ratio(k)) for k, v in facts.activations.items()},
                    block_activations={k: round(v * ratio(k)) for k, v in facts.block_activations.items()},
-                   block_kept={k: round(v * ratio(k)) for k, v in facts.block_kept.items()})
+                   block_kept={k: round(v * ratio(k)) for k, v in facts.block_kept.items()},
+                   rest_kept={k: round(v * ratio(k)) for k, v in facts.rest_kept.items()})
 
 
 def _measure_eager(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
@@ -279,7 +283,15 @@ def _measure_eager(cfg: Config, task: str, info: dict[str, Any], sample: torch.T
     return replace(whole, flops_per_sample=per_sample,
                    activations={k: v + more * (v - lo.activations[k]) for k, v in hi.activations.items()},
                    block_activations={k: v - lo.activations[k] for k, v in hi.activations.items()},
-                   block_kept={k: v - lo.kept[k] for k, v in hi.kept.items()})
+                   block_kept=_block_kept(lo, hi), rest_kept=_rest_kept(lo, hi))
+
+
+def _block_kept(lo: ModelFacts, hi: ModelFacts) -> dict[str, int]:
+    return {k: v - lo.kept[k] for k, v in hi.kept.items()}
+
+
+def _rest_kept(lo: ModelFacts, hi: ModelFacts) -> dict[str, int]:
+    return {k: v - MEASURED_LAYERS[-1] * (v - lo.kept[k]) for k, v in hi.kept.items()}
 
 
 def _measure_depths(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
@@ -304,7 +316,7 @@ def with_block_activations(cfg: Config, task: str, info: dict[str, Any], sample:
                              flops=facts.flops_per_sample)
     lo, hi = _compiled(cfg, lo), _compiled(cfg, hi)
     return replace(facts, block_activations={k: v - lo.activations[k] for k, v in hi.activations.items()},
-                   block_kept={k: v - lo.kept[k] for k, v in hi.kept.items()})
+                   block_kept=_block_kept(lo, hi), rest_kept=_rest_kept(lo, hi))
 
 
 def with_tp_activations(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, facts: ModelFacts,
@@ -331,8 +343,8 @@ def with_tp_activations(cfg: Config, task: str, info: dict[str, Any], sample: to
 
 def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, tp: int, keys: tuple[str, ...],
                 *, target: torch.Tensor | None) -> dict[str, tuple[int, int]] | None:
-    """key -> (one block's, the rest's, one block's kept) activations on rank 0 of a tp-way tensor-parallel
-    step (with_tp_activations); None without the fake process group."""
+    """key -> (one block's, the rest's, one block's kept, the rest's kept) activations on rank 0 of a tp-way
+    tensor-parallel step (with_tp_activations); None without the fake process group."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -380,7 +392,8 @@ def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tens
     out = {}
     for key, (a, b) in totals.items():
         block = (b - a) // (hi - lo)
-        out[key] = (block, a - lo * block, (held[key][1] - held[key][0]) // (hi - lo))
+        kept = (held[key][1] - held[key][0]) // (hi - lo)
+        out[key] = (block, a - lo * block, kept, held[key][0] - lo * kept)
     return out
 
 

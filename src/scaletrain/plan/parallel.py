@@ -262,16 +262,17 @@ def _stage_memory(st: Setting, kind: str, ac: str, dp: int, tp: int, pp: int, m:
                              optim_states=OPTIM_STATES.get(st.optimizer, 2))
     key = f"sharded-{ac}" if kind in ("fsdp", "hsdp") and shard > 1 else ac
     block = facts.block_activations[key]
-    kept = facts.block_kept.get(key, block)
+    kept, rest_kept = facts.block_kept.get(key, block), facts.rest_kept.get(key, 0)
     rest = facts.activations[key] - shape.n_layer * block  # the ends and the transients, counted whole
     ratio = activation_ratio(shape.seq_len, shape.n_embd, shape.n_head, tp, ac)
     if tp in facts.tp_activations:  # measured on the tensor-parallel step itself
-        (block, rest, kept), ratio = facts.tp_activations[tp][key], 1.0
+        (block, rest, kept, rest_kept), ratio = facts.tp_activations[tp][key], 1.0
     blocks = stage_blocks(shape.n_layer, pp)[stage]
     # one micro-batch's step (its blocks' share of the peak, and the rest), and what forward keeps of each
-    # further micro-batch in flight until its backward
+    # further micro-batch in flight until its backward: its blocks', and on the last stage its logits' and loss's
     more = in_flight(pp, stage, m, st.schedule) - 1
-    acts = round((blocks * block + more * blocks * max(kept, 0)) * ratio) + rest
+    held = more * (blocks * max(kept, 0) * ratio + (max(rest_kept, 0) if stage == pp - 1 else 0))
+    acts = round(blocks * block * ratio + held) + rest
     buffers = 0 if key == ac else math.ceil(facts.largest_unit / tp) * (2 * compute_bytes(st.precision) + 4)
     return (*state, acts, buffers)
 
