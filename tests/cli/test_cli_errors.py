@@ -85,3 +85,31 @@ def test_a_real_process_prints_no_traceback(tmp_path):
         ("scaletrain: error: optim.momentum = 1.5 (command line): expected a number in [0, 1); "
          "fix: --optim.momentum=0.9")]
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_reader_that_leaves_the_pipe_early_gets_no_traceback(tmp_path, monkeypatch):
+    """`scaletrain plan ... | head -1`: once the reader has closed the pipe every write fails (EPIPE); the command
+    ends with exit code 1 and no traceback (rich's tables end so by themselves, the plan's lines did not)."""
+
+    class Closed:  # stdout whose reader left: a file descriptor to point at /dev/null, writes that fail
+        def __init__(self, fd: int) -> None:
+            self.fd = fd
+
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            pass
+
+        def fileno(self) -> int:
+            return self.fd
+
+        def isatty(self) -> bool:
+            return False
+
+    fd = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)
+    monkeypatch.setattr(sys, "stdout", Closed(fd))
+    try:
+        assert main(["plan", "gpt-stdlib", "--gpu", "h100"]) == 1
+    finally:
+        os.close(fd)

@@ -43,3 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{where}scaletrain: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `scaletrain plan ... | head`: the reader left; no traceback, and none at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1  # as rich's console does when the pipe breaks under one of its tables
