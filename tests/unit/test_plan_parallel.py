@@ -95,6 +95,9 @@ def test_the_bubble_and_the_micro_batches_in_flight():
     assert [par.in_flight(4, i, 8, "1f1b") for i in range(4)] == [4, 3, 2, 1]
     assert [par.in_flight(4, i, 8, "gpipe") for i in range(4)] == [8, 8, 8, 8]
     assert par.in_flight(4, 0, 2, "1f1b") == 2
+    # interleaved, 2 stages per rank: the warm-up's chunks and the one computing, each half a rank's blocks
+    assert [par.in_flight(2, i, 4, "interleaved", 2) for i in range(2)] == [2.5, 1.5]
+    assert [par.in_flight(4, i, 8, "interleaved", 2) for i in range(4)] == [5.5, 4.5, 3.5, 2.5]
     assert par.stage_blocks(10, 4) == [3, 3, 2, 2]  # parallel/pipeline.py's split
 
 

@@ -143,9 +143,16 @@ def bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
     return (pp - 1) / (virtual * microbatches)
 
 
-def in_flight(pp: int, stage: int, microbatches: int, schedule: str) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once: 1F1B p - stage, GPipe all m."""
-    return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
+def in_flight(pp: int, stage: int, microbatches: int, schedule: str, virtual: int = 1) -> float:
+    """Micro-batches whose activations pipeline rank ``stage`` holds at once, in units of its whole share of the
+    blocks: 1F1B p - stage, GPipe all m; interleaved (``virtual`` stages per rank) the schedule's warm-up chunks
+    and the one computing, (v - 1) p + 2 (p - 1 - stage) + 1 (torch's and Megatron-LM's warm-up), each a v-th of
+    the rank's blocks: more than 1F1B's (Narayanan et al. 2021: the price of the smaller bubble)."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "interleaved" and virtual > 1:
+        return min((virtual - 1) * pp + 2 * (pp - 1 - stage) + 1, microbatches * virtual) / virtual
+    return min(pp - stage, microbatches)
 
 
 def stage_blocks(n_layer: int, pp: int) -> list[int]:
@@ -270,7 +277,7 @@ def _stage_memory(st: Setting, kind: str, ac: str, dp: int, tp: int, pp: int, m:
     blocks = stage_blocks(shape.n_layer, pp)[stage]
     # one micro-batch's step (its blocks' share of the peak, and the rest), and what forward keeps of each
     # further micro-batch in flight until its backward: its blocks', and on the last stage its logits' and loss's
-    more = in_flight(pp, stage, m, st.schedule) - 1
+    more = in_flight(pp, stage, m, st.schedule, st.virtual) - 1
     held = more * (blocks * max(kept, 0) * ratio + (max(rest_kept, 0) if stage == pp - 1 else 0))
     acts = round(blocks * block * ratio + held) + rest
     buffers = 0 if key == ac else math.ceil(facts.largest_unit / tp) * (2 * compute_bytes(st.precision) + 4)
