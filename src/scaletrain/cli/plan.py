@@ -8,7 +8,6 @@ wraps between words. --wide prints a row per layout and a column per quantity in
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import sys
 import textwrap
@@ -255,22 +254,22 @@ def _anchored(cfg: Config, plan: Plan, setting: Setting | None, given: float) ->
     from scaletrain.plan.estimate import AC_PLANNED
     from scaletrain.plan.parallel import kinds, parallel_layout
 
-    ac = cfg.memory.activation_checkpointing
-    strategy = cfg.parallel.strategy
+    ac, strategy = cfg.memory.activation_checkpointing, cfg.parallel.strategy
+
+    def kind(offered: list[str]) -> str:  # the config's strategy where planned (auto, hsdp on one machine: fsdp)
+        return strategy if strategy in offered else "fsdp" if "fsdp" in offered else "ddp"
+
     if setting is not None and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         tp, pp = cfg.parallel.tp, cfg.parallel.pp
-        offered = kinds(plan.world // (tp * pp), tp, plan.gpus_per_node)
-        kind = strategy if strategy in offered else "fsdp" if "fsdp" in offered else "ddp"
-        lay: Any = parallel_layout(setting, kind, ac, gpus=plan.world, tp=tp, pp=pp)
+        lay: Any = parallel_layout(setting, kind(kinds(plan.world // (tp * pp), tp, plan.gpus_per_node)), ac,
+                                   gpus=plan.world, tp=tp, pp=pp)
         name = lay.name
     else:
         ac = ac if ac in AC_PLANNED else "none"  # the data-parallel table plans none and full
-        offered = [lay.strategy for lay in plan.layouts]
         if strategy == "auto" and plan.choice is not None:
             strategy = plan.choice.strategy
-        kind = strategy if strategy in offered else "fsdp" if "fsdp" in offered else "ddp"
-        lay = next(lay for lay in plan.layouts if (lay.strategy, lay.checkpointing) == (kind, ac))
-        name = kind
+        name = kind([lay.strategy for lay in plan.layouts])
+        lay = next(lay for lay in plan.layouts if (lay.strategy, lay.checkpointing) == (name, ac))
     efficiency = lay.efficiency_for(given)
     said = (f"--mfu {given:g} is that of this config's own layout ({name}, checkpointing {ac}) over whole steps, "
             f"as summary.json and published runs count MFU: its GPUs then compute at {efficiency:.3g} of peak "
@@ -405,11 +404,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
             mfu, source = calibration.mfu, "the calibrating runs'"
         if calibration.activations is not None:
             scale = calibration.activations
-            facts = dataclasses.replace(facts, activations={k: round(v * scale) for k, v in facts.activations.items()},
-                                        block_activations={k: round(v * scale)
-                                                           for k, v in facts.block_activations.items()},
-                                        block_kept={k: round(v * scale) for k, v in facts.block_kept.items()},
-                                        rest_kept={k: round(v * scale) for k, v in facts.rest_kept.items()})
+            facts = facts.scaled(lambda key: scale)
     if shape is not None and cfg.parallel.microbatches:
         print(f"scaletrain: warning: parallel.microbatches = {cfg.parallel.microbatches} ignored by the plan: it "
               "holds the global batch and splits it into micro-batches of data.batch_size samples (the m column)",

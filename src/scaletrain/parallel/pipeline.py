@@ -475,6 +475,11 @@ class PipelineRunner:
         self._pending: list[tuple[_Reading, _Reading]] = []  # steps not yet added to the totals
         self._totals = [0.0, 0.0, 0]  # busy s, wall s, steps: every training step after the first
         self._steps = 0
+        # The schedule keeps every micro-batch's output (the logits) to merge and return them unless told not
+        # to (where this torch offers it): m logits-sized tensors held on the last stage through the step, which
+        # nothing reads.
+        self._no_outputs = {"return_outputs": False} \
+            if "return_outputs" in inspect.signature(self._schedule.step).parameters else {}
         log.info("pipeline rank %d of %d: stages %s, %s, %d micro-batches, bubble (p - 1) / (v m + p - 1) = %.1f%%",
                  self.index, self.pp, [part.index for part in parts], schedule, self.microbatches,
                  100 * self.planned_bubble)
@@ -494,8 +499,8 @@ class PipelineRunner:
             return loss / scale
         return scaled
 
-    def _run(self, run: Callable[..., Any], inputs: torch.Tensor | None,
-             target: torch.Tensor | None) -> torch.Tensor | None:
+    def _run(self, run: Callable[..., Any], inputs: torch.Tensor | None, target: torch.Tensor | None,
+             **extra: Any) -> torch.Tensor | None:
         for name, t in (("inputs", inputs), ("target", target)):
             if t is not None and t.shape[0] % self.microbatches:
                 raise ValueError(f"the batch of {t.shape[0]} {name} rows does not split into "
@@ -504,11 +509,8 @@ class PipelineRunner:
         args = (inputs,) if self.is_first else ()
         self._busy.take()  # drop what an interrupted step left
         self._losses = []
-        # The schedule keeps every micro-batch's output (the logits) to merge and return them unless told not
-        # to: m logits-sized tensors held on the last stage through the step, which nothing here reads.
-        quiet = {"return_outputs": False} if "return_outputs" in inspect.signature(run).parameters else {}
         with self._wall.span():
-            run(*args, target=target if self.is_last else None, losses=[] if self.is_last else None, **quiet)
+            run(*args, target=target if self.is_last else None, losses=[] if self.is_last else None, **extra)
         self._last = (self._busy.take(), self._wall.take())
         losses = self._losses[-self.microbatches:]  # the schedule's first step may also run a shape probe
         return torch.stack(losses).mean() if self.is_last and losses else None
@@ -551,7 +553,7 @@ class PipelineRunner:
         stage (this data-parallel rank's rows), None elsewhere; the caller clips (clip_grad_norm) and steps
         its optimizer. ``sync``: False on accumulation steps but the last (the tied weight's gradients are
         summed, a plain stage's averaged over its replicas, once they are all accumulated)."""
-        loss = self._run(self._schedule.step, inputs, target)
+        loss = self._run(self._schedule.step, inputs, target, **self._no_outputs)
         self._steps += 1
         if self._steps > 1:
             assert self._last is not None

@@ -33,7 +33,7 @@ fully at best, so a plan's step time is a lower bound, and "communication-bound"
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -86,6 +86,15 @@ class ModelFacts:
     # tensor-parallel step, measured on that step itself (with_tp_activations); a tp missing is planned by
     # Korthikanti's ratio
     tp_activations: dict[int, dict[str, tuple[int, int, int, int]]] = field(default_factory=dict, compare=False)
+
+    def scaled(self, ratio: Callable[[str], float]) -> ModelFacts:
+        """These facts with every activation figure of key k (activations, per block, kept) times ratio(k): the
+        compiled ratios, or --calibrate's correction."""
+        def times(d: dict[str, int]) -> dict[str, int]:
+            return {k: round(v * ratio(k)) for k, v in d.items()}
+
+        return replace(self, activations=times(self.activations), block_activations=times(self.block_activations),
+                       block_kept=times(self.block_kept), rest_kept=times(self.rest_kept))
 
 
 class PerGpuBytes:
@@ -263,10 +272,7 @@ def _compiled(cfg: Config, facts: ModelFacts) -> ModelFacts:
         m = compiled_activations(whole=not key.startswith("sharded-"), loss=cfg.model.loss, params=facts.params)
         return m.ratio if m is not None else 1.0
 
-    return replace(facts, activations={k: round(v * ratio(k)) for k, v in facts.activations.items()},
-                   block_activations={k: round(v * ratio(k)) for k, v in facts.block_activations.items()},
-                   block_kept={k: round(v * ratio(k)) for k, v in facts.block_kept.items()},
-                   rest_kept={k: round(v * ratio(k)) for k, v in facts.rest_kept.items()})
+    return facts.scaled(ratio)
 
 
 def _measure_eager(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
@@ -282,16 +288,22 @@ def _measure_eager(cfg: Config, task: str, info: dict[str, Any], sample: torch.T
         hi.flops_per_sample + more * (hi.flops_per_sample - lo.flops_per_sample)
     return replace(whole, flops_per_sample=per_sample,
                    activations={k: v + more * (v - lo.activations[k]) for k, v in hi.activations.items()},
-                   block_activations={k: v - lo.activations[k] for k, v in hi.activations.items()},
-                   block_kept=_block_kept(lo, hi), rest_kept=_rest_kept(lo, hi))
+                   **_per_block(lo, hi))
 
 
-def _block_kept(lo: ModelFacts, hi: ModelFacts) -> dict[str, int]:
-    return {k: v - lo.kept[k] for k, v in hi.kept.items()}
+def _block_and_rest(lo: int, hi: int) -> tuple[int, int]:
+    """(one block's, the rest's) of a figure measured at MEASURED_LAYERS blocks (``lo``, ``hi``)."""
+    fewer, more = MEASURED_LAYERS
+    block = (hi - lo) // (more - fewer)
+    return block, lo - fewer * block
 
 
-def _rest_kept(lo: ModelFacts, hi: ModelFacts) -> dict[str, int]:
-    return {k: v - MEASURED_LAYERS[-1] * (v - lo.kept[k]) for k, v in hi.kept.items()}
+def _per_block(lo: ModelFacts, hi: ModelFacts) -> dict[str, dict[str, int]]:
+    """ModelFacts' block_activations, block_kept and rest_kept from the model measured at MEASURED_LAYERS."""
+    kept = {k: _block_and_rest(lo.kept[k], v) for k, v in hi.kept.items()}
+    return {"block_activations": {k: _block_and_rest(lo.activations[k], v)[0] for k, v in hi.activations.items()},
+            "block_kept": {k: block for k, (block, _) in kept.items()},
+            "rest_kept": {k: rest for k, (_, rest) in kept.items()}}
 
 
 def _measure_depths(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
@@ -314,9 +326,7 @@ def with_block_activations(cfg: Config, task: str, info: dict[str, Any], sample:
     modes = tuple(k for k in facts.activations if not k.startswith("sharded-"))
     lo, hi = _measure_depths(cfg, task, info, sample, target=target, modes=modes, sharded=(False, True),
                              flops=facts.flops_per_sample)
-    lo, hi = _compiled(cfg, lo), _compiled(cfg, hi)
-    return replace(facts, block_activations={k: v - lo.activations[k] for k, v in hi.activations.items()},
-                   block_kept=_block_kept(lo, hi), rest_kept=_rest_kept(lo, hi))
+    return replace(facts, **_per_block(_compiled(cfg, lo), _compiled(cfg, hi)))
 
 
 def with_tp_activations(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, facts: ModelFacts,
@@ -342,7 +352,7 @@ def with_tp_activations(cfg: Config, task: str, info: dict[str, Any], sample: to
 
 
 def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, tp: int, keys: tuple[str, ...],
-                *, target: torch.Tensor | None) -> dict[str, tuple[int, int]] | None:
+                *, target: torch.Tensor | None) -> dict[str, tuple[int, int, int, int]] | None:
     """key -> (one block's, the rest's, one block's kept, the rest's kept) activations on rank 0 of a tp-way
     tensor-parallel step (with_tp_activations); None without the fake process group."""
     import torch.distributed as dist
@@ -357,44 +367,56 @@ def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tens
         return None
     if dist.is_initialized():
         return None
-    precision, batch = cfg.train.precision, cfg.data.batch_size
-    dtype = AUTOCAST_DTYPE.get(precision)
-    totals: dict[str, list[int]] = {k: [] for k in keys}
-    held: dict[str, list[int]] = {k: [] for k in keys}
+    dtype = AUTOCAST_DTYPE.get(cfg.train.precision)
+    measured: dict[str, list[tuple[int, int | None]]] = {k: [] for k in keys}  # key -> (peak, kept) per depth
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))  # outside fake mode: it reads its ranks
         for n in MEASURED_LAYERS:
             at = replace(cfg, model=replace(cfg.model, n_layer=n))
             for key in keys:
-                ac, low = key.removeprefix("sharded-"), key.startswith("sharded-")
+                ac, low = key.removeprefix("sharded-"), key.startswith("sharded-") and dtype is not None
                 with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-                    fake_sample: torch.Tensor | Batch = mode.from_tensor(sample)
-                    if target is not None and cfg.model.name == "gpt" and cfg.model.loss == "fused":
-                        one, fake_target = fake_sample.unsqueeze(0), mode.from_tensor(target).unsqueeze(0)
-                        fake_sample = Batch((one,), {"targets": fake_target}, fake_target)
-                    model = _fake_model(at, task, info, "none", dtype if low and dtype is not None else torch.float32)
+                    fake_sample = _fake_input(mode, cfg, sample, target)
+                    model = _fake_model(at, task, info, "none", dtype if low else torch.float32)
                 # torch's parallelize_module (the fake parameters keep their mode); the trainer's cross-entropy
                 # on logits split by vocabulary, as parallel.loss_parallel has it
                 apply_tp(model, mesh["tp"], loss_parallel=cfg.parallel.loss_parallel)
                 apply_activation_checkpointing(model, ac)  # after the split, as parallelize() orders them
                 with mode, loss_context(model):
-                    if low and dtype is not None and isinstance(fake_sample, torch.Tensor) and \
-                            fake_sample.is_floating_point():
-                        fake_sample = fake_sample.to(dtype)
-                    autocast = "fp32" if low and dtype is not None else precision  # FSDP's cast, or autocast
-                    for whole, into in ((True, totals), (False, held)):
-                        into[key].append(estimate_activation_bytes(model, fake_sample, batch, precision=autocast,
-                                                                   whole_step=whole))
+                    measured[key].append(_step_bytes(at, model, fake_sample, low=low, kept=True))
     finally:
         dist.destroy_process_group()
-    lo, hi = MEASURED_LAYERS
     out = {}
-    for key, (a, b) in totals.items():
-        block = (b - a) // (hi - lo)
-        kept = (held[key][1] - held[key][0]) // (hi - lo)
-        out[key] = (block, a - lo * block, kept, held[key][0] - lo * kept)
+    for key, ((peak_lo, kept_lo), (peak_hi, kept_hi)) in measured.items():
+        assert kept_lo is not None and kept_hi is not None
+        out[key] = (*_block_and_rest(peak_lo, peak_hi), *_block_and_rest(kept_lo, kept_hi))
     return out
+
+
+def _fake_input(mode: FakeTensorMode, cfg: Config, sample: torch.Tensor,
+                target: torch.Tensor | None) -> torch.Tensor | Batch:
+    """``sample`` as a fake input: a batch of one with its targets for a GPT with model.loss=fused (it takes
+    them in forward, and never keeps its logits)."""
+    fake_sample: torch.Tensor | Batch = mode.from_tensor(sample)
+    if target is not None and cfg.model.name == "gpt" and cfg.model.loss == "fused":
+        one, fake_target = fake_sample.unsqueeze(0), mode.from_tensor(target).unsqueeze(0)
+        fake_sample = Batch((one,), {"targets": fake_target}, fake_target)
+    return fake_sample
+
+
+def _step_bytes(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *, low: bool,
+                kept: bool) -> tuple[int, int | None]:
+    """(the step's peak beyond the model state, with ``kept`` what forward keeps for backward) at
+    cfg.data.batch_size: as DDP runs it (autocast) or, ``low``, as FSDP does (a model built in the compute
+    dtype, a floating input cast to it, no autocast)."""
+    precision, batch = cfg.train.precision, cfg.data.batch_size
+    if low:
+        dtype, precision = AUTOCAST_DTYPE[precision], "fp32"
+        if isinstance(sample, torch.Tensor) and sample.is_floating_point():
+            sample = sample.to(dtype)
+    peak = estimate_activation_bytes(model, sample, batch, precision=precision, whole_step=True)
+    return peak, estimate_activation_bytes(model, sample, batch, precision=precision) if kept else None
 
 
 def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
@@ -409,15 +431,17 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
     FSDP working set)."""
     from scaletrain.observe.throughput import flops_per_sample
 
-    precision, batch = cfg.train.precision, cfg.data.batch_size
-    dtype = AUTOCAST_DTYPE.get(precision)
+    dtype = AUTOCAST_DTYPE.get(cfg.train.precision)
     acts: dict[str, int] = {}
     held: dict[str, int] = {}  # with ``kept``: what forward keeps for backward, per key
+
+    def measured(key: str, model: nn.Module, *, low: bool) -> None:
+        acts[key], just_kept = _step_bytes(cfg, model, fake_sample, low=low, kept=kept)
+        if just_kept is not None:
+            held[key] = just_kept
+
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        fake_sample: torch.Tensor | Batch = mode.from_tensor(sample)
-        if target is not None and cfg.model.name == "gpt" and cfg.model.loss == "fused":
-            one, fake_target = fake_sample.unsqueeze(0), mode.from_tensor(target).unsqueeze(0)  # a batch of one
-            fake_sample = Batch((one,), {"targets": fake_target}, fake_target)
+        fake_sample = _fake_input(mode, cfg, sample, target)
         model = _fake_model(cfg, task, info, "none")
         counts = model_counts(model, cfg.parallel.fsdp_units)
         if steps and flops is None:
@@ -426,22 +450,13 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
             if ac != "none":
                 model = _fake_model(cfg, task, info, ac)
             if False in sharded or dtype is None:
-                acts[ac] = estimate_activation_bytes(model, fake_sample, batch, precision=precision,
-                                                     whole_step=True)
-                if kept:
-                    held[ac] = estimate_activation_bytes(model, fake_sample, batch, precision=precision)
-            if dtype is None:
+                measured(ac, model, low=False)
+            if dtype is None:  # no compute dtype: FSDP's step is DDP's
                 acts[f"sharded-{ac}"] = acts[ac]
                 if kept:
                     held[f"sharded-{ac}"] = held[ac]
-                continue
-            if True in sharded:
-                low = fake_sample.to(dtype) if isinstance(fake_sample, torch.Tensor) and \
-                    fake_sample.is_floating_point() else fake_sample
-                low_model = _fake_model(cfg, task, info, ac, dtype)
-                acts[f"sharded-{ac}"] = estimate_activation_bytes(low_model, low, batch, whole_step=True)
-                if kept:
-                    held[f"sharded-{ac}"] = estimate_activation_bytes(low_model, low, batch)
+            elif True in sharded:
+                measured(f"sharded-{ac}", _fake_model(cfg, task, info, ac, dtype), low=True)
     return ModelFacts(*counts, flops_per_sample=flops or 0.0,
                       tokens_per_sample=int(info.get("seq_len", 0)) if task == "lm" else 0, activations=acts,
                       kept=held)

@@ -22,7 +22,7 @@ whole on every stage: exact at p = 1, an overestimate elsewhere. Where the fake 
 had, Korthikanti et al. 2022's ratio ("Reducing Activation Recomputation in Large Transformer Models", table
 2) at t to t = 1 (with sequence parallelism exactly 1/t) divides the block measured at t = 1; it is 8-20% low
 for torch's tensor parallelism, which keeps the all-gathered inputs of the column-parallel matmuls whole for
-backward (tests/dist/test_plan_tp_memory.py). The largest stage is the layout's.
+backward (tests/dist/test_plan_memory_real.py). The largest stage is the layout's.
 
 Time per step, at a global batch held fixed (the config's, as the data-parallel table plans it) in
 micro-batches of data.batch_size samples: n = global batch / (dp x data.batch_size) micro-batches per
