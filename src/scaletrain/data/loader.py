@@ -71,6 +71,7 @@ class ShardedLoader:
                  shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False) -> None:
         size = len(dataset)  # type: ignore[arg-type]
         self.size = size
+        self.accum = accum
         self.step_samples = batch_size * world * accum
         self.steps_per_epoch = size // self.step_samples
         assert self.steps_per_epoch >= 1, "validated by the trainer before building the loader"

@@ -186,22 +186,27 @@ class NullTimer(StepTimer):
         return [0.0] * len(PHASES)
 
 
-def attach_comm_hook(model: torch.nn.Module, timer: StepTimer | None, *, overlap: bool = True) -> bool:
+def attach_comm_hook(model: torch.nn.Module, timer: StepTimer | None, *, overlap: bool = True,
+                     probe: Any = None) -> bool:
     """DDP's all-reduce through a hook that tells the timer when each bucket is ready (the same arithmetic
     as DDP's built-in: divide by the world size, sum). With ``overlap=False`` every bucket's all-reduce is
     held back until the last bucket is ready, as if DDP did not overlap communication with backward: that
-    shows what the overlap buys. Returns False (and does nothing) when the model is not DDP-wrapped, or when
-    there is nothing to time or change."""
+    shows what the overlap buys. ``probe`` (observe/noise_scale.py GradProbe): each bucket's squared norm
+    before the reduction, this rank's own gradient (one DDP comm hook per model: it shares this one).
+    Returns False (and does nothing) when the model is not DDP-wrapped, or when there is nothing to time,
+    change or measure."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    if not isinstance(model, DistributedDataParallel) or (timer is None and overlap):
+    if not isinstance(model, DistributedDataParallel) or (timer is None and overlap and probe is None):
         return False
     held: list[tuple[Any, torch.futures.Future]] = []
 
     def hook(group, bucket):
         if timer is not None:
             timer.bucket_ready()
+        if probe is not None:
+            probe.add_small(torch.linalg.vector_norm(bucket.buffer().float()).square())
         if overlap:
             return allreduce_hook(group, bucket)
         mine: torch.futures.Future = torch.futures.Future()

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from scaletrain.batch import Batcher, BatchFn, collate_one, default_loss
 from scaletrain.config import Config, OptimConfig
 from scaletrain.data import Splits
+from scaletrain.errors import UserError
 from scaletrain.layout import check_pipeline
 from scaletrain.models import GPT, build_model
 from scaletrain.observe.throughput import flops_per_sample
@@ -91,6 +92,11 @@ class Job:
         st.total_steps, st.flops_per_sample = plan.total_steps, self.flops
         st.loss_parallel = cfg.parallel.loss_parallel and self.loss_fn is default_loss
         self.st = st
+        layout = self.layout  # under tp or pp, st.setup() says why it cannot be measured at all
+        if cfg.log.grad_noise_scale and layout.tp == layout.pp == layout.dp_size == plan.accum_steps == 1:
+            raise UserError("log.grad_noise_scale compares the gradients of several ranks, or of the micro-batches "
+                            "of one step: this run has one of each (one data-parallel rank, no accumulation); fix: "
+                            "--nproc 2, or --train.accum_steps=2")
         self.model, self.optimizer = st.setup(self.module, lambda params: build_optimizer(params, cfg.optim,
                                                                                           plan.peak_lr), name="model")
         if st._stage is not None:  # pp > 1: this rank's stage is the model it trains, evaluates and saves

@@ -199,6 +199,7 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
              ("peak memory / rank", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB"),
              *_memory_row(summary.get("mem", {})),
              *(_pipeline_row(summary["pipeline"]) if "pipeline" in summary else []),
+             *([("noise scale", summary["grad_noise_scale"]["reading"])] if "grad_noise_scale" in summary else []),
              *([("plan vs actual", describe_plan(summary["plan_vs_actual"]))] if "plan_vs_actual" in summary else []),
              ("run dir", str(run_dir))]
     console.table("summary", rows)

@@ -95,6 +95,8 @@ from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import run_totals
 from scaletrain.observe.memory import MemoryBreakdown, model_state_bytes, peak_bytes
 from scaletrain.observe.metrics import MetricsWriter, write_json
+from scaletrain.observe.noise_scale import PREFIX as NOISE_SUMS
+from scaletrain.observe.noise_scale import GradProbe, NoiseScaleLog, attach_probe
 from scaletrain.observe.stragglers import bottleneck, phase_fractions
 from scaletrain.observe.throughput import device_peak, throughput
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_forward_mark
@@ -175,7 +177,7 @@ def _rank_as_session(state: dict[str, Any] | None) -> dict[str, Any] | None:
     sums = dict(state.get("sums", {}))
     if "loss_sum" in state:
         sums.update({"loss": state["loss_sum"], "loss#n": state["loss_count"]})
-    for name in [k for k in sums if not k.endswith("#n")]:
+    for name in [k for k in sums if not k.endswith("#n") and not k.startswith(NOISE_SUMS)]:
         sums.setdefault(f"{name}#n", float(state.get("since", 0)))
     return {**state, "sums": sums}
 
@@ -256,6 +258,7 @@ class Session:
         self._closed, self._in_step, self._training, self._timing = False, False, False, False
         self._models: list[_Model] = []
         self._stage: nn.Module | None = None  # parallel.pp > 1: this rank's pipeline stage (the model set up)
+        self._noise: NoiseScaleLog | None = None  # log.grad_noise_scale: the model's gradient noise scale
         self._tracked: dict[str, Any] = {}  # st.track(): name -> an object with state_dict()
         self._loaders: list[Loader] = []
         self.preempt = opened.preempt if opened is not None else \
@@ -421,7 +424,9 @@ class Session:
         for opt in built:
             if opt not in given:  # built here from the function given: checked now
                 _check_optimizer(opt, model)
-        attach_comm_hook(wrapped, self.timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap)
+        probe = self._noise_probe(wrapped, params) if cfg.log.grad_noise_scale else None
+        attach_comm_hook(wrapped, self.timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap,
+                         probe=probe)
         attach_forward_mark(wrapped, self.timer if cfg.log.phase_times else None)
         if self.layout is None:  # auto: decided by this model's memory; the strategy given was checked at open
             check_precision(cfg.train.precision, self.device, "fsdp" if is_fsdp(wrapped) else "ddp")
@@ -524,6 +529,21 @@ class Session:
         """One model with one optimizer: its checkpoints are in fit()'s layout, by the model's own names."""
         return len(self._models) == 1 and len(self._models[0].optimizers) == 1
 
+    def _noise_probe(self, wrapped: nn.Module, params: list[nn.Parameter]) -> GradProbe:
+        """log.grad_noise_scale's probe on the model being set up (observe/noise_scale.py), its smoothed
+        estimate restored on resume."""
+        if self._models:
+            raise UserError("log.grad_noise_scale measures the gradient of one model; this session sets up a "
+                            "second; fix: --log.grad_noise_scale=false with several models")
+        layout = self.layout
+        probe = attach_probe(wrapped, params, self._sums, self.device, world_size=self.world_size,
+                             tp=layout.tp if layout else 1, pp=layout.pp if layout else 1,
+                             precision=self.cfg.train.precision)
+        self._noise = NoiseScaleLog(probe)
+        if "noise_scale" in self._trainer:
+            self._noise.load_state_dict(self._trainer["noise_scale"])
+        return probe
+
     # -- inside the loop -----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -595,6 +615,8 @@ class Session:
                                 "--parallel.strategy=ddp") from None
             raise
         self.timer.backward_done()
+        if self._noise is not None and self._noise.probe.per_micro_batch:  # one process: a micro-batch's
+            self._noise.probe.small_done()  # gradient, its loss divided by the accumulation as train_step's is
 
     def pipeline_step(self, runner: PipelineRunner, inputs: torch.Tensor, target: torch.Tensor, *,
                       sync: bool = True) -> torch.Tensor:
@@ -642,6 +664,10 @@ class Session:
                 clip_with_norm(self._stage, clip, norm)
         else:
             norm = clipped_norm(params, clip, self.scaler, optimizer)
+        if self._noise is not None and norm is not None:  # the averaged gradient's norm, before clipping
+            self._noise.probe.add_big(norm)
+            if not self._noise.probe.per_micro_batch:
+                self._noise.probe.small_done()
         step, fused = self.steps + 1, supports_device_skip(optimizer)
         # Holding back a step for an optimizer that cannot skip on the device costs a host sync every step:
         # only where train.nonfinite=skip asks for it. Under raise the run stops at the next log step, before
@@ -723,6 +749,8 @@ class Session:
             self._trace.resumed(self)
         if self.total_steps:
             self.console.start_progress(self.total_steps, self.steps)
+        if self._noise is not None and self._loaders:  # one process: each micro-batch's loss was divided by this
+            self._noise.probe.set_accum(self._loaders[0].inner.accum)
         self._interval_started = self._first_step_at = time.perf_counter()
 
     def _after_step(self) -> None:
@@ -767,7 +795,7 @@ class Session:
         self.train_time += elapsed
         ran = max(self._ran, 1)
         means = {}
-        for name in sorted(k for k in self._sums if not k.endswith("#n")):  # over the finite values logged
+        for name in sorted(k for k in self._sums if not k.endswith("#n") and not k.startswith(NOISE_SUMS)):
             count = sum(r.sums[f"{name}#n"] for r in rows)
             means[name] = sum(r.sums[name] for r in rows) / count if count else math.nan
         # The ranks of a tensor-parallel group read the same batch: counted once, by the group's first rank.
@@ -792,6 +820,10 @@ class Session:
         self._records.append({"step": self.steps, "steps": ran, "step_time_s": elapsed / ran, "samples_per_s": rate})
         if straggler is not None:
             record["straggler"] = straggler
+        noise = self._noise.interval([r.sums for r in rows], samples=samples, steps=ran) \
+            if self._noise is not None else None
+        if noise is not None:
+            record["grad_noise_scale"] = noise
         self.writer.write(record)
         if "loss" in means:
             self.console.status(f"loss {means['loss']:.4f}")
@@ -799,6 +831,8 @@ class Session:
         parts += [f"epoch {epoch}"] if epoch else []
         parts += [f"{k} {v:.4f}" for k, v in means.items()]
         parts += [f"lr {lr:.3e}"] if lr is not None else []
+        parts += [f"B_noise {noise['b_simple']:,.0f}"] if noise is not None and math.isfinite(noise["b_simple"]) \
+            else []
         parts += [f"{rate:,.0f} samples/s", f"{record['step_time_s']:.4f} s/step"]
         self.console.print(" | ".join(parts))
         self.last_metrics = means
@@ -865,7 +899,8 @@ class Session:
         trainer = {"step": self.steps, "loaders": [loader.inner.state_dict() for loader in self._loaders],
                    "train_time_s": self.train_time + partial, "models": [m.name for m in self._models],
                    "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()},
-                   "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {}}
+                   "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                   **({"noise_scale": self._noise.state_dict()} if self._noise is not None else {})}
         rank_state = {"rng": rng.capture(self.device), "since": self._since, "guard": self.guard.state_dict(),
                       "sums": {k: float(v.item()) for k, v in self._sums.items()}}
         first = self._loaders[0].inner if self._loaders else None
@@ -1072,6 +1107,8 @@ class Session:
             **({"strategy": self.layout.strategy} if self.layout is not None else {}),
             "device": str(self.device), "backend": self.rt.backend, "config_digest": cfg.digest(),
             "torch": torch.__version__, "scaletrain": __version__}
+        if self._noise is not None and self._noise.last_b_big:
+            summary["grad_noise_scale"] = self._noise.summary(self.world_size)
         return self.summarize(summary) if self.summarize is not None else summary
 
     def _write_weights(self) -> None:
