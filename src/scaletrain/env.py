@@ -4,6 +4,8 @@ CLI decides whether it is a worker or the launcher before anything heavy is impo
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import MutableMapping
 
 # "PID EXITCODE" of the worker of this machine that failed last, set by scaletrain's launcher (cluster/
 # torchrun.py) for the workers of the restarted group, which inherit its environment.
@@ -13,3 +15,45 @@ FAILED_WORKER_ENV = "SCALETRAIN_FAILED_WORKER"
 def under_launcher() -> bool:
     """True when a launcher (torchrun, or a compatible one) has set this process's rank and world."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist ("gpu[07-09,12],login1" -> "gpu07"; "rack[1-2]-n[01-04]" -> "rack1-n01"):
+    every bracket's first number, its zero padding kept (scontrol show hostnames' first line)."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]  # the top-level commas separate hosts
+    return re.sub(r"\[([^\],-]+)[^\]]*\]", lambda m: m.group(1), first)
+
+
+def _tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """This node's task count from SLURM_TASKS_PER_NODE ("2(x3),1": 2 on each of the first 3 nodes, then 1)."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            raise ValueError(f"SLURM_TASKS_PER_NODE = {tasks_per_node!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node]
+
+
+def adopt_slurm_task(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Under `srun` with one task per GPU and no torchrun (the launcher DESIGN.md calls srun mode): set RANK,
+    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from Slurm's SLURM_PROCID, SLURM_NTASKS,
+    SLURM_LOCALID, SLURM_TASKS_PER_NODE / SLURM_NODEID and the step's node list (its first host is the
+    rendezvous), as torchrun would have; MASTER_PORT, where not set, is 29500 + the job id mod 1000 (jobs sharing
+    a first node do not collide). Only in a task of an srun step (SLURM_STEP_ID) of two or more tasks, and never
+    where a launcher set RANK already (a batch script's own process is no step's task); `scaletrain train` asks
+    only when it is not to launch workers itself (--nproc 1: the torchrun agents `scaletrain slurm` starts one
+    per machine keep their role). Returns True when it set them."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
+        return False
+    world = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
+    if world < 2:
+        return False
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
+    env.update({"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(world), "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+                "LOCAL_WORLD_SIZE": str(_tasks_on_node(per_node, int(env.get("SLURM_NODEID", "0"))))})
+    env.setdefault("MASTER_ADDR", _first_host(nodelist) if nodelist else "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+    return True

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import DistConfig
-from scaletrain.env import FAILED_WORKER_ENV, under_launcher
+from scaletrain.env import FAILED_WORKER_ENV, adopt_slurm_task, under_launcher
 from scaletrain.errors import ConfigError, Reported, TrainingFailed
 
 T = TypeVar("T")
@@ -75,7 +75,9 @@ def pick_backend(cfg: DistConfig, device: torch.device) -> str:
 
 
 def init(cfg: DistConfig) -> Runtime:
-    """Read the launcher's environment, pick device and backend, and join the process group if there is one."""
+    """Read the launcher's environment (torchrun's, or srun's one task per GPU: env.py adopt_slurm_task), pick
+    device and backend, and join the process group if there is one."""
+    adopt_slurm_task()
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", world)

@@ -28,13 +28,18 @@ _LAYOUT = {"dist.nproc": "--gpus-per-node", "dist.nnodes": "--nodes", "dist.rdzv
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
                        usage="scaletrain slurm RECIPE|FILE.toml --nodes N --gpus-per-node G [--time 04:00:00] "
-                             "[--partition P] [--account A] [--out job.sbatch] [--section.key=value ...]")
+                             "[--launcher torchrun|srun] [--partition P] [--account A] [--out job.sbatch] [--section.key=value ...]")
     add_config_argument(p)
     own = p.add_argument_group("slurm")
     own.add_argument("--nodes", default="1", help="machines [default: 1]")
     own.add_argument("--gpus-per-node", default="8", help="GPUs (workers) per machine [default: 8]")
     own.add_argument("--time", default="04:00:00", help="Slurm's time limit [default: 04:00:00]")
-    own.add_argument("--cpus-per-task", default="0", help="CPUs for each machine's task (0 = 8 per GPU) [default: 0]")
+    own.add_argument("--launcher", default="torchrun", help="torchrun: one task per machine, a torchrun agent "
+                     "starting a worker per GPU (restarts, the c10d rendezvous); srun: one task per GPU, each a "
+                     "worker, rank and world from Slurm's variables (clusters that forbid agents, or bind a GPU "
+                     "per task) [default: torchrun]")
+    own.add_argument("--cpus-per-task", default="0", help="CPUs for each task (0 = 8 per GPU: 8 x G for a "
+                     "machine's agent, 8 for a GPU's task) [default: 0]")
     own.add_argument("--signal-s", default="120",
                      help="seconds before the time limit at which the run saves and stops [default: 120]")
     own.add_argument("--port", default="29500", help="the rendezvous port on the first machine [default: 29500]")
@@ -50,7 +55,9 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
 
     nodes = parse_count("--nodes", args.nodes, 1, "2")
     gpus = parse_count("--gpus-per-node", args.gpus_per_node, 1, "8")
-    cpus = parse_count("--cpus-per-task", args.cpus_per_task, 0, "64") or 8 * gpus
+    if args.launcher not in ("torchrun", "srun"):
+        raise UserError(f"--launcher = {args.launcher!r}: expected torchrun or srun; fix: --launcher srun")
+    cpus = parse_count("--cpus-per-task", args.cpus_per_task, 0, "64") or 8 * (1 if args.launcher == "srun" else gpus)
     signal_s = parse_count("--signal-s", args.signal_s, 1, "120")
     port = parse_count("--port", args.port, 1, "29500")
     if port > 65535:
@@ -71,7 +78,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     run_dir = cfg.run.dir or f"runs/{cfg.run.name}"
     passed = [f"--{k}={v}" for k, v in overrides.items() if k != "run.dir"]
     job = SlurmJob(nodes, gpus, time, cpus, signal_s, args.partition, args.account, f"scaletrain-{cfg.run.name}",
-                   port)
+                   port, args.launcher)
     env = detect_env(sys.prefix, sys.base_prefix, os.environ, sys.argv[0])
     text = sbatch_script(job, args.config, passed, run_dir, env)
     if not args.out:

@@ -53,11 +53,13 @@ def _warn_if_launcher_overrides(cfg: Config) -> None:
 
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
-    from scaletrain.env import under_launcher
+    from scaletrain.env import adopt_slurm_task, under_launcher
 
     overrides = config_overrides(args, leftovers)
     check_types(overrides)
     cfg = load(args.config, cli_overrides=overrides)
+    if cfg.dist.nproc == 1:  # a task of `srun` (one per GPU) is a worker as torchrun's would be
+        adopt_slurm_task()
     if under_launcher():
         _warn_if_launcher_overrides(cfg)
     if under_launcher() or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):

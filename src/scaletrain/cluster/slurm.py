@@ -45,6 +45,7 @@ class SlurmJob:
     account: str = ""
     job_name: str = "scaletrain"
     port: int = 29500  # the rendezvous's, on the first machine
+    launcher: Literal["torchrun", "srun"] = "torchrun"  # an agent per machine, or a task per GPU (no torchrun)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,9 @@ def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str
     `scaletrain train`, after the layout this function sets (nnodes, nproc, rendezvous, run dir); ``env`` is
     activated before `srun`."""
     q = shlex.quote
-    directives = [f"--job-name={job.job_name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
+    srun_mode = job.launcher == "srun"
+    tasks = job.gpus_per_node if srun_mode else 1
+    directives = [f"--job-name={job.job_name}", f"--nodes={job.nodes}", f"--ntasks-per-node={tasks}",
                   f"--gpus-per-node={job.gpus_per_node}", f"--cpus-per-task={job.cpus_per_task}",
                   f"--time={job.time}", f"--signal=USR1@{job.signal_s}", "--requeue", "--open-mode=append",
                   "--output=slurm-%x-%j.out"]  # in the submit directory: Slurm opens it before the script runs
@@ -114,19 +117,26 @@ def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str
         directives.append(f"--partition={job.partition}")
     if job.account:
         directives.append(f"--account={job.account}")
-    train = ["scaletrain", "train", q(config), f"--nproc={job.gpus_per_node}", '--nnodes="$SLURM_NNODES"',
-             f'--rdzv-endpoint="$head:{job.port}"', '--dist.rdzv_id="$SLURM_JOB_ID"', f"--run.dir={q(run_dir)}",
-             *(q(o) for o in overrides)]
+    if srun_mode:  # each task a worker: env.py reads its rank and world from SLURM_PROCID and SLURM_NTASKS
+        train = ["scaletrain", "train", q(config), f"--run.dir={q(run_dir)}", *(q(o) for o in overrides)]
+        start = ["# one task per GPU, each a worker (no torchrun): rank and world from SLURM_PROCID and SLURM_NTASKS,",
+                 "# the first machine's address and this port for the process group's store",
+                 'export MASTER_ADDR="$head"', f"export MASTER_PORT={job.port}"]
+    else:
+        train = ["scaletrain", "train", q(config), f"--nproc={job.gpus_per_node}", '--nnodes="$SLURM_NNODES"',
+                 f'--rdzv-endpoint="$head:{job.port}"', '--dist.rdzv_id="$SLURM_JOB_ID"', f"--run.dir={q(run_dir)}",
+                 *(q(o) for o in overrides)]
+        start = ["# the first machine hosts the rendezvous; every machine's agent starts its GPUs' workers"]
     lines = ["#!/bin/bash",
              "# Written by `scaletrain slurm`; submit with: sbatch THIS_FILE",
              *(f"#SBATCH {d}" for d in directives),
              "# srun passes the environment activated here on to every machine: its path must exist on each",
              *activation(env),
              "set -uo pipefail",
-             "# the first machine hosts the rendezvous; every machine's agent starts its GPUs' workers",
              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-             "# Slurm >= 22.05: srun no longer inherits the job's --cpus-per-task; without it each machine's",
-             "# task (the agent, its workers and their loader processes) may be confined to one CPU",
+             *start,
+             "# Slurm >= 22.05: srun no longer inherits the job's --cpus-per-task; without it each task (an",
+             "# agent and its workers, or a worker, with their loader processes) may be confined to one CPU",
              f"srun --kill-on-bad-exit=1 --cpus-per-task={job.cpus_per_task} {' '.join(train)}",
              "code=$?",
              "# exit 0 without summary.json: stopped by USR1/TERM after saving a checkpoint; run again from it",
