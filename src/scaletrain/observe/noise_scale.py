@@ -190,14 +190,16 @@ def steps_ratio(b_noise: float, batch: float, factor: float = 2.0) -> float:
     return (1 + b_noise / (factor * batch)) / (1 + b_noise / batch)
 
 
-def reading(b_noise: float, global_batch: int, world_size: int) -> str:
-    """One sentence: the critical batch, the current one, and what doubling the data-parallel world buys."""
+def reading(b_noise: float, global_batch: int, world_size: int, tokens_per_sample: float = 0.0) -> str:
+    """One sentence: the critical batch, the current one, and what doubling the data-parallel world buys
+    (``tokens_per_sample``: where samples are sequences, the critical batch in tokens too)."""
     if not math.isfinite(b_noise) or b_noise <= 0:
         return (f"gradient noise scale not yet measurable (the gradient's signal is lost in its noise at global batch "
                 f"{global_batch:,}); run longer or log it over more steps")
     ratio = steps_ratio(b_noise, global_batch)
     where = "below" if global_batch < b_noise else "above"
-    return (f"gradient noise scale B_simple ~ {b_noise:,.0f} samples (the critical batch, to first order); the global "
+    tokens = f" = {b_noise * tokens_per_sample:,.0f} tokens" if tokens_per_sample > 0 else ""
+    return (f"gradient noise scale B_simple ~ {b_noise:,.0f} samples{tokens} (the critical batch, to first order); the global "
             f"batch {global_batch:,} is {where} it: doubling the world size to {2 * world_size} (batch "
             f"{2 * global_batch:,}) needs x{ratio:.2f} the steps to the same loss, so x{ratio:.2f} the time at the "
             f"same step time and x{2 * ratio:.2f} the GPU-hours (and cost, at any price per GPU-hour)")
@@ -231,11 +233,11 @@ class NoiseScaleLog:
         self.smoothed.g2, self.smoothed.trace = float(state["g2"]), float(state["trace"])
         self.smoothed.updates = int(state["updates"])
 
-    def summary(self, world_size: int) -> dict[str, Any]:
+    def summary(self, world_size: int, tokens_per_sample: float = 0.0) -> dict[str, Any]:
         b, global_batch = self.smoothed.b_simple, round(self.last_b_big)
         out: dict[str, Any] = {"b_simple": b, "g2": self.smoothed.g2, "trace": self.smoothed.trace,
                                "updates": self.smoothed.updates, "global_batch": global_batch,
-                               "reading": reading(b, global_batch, world_size)}
+                               "reading": reading(b, global_batch, world_size, tokens_per_sample)}
         if math.isfinite(b) and b > 0:
             out["steps_ratio_2x"] = steps_ratio(b, global_batch)
         return out

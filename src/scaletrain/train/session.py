@@ -1108,7 +1108,7 @@ class Session:
             "device": str(self.device), "backend": self.rt.backend, "config_digest": cfg.digest(),
             "torch": torch.__version__, "scaletrain": __version__}
         if self._noise is not None and self._noise.last_b_big:
-            summary["grad_noise_scale"] = self._noise.summary(self.world_size)
+            summary["grad_noise_scale"] = self._noise.summary(self.world_size, per)
         return self.summarize(summary) if self.summarize is not None else summary
 
     def _write_weights(self) -> None:
