@@ -351,6 +351,8 @@ class LogConfig:
     """Time each step's phases per rank (data, h2d, compute, exposed comm, optim): stragglers and the bottleneck verdict need them."""
     plan_vs_actual: bool = True
     """At the end of a run of a built-in model, put what `scaletrain plan` predicts for its configuration (model state and peak memory per rank, time per step at the run's MFU) beside what it measured, with the error (summary.json plan_vs_actual; a fraction of a second)."""
+    trace: bool = False
+    """Write every rank's phase timeline (each step and its data, h2d, compute, comm, optim, checkpoint) to RUN_DIR/timeline.json, one Chrome/Perfetto trace with a row per rank (open it in ui.perfetto.dev); a few hundred bytes per step and rank."""
     grad_noise_scale: bool = False
     """Estimate the gradient noise scale B_simple (McCandlish et al. 2018: the critical batch size) from each rank's gradient before the all-reduce and the averaged one after it, every log step (metrics.jsonl, summary.json); one process needs gradient accumulation. Costs a gradient norm per step."""
     straggler_min_frac: Annotated[float, Range(0, most=1, low_open=True, what="a fraction of the step time")] = 0.25

@@ -51,6 +51,10 @@ class StepTimer:
         self._entered: Any = None  # FSDP: when the step's first collective began
         self.buckets = 0  # buckets handed to the all-reduce, over the whole run
         self.lead_s = 0.0  # GPU: at the last collect, the seconds the host waited for the queued work
+        self.timeline: Any = None  # observe/timeline.py Timeline (log.trace): each step's spans kept too
+        self._host0 = 0.0  # the host's clock at the step's start (anchors a GPU's event times)
+        self._host_spans: list[tuple[str, float, float]] = []  # this step's host-timed phases (the data wait)
+        self._pending_steps: list[tuple[int, float, list[tuple[str, float, float]]]] = []  # GPU: per pending step
 
     def _now(self) -> Any:
         if self.cuda:
@@ -63,6 +67,8 @@ class StepTimer:
 
     def start(self) -> None:
         self._marks = []
+        self._host0 = time.perf_counter()
+        self._host_spans = []
         self._start = self._now()
         self._last = self._start
         self._entered = None
@@ -71,6 +77,8 @@ class StepTimer:
     def host(self, phase: str, seconds: float) -> None:
         """A phase timed on the host (the data wait); the device time marks continue after it."""
         self.totals[phase] += seconds
+        if self.timeline is not None and seconds > 0:
+            self._host_spans.append((phase, time.perf_counter() - seconds, seconds))
         self._last = self._now()
 
     def mark(self, phase: str) -> None:
@@ -113,7 +121,8 @@ class StepTimer:
         self._marks.append(("pipeline", (self._last, now, busy)))
         self._last = now
 
-    def end(self) -> None:
+    def end(self, step: int = 0) -> None:
+        """The step (number ``step``, for the timeline) ends now."""
         now = self._now()
         self._marks.append(("step", (self._start, now)))
         if not any(p in ("pre_comm", "pipeline") for p, _ in self._marks):  # no DDP all-reduce: FSDP's first collective, or
@@ -121,22 +130,28 @@ class StepTimer:
             self._marks.append(("pre_comm", (self._start, entered)))
         if self.cuda:
             self._pending.append(self._marks)
+            self._pending_steps.append((step, self._host0, self._host_spans))
         else:
-            self._add(self._marks)
+            self._add(self._marks, (step, self._host0, self._host_spans))
         self.steps += 1
 
     def add(self, phase: str, seconds: float) -> None:
         """Time measured outside the step (the checkpoint's stall), charged to the current interval."""
         self.totals[phase] += seconds
         self.totals["step"] += seconds
+        if self.timeline is not None:
+            self.timeline.add(phase, time.perf_counter() - seconds, seconds)
 
     # -- collection ---------------------------------------------------------------------------------------
 
     def _seconds(self, a: Any, b: Any) -> float:
         return a.elapsed_time(b) / 1000.0 if self.cuda else b - a  # CUDA: ms -> s
 
-    def _add(self, marks: list[tuple[str, Any]]) -> None:
-        """One step's marks into the totals (a pipeline's split into its own compute and its waiting)."""
+    def _add(self, marks: list[tuple[str, Any]], step: tuple[int, float, list[tuple[str, float, float]]]) -> None:
+        """One step's marks into the totals (a pipeline's split into its own compute and its waiting), and with
+        a timeline into its spans (``step``: the step's number, host start and host-timed spans)."""
+        if self.timeline is not None:
+            self._spans(marks, *step)
         waited, start, returned = 0.0, None, None
         for phase, span in marks:
             if phase == "pipeline":
@@ -153,15 +168,29 @@ class StepTimer:
         if returned is not None and start is not None:  # until the (last) pipeline step returned, less the waiting
             self.totals["pre_comm"] += self._seconds(start, returned) - waited
 
+    def _spans(self, marks: list[tuple[str, Any]], number: int, host0: float,
+               host_spans: list[tuple[str, float, float]]) -> None:
+        """The step's phases as spans on the host's clock (a GPU's from its step-start event, placed at ``host0``);
+        pre_comm, a span over others, is left out."""
+        first = next(span[0] for phase, span in marks if phase == "step")
+
+        def at(mark: Any) -> float:
+            return host0 + first.elapsed_time(mark) / 1000.0 if self.cuda else mark
+        spans = list(host_spans)
+        for phase, span in marks:
+            if phase != "pre_comm":
+                spans.append((phase, at(span[0]), self._seconds(span[0], span[1])))
+        self.timeline.add_step(number, spans)
+
     def collect(self) -> list[float]:
         """Mean seconds per step of every phase (PHASES order) over the interval, then start a new one."""
         if self._pending:
             waited = time.perf_counter()
             self._pending[-1][-1][1][1].synchronize()  # the interval's last event: all earlier ones are done
             self.lead_s = time.perf_counter() - waited
-            for marks in self._pending:
-                self._add(marks)
-            self._pending = []
+            for marks, step in zip(self._pending, self._pending_steps):
+                self._add(marks, step)
+            self._pending, self._pending_steps = [], []
         steps = max(self.steps, 1)
         out = [self.totals[p] / steps for p in PHASES]
         self.totals = dict.fromkeys(PHASES, 0.0)
@@ -179,7 +208,7 @@ class NullTimer(StepTimer):
     def collective_entered(self) -> None: ...
     def pipeline_done(self, busy: Any) -> None: ...
     def backward_done(self) -> None: ...
-    def end(self) -> None: ...
+    def end(self, step: int = 0) -> None: ...
     def add(self, phase: str, seconds: float) -> None: ...
 
     def collect(self) -> list[float]:

@@ -99,6 +99,8 @@ from scaletrain.observe.noise_scale import PREFIX as NOISE_SUMS
 from scaletrain.observe.noise_scale import GradProbe, NoiseScaleLog, attach_probe
 from scaletrain.observe.stragglers import bottleneck, phase_fractions
 from scaletrain.observe.throughput import device_peak, throughput
+from scaletrain.observe.timeline import Timeline
+from scaletrain.observe.timeline import merge as merge_timeline
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_forward_mark
 from scaletrain.parallel import Layout, has_dtensors, is_fsdp, parallelize, resolve_layout, units_line
 from scaletrain.parallel.pipeline import PipelineRunner, clip_with_norm, is_stage, stage_grad_norm
@@ -304,7 +306,9 @@ class Session:
         self.writer, self.checkpointer = services.writer, services.checkpointer
         if self.layout is not None and self.layout.pp > 1:  # a stage's replicas are its straggler peers
             services.stragglers.peers = _stage_peers(self.layout)
-        self.timer: StepTimer = StepTimer(rt.device) if cfg.log.phase_times else NullTimer(rt.device)
+        self.timer: StepTimer = StepTimer(rt.device) if cfg.log.phase_times or cfg.log.trace else NullTimer(rt.device)
+        if cfg.log.trace:  # every step's phases kept as spans: RUN_DIR/timeline.json at the end
+            self.timer.timeline = Timeline(cfg.run_dir, rt.rank)
         self._sums: dict[str, torch.Tensor] = {}  # this rank's logged values since the last log step
         self._since = 0  # steps since the last log step (restored on resume: the logged sums span them)
         self._ran = 0  # of those, the steps this process ran (what the interval's time measures)
@@ -425,9 +429,9 @@ class Session:
             if opt not in given:  # built here from the function given: checked now
                 _check_optimizer(opt, model)
         probe = self._noise_probe(wrapped, params) if cfg.log.grad_noise_scale else None
-        attach_comm_hook(wrapped, self.timer if cfg.log.phase_times else None, overlap=cfg.parallel.overlap,
-                         probe=probe)
-        attach_forward_mark(wrapped, self.timer if cfg.log.phase_times else None)
+        timed = self.timer if cfg.log.phase_times or cfg.log.trace else None
+        attach_comm_hook(wrapped, timed, overlap=cfg.parallel.overlap, probe=probe)
+        attach_forward_mark(wrapped, timed)
         if self.layout is None:  # auto: decided by this model's memory; the strategy given was checked at open
             check_precision(cfg.train.precision, self.device, "fsdp" if is_fsdp(wrapped) else "ddp")
         if self.scaler.is_enabled():
@@ -571,7 +575,7 @@ class Session:
                 self.scaler.update()  # once per step, after every optimizer stepped
                 self._scaled = False
             self.timer.mark("optim")
-            self.timer.end()
+            self.timer.end(step)
             self._count_drawn()  # batches drawn inside the step (accumulation)
             self.steps = step
             self._since += 1
@@ -787,6 +791,8 @@ class Session:
 
     def _log(self) -> int:
         rows = self._gather()
+        if self.timer.timeline is not None:
+            self.timer.timeline.flush()
         if len({r.names for r in rows}) > 1:
             raise UserError("session.log(): the ranks logged different names in this interval; fix: log the same "
                             "names on every rank")
@@ -1055,7 +1061,11 @@ class Session:
                     self._save(final=False)  # as fit()'s last save: a failure is said once the outputs are written
                 if self._ran:
                     self._log()
+                if self.timer.timeline is not None:
+                    self.timer.timeline.flush()  # every rank's, before the summary's all-reduce
                 summary = self._summary()
+                if self.timer.timeline is not None and self.rt.is_main:
+                    summary["timeline"] = str(merge_timeline(self.cfg.run_dir, self.world_size))
             if services is not None:
                 services.settle(self.preempt)
             if finished and self.steps:
