@@ -136,6 +136,19 @@ def _class_names(text: str) -> bool:
     return not text.strip() or all(n.strip().isidentifier() for n in text.split(","))
 
 
+def _step_window(text: str) -> bool:
+    m = re.fullmatch(r"([1-9][0-9]{0,11})(?:-([1-9][0-9]{0,11}))?", text)
+    return not text or (m is not None and int(m.group(2) or m.group(1)) >= int(m.group(1)))
+
+
+def step_window(text: str) -> tuple[int, int] | None:
+    """debug.profile's steps: "10-12" -> (10, 12), "10" -> (10, 10), "" -> None."""
+    if not text:
+        return None
+    first, _, last = text.partition("-")
+    return int(first), int(last or first)
+
+
 def _restorable(text: str) -> bool:
     return all(p.strip() in RESTORABLE for p in text.split(",") if p.strip())
 
@@ -437,6 +450,9 @@ RESTORABLE = ("weights", "optimizer", "rng", "data", "scheduler")
 class DebugConfig:
     trace: bool = False
     """Write per-step fingerprints (weights, optimizer, RNG, data, LR) to RUN_DIR/trace/ (a host sync and hashing every step; used by verify-resume)."""
+    profile: Annotated[str, Text("optimizer steps FIRST-LAST or one STEP (from 1)", _step_window,
+                                 "--debug.profile=10-12")] = ""
+    """Run torch.profiler over these optimizer steps (FIRST-LAST, or one step) and write each rank's Chrome trace and its op table to RUN_DIR/profile/ (CPU and CUDA kernels, memory)."""
     skip_restore: Annotated[str, Text(f"a comma-separated subset of {', '.join(RESTORABLE)}", _restorable,
                                       "--debug.skip_restore=rng")] = ""
     """Parts of a checkpoint NOT to restore on resume, comma-separated (weights, optimizer, rng, data, scheduler): shows what each part is for."""

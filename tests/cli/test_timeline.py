@@ -37,3 +37,18 @@ def test_every_rank_is_a_row_with_each_step_and_its_phases_inside_it(tmp_path: P
     # the checkpoint at step 8 blocked the loop: a span between step 8 and step 9 on rank 0
     ckpt = [e for e in spans if e["pid"] == 0 and e["name"] == "ckpt"]
     assert ckpt and any(e["ts"] >= next(s["ts"] for s in spans if s["pid"] == 0 and s["name"] == "step 8") for e in ckpt)
+
+
+def test_the_profiler_records_exactly_the_steps_of_its_window(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--debug.profile=2-4",
+                           "--train.max_steps=6", "--log.every=2", "--train.progress=false", "--train.eval_batches=1",
+                           f"--run.dir={tmp_path}"], capture_output=True, text=True, env=ENV, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trace = json.loads((tmp_path / "profile" / "rank-00000.json").read_text())["traceEvents"]
+    assert sum(str(e.get("name", "")).startswith("Optimizer.step#") for e in trace) == 3  # steps 2, 3 and 4
+    table = (tmp_path / "profile" / "rank-00000.txt").read_text()
+    assert "aten::" in table and "Self CPU" in table
+    bad = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--debug.profile=5-3",
+                          f"--run.dir={tmp_path / 'bad'}"], capture_output=True, text=True, env=ENV, timeout=120,
+                         check=False)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--debug.profile=10-12" in bad.stderr

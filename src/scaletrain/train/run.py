@@ -257,8 +257,23 @@ def _out_of_memory(job: Job) -> TrainingFailed:
                         world_size=rt.world_size, batch_size=job.plan.batch_size, accum_steps=job.plan.accum_steps,
                         activation_checkpointing=cfg.memory.activation_checkpointing,
                         precision=cfg.train.precision)
-    return TrainingFailed(f"out of memory on {rt.device} during step {job.step + 1} (peak {fmt_bytes(peak)})\n"
-                          f"{advice}")
+    snapshot = _memory_snapshot(cfg.run_dir, rt.rank)
+    where = f"; the allocator's state is in {snapshot} (drag it onto pytorch.org/memory_viz)" if snapshot else ""
+    return TrainingFailed(f"out of memory on {rt.device} during step {job.step + 1} (peak {fmt_bytes(peak)})"
+                          f"{where}\n{advice}")
+
+
+def _memory_snapshot(run_dir: Path, rank: int) -> Path | None:
+    """The CUDA caching allocator's segments and blocks at the out-of-memory (torch.cuda.memory._snapshot), as
+    RUN_DIR/oom-rank-N.pickle; None off CUDA, or where it cannot be written (the report must still be made)."""
+    if not torch.cuda.is_available():
+        return None
+    path = run_dir / f"oom-rank-{rank}.pickle"
+    try:
+        torch.cuda.memory._dump_snapshot(str(path))
+    except Exception:  # noqa: BLE001 -- a private API of torch: the OOM report matters more than its attachment
+        return None
+    return path
 
 
 def _evaluate(job: Job, console: Console) -> None:

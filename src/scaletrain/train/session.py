@@ -81,7 +81,7 @@ from torch.optim import Optimizer
 from scaletrain import __version__, runtime
 from scaletrain.batch import to_device, tokens_per_sample
 from scaletrain.checkpoint import rng
-from scaletrain.config import Config, load
+from scaletrain.config import Config, load, step_window
 from scaletrain.data import ShardedLoader
 from scaletrain.errors import (
     CheckpointError,
@@ -97,6 +97,7 @@ from scaletrain.observe.memory import MemoryBreakdown, model_state_bytes, peak_b
 from scaletrain.observe.metrics import MetricsWriter, write_json
 from scaletrain.observe.noise_scale import PREFIX as NOISE_SUMS
 from scaletrain.observe.noise_scale import GradProbe, NoiseScaleLog, attach_probe
+from scaletrain.observe.profile import StepProfiler
 from scaletrain.observe.stragglers import bottleneck, phase_fractions
 from scaletrain.observe.throughput import device_peak, throughput
 from scaletrain.observe.timeline import Timeline
@@ -307,6 +308,8 @@ class Session:
         if self.layout is not None and self.layout.pp > 1:  # a stage's replicas are its straggler peers
             services.stragglers.peers = _stage_peers(self.layout)
         self.timer: StepTimer = StepTimer(rt.device) if cfg.log.phase_times or cfg.log.trace else NullTimer(rt.device)
+        window = step_window(cfg.debug.profile)
+        self._profiler = StepProfiler(cfg.run_dir, rt.rank, window, rt.device) if window else None
         if cfg.log.trace:  # every step's phases kept as spans: RUN_DIR/timeline.json at the end
             self.timer.timeline = Timeline(cfg.run_dir, rt.rank)
         self._sums: dict[str, torch.Tensor] = {}  # this rank's logged values since the last log step
@@ -561,6 +564,8 @@ class Session:
         self._start_training()
         step = self.steps + 1
         self.chaos.before_step(step)
+        if self._profiler is not None:
+            self._profiler.before(step)
         self._in_step = True
         if not self._timing:  # later steps start where the previous one ended: the batch wait is in them
             self.timer.start()
@@ -576,6 +581,8 @@ class Session:
                 self._scaled = False
             self.timer.mark("optim")
             self.timer.end(step)
+            if self._profiler is not None:
+                self._profiler.after(step)
             self._count_drawn()  # batches drawn inside the step (accumulation)
             self.steps = step
             self._since += 1
@@ -1126,6 +1133,8 @@ class Session:
                      meta={"config_digest": self.cfg.digest(), "step": str(self.steps)})
 
     def _release(self) -> None:
+        if getattr(self, "_profiler", None) is not None:
+            self._profiler.stop()  # a run that ended inside the window: what was recorded
         self._closed = True
         if hasattr(self, "console"):
             self.console.stop_progress()
