@@ -188,6 +188,9 @@ class DistConfig:
     """Job id shared by all machines of one job ('' = scaletrain-<run.name>; under 'launch': scaletrain-<SCRIPT>)."""
     max_restarts: Annotated[int, Range(0, most=I32, fix="--max-restarts 3")] = 0
     """Times torchrun restarts the worker group after a worker fails."""
+    flight_recorder: Annotated[int, Range(0, most=I32, what="a count of collectives",
+                                          fix="--dist.flight_recorder=2000")] = 2000
+    """Collectives each rank remembers with their Python stacks (torch's Flight Recorder, Gloo and NCCL): when one fails or times out every rank writes them to RUN_DIR/flight/ for `scaletrain diagnose` (0 = off)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from scaletrain.config import DistConfig
 from scaletrain.env import FAILED_WORKER_ENV, adopt_slurm_task, under_launcher
 from scaletrain.errors import ConfigError, Reported, TrainingFailed
+from scaletrain.observe import flight
 
 T = TypeVar("T")
 
@@ -87,6 +89,7 @@ def init(cfg: DistConfig) -> Runtime:
         torch.cuda.set_device(device)
     owns = False
     if under_launcher() and not dist.is_initialized():
+        flight.enable(cfg.flight_recorder)
         timeout = timedelta(seconds=cfg.timeout_s)
         store = _attempt_store(world, timeout)
         extra = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
@@ -220,20 +223,52 @@ def missing_peers(rt: Runtime, step: int, wait_s: float = 2.0) -> list[tuple[int
         return []
 
 
-def collective_failure(err: RuntimeError, rt: Runtime, step: int, timeout_s: int) -> Exception:
+def collective_failure(err: RuntimeError, rt: Runtime, step: int, timeout_s: int,
+                       run_dir: Path | None = None) -> Exception:
     """A failed or timed-out collective during ``step`` becomes one line naming the ranks that did not answer
-    (recording the step for a restarted group); any other error is returned as it is."""
+    (recording the step for a restarted group); any other error is returned as it is. With ``run_dir`` (and the
+    flight recorder on) this rank writes what it was doing and asks every other rank to (observe/flight.py),
+    waiting a few seconds for the silent ones' records."""
     text = str(err)
     looks = isinstance(err, dist.DistError) or any(
         s in text for s in ("gloo", "Gloo", "NCCL", "Timed out", "timed out", "Connection closed", "Connection reset"))
     if not (rt.distributed and looks):
         return err
+    recorded = run_dir is not None and "TORCH_FR_BUFFER_SIZE" in os.environ
+    if recorded:
+        _ask_for_records(rt, run_dir, step)  # type: ignore[arg-type]
     missing = missing_peers(rt, step)
+    if recorded and missing:  # the silent ranks' watchers write within half a second of the flag
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and not all(
+                (run_dir / flight.DIR / f"rank-{r:05d}.json").exists() for r, _ in missing):  # type: ignore[operator]
+            time.sleep(0.1)
     first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
     who = ", ".join(f"rank {r} (host {h})" for r, h in missing) or "no rank could be named"
+    look = f"scaletrain diagnose {run_dir} says where each rank was" if recorded else \
+        "look at its stack (py-spy dump)"
     return TrainingFailed(f"a collective failed during step {step} ({first}); not answering: {who}; fix: if a rank "
-                          f"hangs, look at its stack (py-spy dump); --dist.timeout_s={timeout_s} bounds the wait, and "
+                          f"hangs, {look}; --dist.timeout_s={timeout_s} bounds the wait, and "
                           "--max-restarts lets torchrun restart the group from the last checkpoint")
+
+
+def _ask_for_records(rt: Runtime, run_dir: Path, step: int) -> None:
+    """Raise the store's flag for every rank's watcher (the first rank to fail names itself), and write ours."""
+    store = _store()
+    try:
+        if store is not None:
+            store.compare_set(f"scaletrain/{_attempt()}/{flight.FLAG}", "", str(rt.rank))
+        flight.dump(run_dir, rt.rank, reason="its collective failed", step=step)
+    except (RuntimeError, dist.DistError, OSError):  # the store is gone, or the disk: the one line still comes
+        pass
+
+
+def watch_for_failures(rt: Runtime, run_dir: Path, step: Callable[[], int]) -> flight.Watcher | None:
+    """This rank's watcher thread (observe/flight.py), where the job has a store and the recorder is on."""
+    store = _store() if rt.distributed else None
+    if store is None or "TORCH_FR_BUFFER_SIZE" not in os.environ:
+        return None
+    return flight.Watcher(store, f"scaletrain/{_attempt()}/{flight.FLAG}", run_dir, rt.rank, step)
 
 
 def previous_failure(rt: Runtime) -> dict[str, Any]:

@@ -5,14 +5,25 @@ from __future__ import annotations
 import os
 import sys
 
-from scaletrain.cli import bench, checkpoint, doctor, launch, plan, report, slurm, train, verify_resume
+from scaletrain.cli import (
+    bench,
+    checkpoint,
+    diagnose,
+    doctor,
+    launch,
+    plan,
+    report,
+    slurm,
+    train,
+    verify_resume,
+)
 from scaletrain.cli.options import Parser
 from scaletrain.errors import EXIT_USAGE, TrainingFailed, UserError
 from scaletrain.errors import report as report_error
 
 COMMANDS = {"train": train, "launch": launch, "verify-resume": verify_resume, "checkpoint": checkpoint,
             "report": report, "bench": bench, "doctor": doctor, "plan": plan,
-            "slurm": slurm}
+            "slurm": slurm, "diagnose": diagnose}
 
 
 def build_parser() -> Parser:

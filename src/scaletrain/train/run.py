@@ -381,7 +381,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
             outcome = INTERRUPTED if stop.record["reason"] == "chaos.interrupt_step" else PREEMPTED
             return {"stopped": outcome, **stop.record, "steps": stop.record["step"], "world_size": rt.world_size}
         except RuntimeError as err:
-            raise runtime.collective_failure(err, rt, st.steps + 1, cfg.dist.timeout_s) from err
+            raise runtime.collective_failure(err, rt, st.steps + 1, cfg.dist.timeout_s, cfg.run_dir) from err
         summary = st.close()
         _summary_table(summary, cfg.run_dir, console)
         return summary

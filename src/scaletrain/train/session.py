@@ -308,6 +308,7 @@ class Session:
         if self.layout is not None and self.layout.pp > 1:  # a stage's replicas are its straggler peers
             services.stragglers.peers = _stage_peers(self.layout)
         self.timer: StepTimer = StepTimer(rt.device) if cfg.log.phase_times or cfg.log.trace else NullTimer(rt.device)
+        self._watcher = runtime.watch_for_failures(rt, cfg.run_dir, lambda: self.steps + 1)
         window = step_window(cfg.debug.profile)
         self._profiler = StepProfiler(cfg.run_dir, rt.rank, window, rt.device) if window else None
         if cfg.log.trace:  # every step's phases kept as spans: RUN_DIR/timeline.json at the end
@@ -591,7 +592,7 @@ class Session:
             self.console.advance()
             self._after_step()
         except RuntimeError as err:  # a peer died or hung in a collective: one line naming it
-            raise runtime.collective_failure(err, self.rt, step, self.cfg.dist.timeout_s) from err
+            raise runtime.collective_failure(err, self.rt, step, self.cfg.dist.timeout_s, self.cfg.run_dir) from err
         finally:
             self._in_step = False
         self.timer.start()  # the next step begins now: waiting for its batch is part of it
@@ -1133,6 +1134,8 @@ class Session:
                      meta={"config_digest": self.cfg.digest(), "step": str(self.steps)})
 
     def _release(self) -> None:
+        if getattr(self, "_watcher", None) is not None:
+            self._watcher.stop()
         if getattr(self, "_profiler", None) is not None:
             self._profiler.stop()  # a run that ended inside the window: what was recorded
         self._closed = True
