@@ -8,6 +8,7 @@ import sys
 from scaletrain.cli import (
     bench,
     checkpoint,
+    cluster,
     diagnose,
     doctor,
     launch,
@@ -23,7 +24,7 @@ from scaletrain.errors import report as report_error
 
 COMMANDS = {"train": train, "launch": launch, "verify-resume": verify_resume, "checkpoint": checkpoint,
             "report": report, "bench": bench, "doctor": doctor, "plan": plan,
-            "slurm": slurm, "diagnose": diagnose}
+            "slurm": slurm, "diagnose": diagnose, "cluster": cluster}
 
 
 def build_parser() -> Parser:
