@@ -3,8 +3,9 @@ import os
 import sys
 
 from scaletrain.cli import main
-from scaletrain.env import under_launcher
+from scaletrain.env import die_with_launcher, under_launcher
 
+die_with_launcher()  # a torchrun worker: killed with its agent, not left training on as an orphan
 code = main()
 if under_launcher():
     # A worker of a torchrun job, done: leave without the interpreter's teardown. Gloo's threads can outlive

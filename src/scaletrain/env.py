@@ -57,3 +57,25 @@ def adopt_slurm_task(environ: MutableMapping[str, str] | None = None) -> bool:
     env.setdefault("MASTER_ADDR", _first_host(nodelist) if nodelist else "127.0.0.1")
     env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
     return True
+
+
+def die_with_launcher() -> None:
+    """A worker under a launcher (torchrun's agent, our own or the user's): ask Linux to SIGKILL this process when
+    its parent dies (prctl PR_SET_PDEATHSIG). torchrun's workers otherwise outlive an agent that was killed: the
+    orphans of one machine train on with the other machines' workers, or hang, until a collective times out. A
+    no-op off Linux, and where the parent is already gone (then this exits: there is no job to be part of)."""
+    import sys
+
+    if not sys.platform.startswith("linux") or not under_launcher():
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(1)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import DistConfig
-from scaletrain.env import FAILED_WORKER_ENV, adopt_slurm_task, under_launcher
+from scaletrain.env import FAILED_WORKER_ENV, adopt_slurm_task, die_with_launcher, under_launcher
 from scaletrain.errors import ConfigError, Reported, TrainingFailed
 from scaletrain.observe import flight
 
@@ -89,6 +89,7 @@ def init(cfg: DistConfig) -> Runtime:
         torch.cuda.set_device(device)
     owns = False
     if under_launcher() and not dist.is_initialized():
+        die_with_launcher()  # a script's worker too (scaletrain launch, torchrun): not an orphan of a dead agent
         flight.enable(cfg.flight_recorder)
         timeout = timedelta(seconds=cfg.timeout_s)
         store = _attempt_store(world, timeout)
