@@ -39,6 +39,12 @@ def test_the_noise_scale_is_logged_summarized_and_resumed_exactly(tmp_path: Path
     assert summary["b_simple"] == logged[20]["b_simple"] and summary["updates"] == 4
     assert summary["global_batch"] == 64 and "doubling the world size to 4 (batch 128)" in summary["reading"]
     assert "noise scale" in straight.stdout and "B_noise" in straight.stdout
+    report = subprocess.run([sys.executable, "-m", "scaletrain", "report", str(tmp_path / "a")], capture_output=True,
+                            text=True, env=ENV, timeout=120, check=False)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "gradient noise scale" in report.stdout and (tmp_path / "a" / "report" / "noise_scale.png").is_file()
+    charts = json.loads((tmp_path / "a" / "report" / "report.json").read_text())["charts"]
+    assert charts["noise_scale"]["file"] == "noise_scale.png"
     # stopped at step 10 (a checkpoint), then resumed by the same command: every estimate as straight through
     stopped = _train(*RUN, f"--run.dir={tmp_path / 'b'}", "--checkpoint.every=10", "--chaos.interrupt_step=10")
     assert stopped.returncode == 0 and "step-00000010 saved; run the same command again to resume" in stopped.stdout

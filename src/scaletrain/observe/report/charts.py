@@ -25,7 +25,7 @@ _PHASE_COLORS = {"data": "#e69f00", "h2d": "#56b4e9", "compute": "#009e73", "com
                  "optim": "#cc79a7", "ckpt": "#999999"}
 _RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _MIB = 2**20
-CHART_NAMES = ("loss", "lr", "throughput", "phases", "stragglers", "memory")  # also the PNG file stems
+CHART_NAMES = ("loss", "lr", "throughput", "phases", "stragglers", "memory", "noise_scale")  # also the PNG stems
 
 
 @dataclass
@@ -83,7 +83,7 @@ def _style(suffix: str, points: int) -> dict[str, Any]:
     if suffix.startswith("rank"):
         return {"linestyle": ":", "linewidth": 1.0}
     dots = points < 30 and suffix != "schedule"
-    return {"linestyle": "--" if "eval" in suffix else "-", "linewidth": 1.5, "markersize": 3,
+    return {"linestyle": "--" if "eval" in suffix or suffix == "global batch" else "-", "linewidth": 1.5, "markersize": 3,
             "marker": "o" if dots else None}
 
 
@@ -346,9 +346,27 @@ def memory_chart(runs: list[Run], ax_x: XAxis) -> Chart:
     return chart
 
 
+def noise_scale_chart(runs: list[Run], ax_x: XAxis) -> Chart:
+    def b_simple(run: Run) -> dict[str, dict[str, list[float]]]:
+        rows = [r for r in run.train if isinstance(r.get("grad_noise_scale"), dict)]
+        return {"B_simple (smoothed)": {"x": [ax_x.of(run, r["step"]) for r in rows],
+                                        "y": [r["grad_noise_scale"]["b_simple"] for r in rows]},
+                "global batch": {"x": [ax_x.of(run, r["step"]) for r in rows],
+                                 "y": [r["grad_noise_scale"]["b_big"] for r in rows]}}
+
+    return _line_chart(runs, ax_x, name="noise_scale", title="Gradient noise scale B_simple (samples) and the batch",
+                       caption="B_simple = tr(Sigma)/|G|^2 (McCandlish et al. 2018), from each rank's gradient "
+                       "before the all-reduce and the averaged one after it: the critical batch to first order. "
+                       "Below it, doubling the batch (the world size) nearly halves the steps to a given loss; "
+                       "above it, more ranks buy little. It usually grows as the loss falls.",
+                       panels=[("samples", "log", "grad_noise_scale", b_simple)])
+
+
 def all_charts(runs: list[Run]) -> list[Chart]:
     ax = x_axis(runs)
     charts = [loss_chart(runs, ax), lr_chart(runs, ax), throughput_chart(runs, ax), phases_chart(runs),
               straggler_chart(runs), memory_chart(runs, ax)]
-    assert tuple(c.name for c in charts) == CHART_NAMES
+    if any(isinstance(r.get("grad_noise_scale"), dict) for run in runs for r in run.train):
+        charts.append(noise_scale_chart(runs, ax))
+    assert tuple(c.name for c in charts) == CHART_NAMES[:len(charts)]
     return charts

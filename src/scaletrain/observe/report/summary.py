@@ -116,6 +116,9 @@ def _column(run: Run) -> dict[str, str]:
     col["fix"] = str(verdict["fix"]) if verdict.get("fix") else NONE
     col["stragglers"] = NONE if stragglers is None else \
         "; ".join(_straggler_text(x) for x in stragglers) if stragglers else "none flagged"
+    noise = s.get("grad_noise_scale")
+    if isinstance(noise, dict) and noise.get("reading"):
+        col["gradient noise scale"] = str(noise["reading"])
     if "skipped_steps" in s or _last(run.train, "skipped_steps") is not None:
         col["skipped steps"] = str(s.get("skipped_steps", _last(run.train, "skipped_steps")))
     return col
