@@ -14,6 +14,7 @@ from scaletrain.cli import (
     launch,
     plan,
     report,
+    skypilot,
     slurm,
     train,
     verify_resume,
@@ -24,7 +25,7 @@ from scaletrain.errors import report as report_error
 
 COMMANDS = {"train": train, "launch": launch, "verify-resume": verify_resume, "checkpoint": checkpoint,
             "report": report, "bench": bench, "doctor": doctor, "plan": plan,
-            "slurm": slurm, "diagnose": diagnose, "cluster": cluster}
+            "slurm": slurm, "diagnose": diagnose, "cluster": cluster, "skypilot": skypilot}
 
 
 def build_parser() -> Parser:
