@@ -11,6 +11,7 @@ from scaletrain.cli import (
     cluster,
     diagnose,
     doctor,
+    lab,
     launch,
     plan,
     report,
@@ -25,7 +26,7 @@ from scaletrain.errors import report as report_error
 
 COMMANDS = {"train": train, "launch": launch, "verify-resume": verify_resume, "checkpoint": checkpoint,
             "report": report, "bench": bench, "doctor": doctor, "plan": plan,
-            "slurm": slurm, "diagnose": diagnose, "cluster": cluster, "skypilot": skypilot}
+            "slurm": slurm, "lab": lab, "diagnose": diagnose, "cluster": cluster, "skypilot": skypilot}
 
 
 def build_parser() -> Parser:

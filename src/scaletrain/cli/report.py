@@ -14,9 +14,11 @@ HELP = "Plot one run (or overlay several) into a self-contained report.html and 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help=HELP, description=HELP + " Reads metrics.jsonl and summary.json "
                        "(docs/metrics.md); writes report.html, one PNG per chart and report.json.",
-                       usage="scaletrain report RUN_DIR [RUN_B ...] [--out DIR]", allow_abbrev=False)
+                       usage="scaletrain report RUN_DIR [RUN_B ...] | LAB_DIR [--out DIR]",
+                       allow_abbrev=False)
     p.add_argument("runs", metavar="RUN_DIR", nargs="*", help="run directories (--run.dir of scaletrain train); "
-                   "two or more are overlaid in the same plots")
+                   "two or more are overlaid in the same plots; or one lab directory (--out of scaletrain "
+                   "lab)")
     p.add_argument("--out", metavar="DIR", default=None, help="where to write [default: RUN_DIR/report; "
                    "RUN_A/report-vs-RUN_B when comparing]")
 
@@ -41,6 +43,30 @@ def _print_table(report: Any) -> None:
                   markup=False)
 
 
+def _report_lab(paths: list[str], out: str | None) -> int:
+    """A lab directory (one holding lab.json, from `scaletrain lab`): its reading, rows and figures."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from scaletrain.observe.report.lab import write_lab_report
+
+    if len(paths) > 1:
+        raise UserError(f"{', '.join(paths)}: a lab directory is reported alone, not beside runs or other "
+                        f"labs; fix: scaletrain report {paths[0]}")
+    report = write_lab_report(Path(paths[0]), Path(out) if out else None)
+    table = Table(title=f"scaletrain report: lab {report.name}", title_justify="left")
+    table.add_column("", style="bold")
+    table.add_column(Path(paths[0]).name, overflow="fold")
+    for name, value in report.rows:
+        table.add_row(name, value)
+    console = Console(highlight=False, soft_wrap=False)
+    console.print(table)
+    for note in report.notes:
+        console.print(f"note: {note}", markup=False)
+    console.print(f"wrote {report.out / 'report.html'}", markup=False)
+    return 0
+
+
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     if leftovers:
         raise UserError(f"unexpected argument {leftovers[0]!r}; fix: scaletrain report RUN_DIR [RUN_B ...] "
@@ -50,7 +76,10 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
                         "directories to compare them)")
     # Imported here: matplotlib costs a second at import, and only this command needs it.
     from scaletrain.observe.report import write_report
+    from scaletrain.observe.report.lab import is_lab
 
+    if any(is_lab(Path(p)) for p in args.runs):
+        return _report_lab(args.runs, args.out)
     report = write_report([Path(p) for p in args.runs], Path(args.out) if args.out else None)
     _print_table(report)
     return 0
