@@ -38,7 +38,7 @@ from markdown_it import MarkdownIt
 REPO = Path(__file__).resolve().parents[1]
 # In reading order: the README first (its `make demo` makes runs/digits, which docs/observe.md reads).
 DOCS = ["README.md", "docs/observe.md", "docs/metrics.md", "docs/fsdp.md", "docs/plan.md", "docs/benchmarks.md",
-        "docs/parallelism.md", "docs/labs.md"]
+        "docs/parallelism.md", "docs/labs.md", "docs/multinode.md"]
 VENV_BIN = Path(sys.executable).parent
 TIMEOUT_S = 300
 
