@@ -61,6 +61,7 @@ SCALED_DOWN = {
     "scaletrain train ": "--nproc 2",
     "scaletrain bench scaling": "--nproc 1,2",
     "python benchmarks/ddp_bucket.py": "--buckets 25",
+    "scaletrain lab batch-size ": "--batches 32,128",  # the CNN: 2 batches x 2 settings, not 5 x 2
 }
 RANKS = (re.compile(r"--nproc-per-node \d+"), "--nproc-per-node 2")
 

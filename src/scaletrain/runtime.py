@@ -235,7 +235,7 @@ def collective_failure(err: RuntimeError, rt: Runtime, step: int, timeout_s: int
         s in text for s in ("gloo", "Gloo", "NCCL", "Timed out", "timed out", "Connection closed", "Connection reset"))
     if not (rt.distributed and looks):
         return err
-    recorded = run_dir is not None and "TORCH_FR_BUFFER_SIZE" in os.environ
+    recorded = run_dir is not None and flight.enabled()
     if recorded:
         _ask_for_records(rt, run_dir, step)  # type: ignore[arg-type]
     missing = missing_peers(rt, step)
@@ -267,7 +267,7 @@ def _ask_for_records(rt: Runtime, run_dir: Path, step: int) -> None:
 def watch_for_failures(rt: Runtime, run_dir: Path, step: Callable[[], int]) -> flight.Watcher | None:
     """This rank's watcher thread (observe/flight.py), where the job has a store and the recorder is on."""
     store = _store() if rt.distributed else None
-    if store is None or "TORCH_FR_BUFFER_SIZE" not in os.environ:
+    if store is None or not flight.enabled():
         return None
     return flight.Watcher(store, f"scaletrain/{_attempt()}/{flight.FLAG}", run_dir, rt.rank, step)
 

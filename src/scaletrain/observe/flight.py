@@ -32,9 +32,18 @@ FLAG = "dump"  # under scaletrain/<attempt>/ in the job's store: set by the firs
 
 def enable(entries: int) -> None:
     """Before the process group starts: keep the last ``entries`` collectives (0: off)."""
-    if entries > 0:
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(entries))
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(entries))  # torch < 2.7 reads this name
+    if entries <= 0:
+        return
+    import torch
+
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    # torch >= 2.7 reads TORCH_FR_BUFFER_SIZE (and warns on every rank about the older name); before, NCCL's name
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE" if (major, minor) >= (2, 7) else "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                          str(entries))
+
+
+def enabled() -> bool:
+    return any(int(os.environ.get(k, "0") or 0) > 0 for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"))
 
 
 def _recorded() -> dict[str, Any]:
@@ -101,7 +110,11 @@ class Watcher:
             return
 
     def stop(self) -> None:
+        """Before the process group ends: a thread still inside a store call at interpreter exit aborts the
+        process ("terminate called without an active exception")."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
 
 # -- diagnose --------------------------------------------------------------------------------------------------
