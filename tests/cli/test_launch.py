@@ -154,14 +154,17 @@ def test_launch_without_script_is_one_line_and_exit_2() -> None:
         "scaletrain: error: launch needs a SCRIPT to run; fix: scaletrain launch --nproc 2 train.py [ARGS...]"]
 
 
+# Rank 0 waits outside any collective: in a barrier Gloo would see its dead peer at once and rank 0 would exit 1
+# in the same second as rank 1, leaving the agent nothing to tell the cause from (a flake seen in a clean clone).
 FAILING_SCRIPT = """\
 import os
+import time
 import torch.distributed as dist
 
 dist.init_process_group("gloo")
 if os.environ["RANK"] == "1":
     raise RuntimeError("rank 1 fails on purpose")
-dist.barrier()  # rank 0 waits here until the agent stops it
+time.sleep(120)  # rank 0 waits here until the agent stops it
 dist.destroy_process_group()
 """
 
