@@ -26,9 +26,9 @@ from scaletrain.cli.options import (
     add_config_options,
     check_types,
     config_overrides,
+    load_job,
     parse_count,
 )
-from scaletrain.config import load
 from scaletrain.errors import TrainingFailed, UserError
 
 HELP = "Multi-node jobs: rehearse one on this machine (N agents on loopback) before renting N machines."
@@ -105,11 +105,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         if key in overrides:
             raise UserError(f"--{key} = {overrides[key]!r}: the rehearsal sets it (--nodes, --nproc, --steps and a "
                             "loopback rendezvous); fix: drop it")
-    from scaletrain.layout import check_layout
-
-    cfg = load(args.config, cli_overrides={**overrides, "dist.nproc": str(nproc), "dist.nnodes": str(nodes),
-                                           "dist.rdzv_endpoint": "127.0.0.1:29500"})
-    check_layout(cfg.parallel, cfg.memory, nproc * nodes, nodes, cfg.model, cfg.data.batch_size)
+    cfg = load_job(args.config, overrides, nproc=nproc, nnodes=nodes, endpoint="127.0.0.1:29500")
     out = Path(args.out or "runs/rehearse")
     out.mkdir(parents=True, exist_ok=True)
     job = f"rehearse-{os.getpid()}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, fields
-from typing import Literal, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 from scaletrain.config import (
     ALIASES,
@@ -96,3 +96,23 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
     overrides = config_overrides(args, leftovers)
     check_types(overrides)
     return overrides
+
+
+def parse_port(text: str, flag: str = "--port") -> int:
+    """A TCP port in [1, 65535], else one line naming the flag."""
+    port = parse_count(flag, text, 1, "29500")
+    if port > 65535:
+        raise UserError(f"{flag} = {text!r}: expected a TCP port in [1, 65535]; fix: {flag} 29500")
+    return port
+
+
+def load_job(config: str, overrides: dict[str, str], *, nproc: int, nnodes: int, endpoint: str) -> Any:
+    """The config of a job this command lays out itself (nproc workers on each of nnodes machines meeting at
+    ``endpoint``), its degrees checked against that world before anything is written or started."""
+    from scaletrain.config import load
+    from scaletrain.layout import check_layout
+
+    cfg = load(config, cli_overrides={**overrides, "dist.nproc": str(nproc), "dist.nnodes": str(nnodes),
+                                      "dist.rdzv_endpoint": endpoint})
+    check_layout(cfg.parallel, cfg.memory, nproc * nnodes, nnodes, cfg.model, cfg.data.batch_size)
+    return cfg

@@ -26,9 +26,10 @@ from scaletrain.cli.options import (
     add_config_options,
     check_types,
     config_overrides,
+    load_job,
     parse_count,
+    parse_port,
 )
-from scaletrain.config import load
 from scaletrain.errors import UserError
 
 HELP = ("Write a SkyPilot task (YAML) that runs this job on N cloud machines x G GPUs, its run directory in a "
@@ -110,9 +111,7 @@ def _plan_line(config: str, kind: str, gpus: int, nodes: int, price: str, overri
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     nodes = parse_count("--nodes", args.nodes, 1, "2")
     kind, gpus = _accelerator(args.gpus)
-    port = parse_count("--port", args.port, 1, "29500")
-    if port > 65535:
-        raise UserError(f"--port = {args.port!r}: expected a TCP port in [1, 65535]; fix: --port 29500")
+    port = parse_port(args.port)
     if args.price:
         try:
             if not float(args.price) > 0:
@@ -128,11 +127,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         if key in overrides:
             raise UserError(f"--{key} = {overrides[key]!r}: the task sets it (from --nodes, --gpus, --mount and "
                             "SkyPilot's variables); fix: drop it")
-    cfg = load(args.config, cli_overrides={**overrides, "dist.nproc": str(gpus), "dist.nnodes": str(nodes),
-                                           "dist.rdzv_endpoint": "head:29500"})
-    from scaletrain.layout import check_layout
-
-    check_layout(cfg.parallel, cfg.memory, gpus * nodes, nodes, cfg.model, cfg.data.batch_size)
+    cfg = load_job(args.config, overrides, nproc=gpus, nnodes=nodes, endpoint="head:29500")
     passed = dict(overrides)
     notes = []
     if cfg.checkpoint.every == 0:

@@ -13,9 +13,10 @@ from scaletrain.cli.options import (
     add_config_options,
     check_types,
     config_overrides,
+    load_job,
     parse_count,
+    parse_port,
 )
-from scaletrain.config import load
 from scaletrain.errors import UserError
 
 HELP = ("Write an sbatch script that runs this training job on N machines x G GPUs under Slurm: one torchrun "
@@ -51,7 +52,6 @@ def add_parser(sub: Any, name: str) -> None:
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.cluster.slurm import SlurmJob, check_time, detect_env, sbatch_script
-    from scaletrain.layout import check_layout
 
     nodes = parse_count("--nodes", args.nodes, 1, "2")
     gpus = parse_count("--gpus-per-node", args.gpus_per_node, 1, "8")
@@ -59,9 +59,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         raise UserError(f"--launcher = {args.launcher!r}: expected torchrun or srun; fix: --launcher srun")
     cpus = parse_count("--cpus-per-task", args.cpus_per_task, 0, "64") or 8 * (1 if args.launcher == "srun" else gpus)
     signal_s = parse_count("--signal-s", args.signal_s, 1, "120")
-    port = parse_count("--port", args.port, 1, "29500")
-    if port > 65535:
-        raise UserError(f"--port = {args.port!r}: expected a TCP port in [1, 65535]; fix: --port 29500")
+    port = parse_port(args.port)
     time = check_time(args.time)
     if args.out and Path(args.out).exists():
         raise UserError(f"--out = {args.out!r}: the file exists, and is not overwritten; fix: another --out, or "
@@ -72,9 +70,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         if key in overrides:
             raise UserError(f"--{key} = {overrides[key]!r}: the script sets it from {flag} and Slurm's "
                             f"variables; fix: drop it and use {flag}")
-    layout = {"dist.nproc": str(gpus), "dist.nnodes": str(nodes), "dist.rdzv_endpoint": "head:29500"}
-    cfg = load(args.config, cli_overrides={**overrides, **layout})
-    check_layout(cfg.parallel, cfg.memory, gpus * nodes, nodes, cfg.model, cfg.data.batch_size)
+    cfg = load_job(args.config, overrides, nproc=gpus, nnodes=nodes, endpoint="head:29500")
     run_dir = cfg.run.dir or f"runs/{cfg.run.name}"
     passed = [f"--{k}={v}" for k, v in overrides.items() if k != "run.dir"]
     job = SlurmJob(nodes, gpus, time, cpus, signal_s, args.partition, args.account, f"scaletrain-{cfg.run.name}",
