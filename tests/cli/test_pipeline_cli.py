@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import safetensors.torch
+import torch
 from test_resume import losses, train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,7 +147,12 @@ def test_a_loop_of_ones_own_runs_as_a_pipeline_and_equals_one_process(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     a = safetensors.torch.load_file(str(tmp_path / "pp2" / "model.safetensors"))
     b = safetensors.torch.load_file(str(tmp_path / "one" / "model.safetensors"))
-    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in b) < 1e-5
+    assert a.keys() == b.keys()
+    # Micro-batches sum the gradients in another order. AdamW (lr 3e-3, eps 1e-8) turns that rounding of a
+    # gradient summing to about 0 (~1e-10) into up to lr x 1e-10 / eps = 3e-5 a step on that one weight (seen:
+    # 1.7e-5 on 1 of 254,528): all but 0.1% agree to 1e-6 and none is off by 1e-4; a wrong split is off by far more.
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in b])
+    assert diff.max().item() < 1e-4 and (diff > 1e-6).float().mean().item() < 1e-3, diff.max().item()
     mine, ref = losses(tmp_path / "pp2"), losses(tmp_path / "one")
     assert [s for s, _ in mine] == [s for s, _ in ref] == [10, 20]
     assert all(abs(x - y) < 1e-5 for (_, x), (_, y) in zip(mine, ref)), (mine, ref)

@@ -41,7 +41,11 @@ def _fit(model: nn.Module, module: nn.Module, rank: int, world: int,
     step, gradients still held) and the pre-clip gradient norms."""
     data = torch.randint(0, V, (STEPS, GLOBAL, T + 1), generator=torch.Generator().manual_seed(3))
     per_rank = GLOBAL // world
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1)
+    # eps 1e-6, not the default 1e-8: Adam's step lr x g / (|g| + eps) turns the rounding of a gradient that
+    # sums to about zero (~1e-10 in fp32 for terms of ~1e-3, in another order under sharding) into up to
+    # lr x 1e-10 / eps: 1e-5 at eps 1e-8, the tolerance itself (seen: one weight of GPT's 4,096 with |g| =
+    # 1.3e-9 on step 0). At 1e-6 a correct layout stays 100x inside 1e-5; a wrong one is off by far more.
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     norms = []
     for step in range(STEPS):
         rows = data[step, rank * per_rank:(rank + 1) * per_rank]

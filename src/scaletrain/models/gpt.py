@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.init import Rule, draw_seed, init_params, place, standard_rules, unfilled
 from scaletrain.models.losses import linear_cross_entropy
 
 
@@ -71,24 +72,24 @@ class GPT(nn.Module):
         super().__init__()
         self.block_size, self.fused_loss, self.bf16_residual = block_size, fused_loss, bf16_residual
         self.loss_chunk_rows = loss_chunk_rows  # rows of logits the fused loss forms at a time
-        self.tok_emb = nn.Embedding(vocab_size, n_embd)
-        self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
-        self.head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # weight tying
-        self.apply(self._init)
-        for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 * layers)
+        # GPT-2's weights: normal(0, 0.02), the residual projections scaled by 1/sqrt(2 * layers); each drawn by
+        # its name from this seed (models/init.py), so a model built on the meta device and split gets the same
+        self.init_seed = draw_seed()
+        with unfilled() as device:
+            self.tok_emb = nn.Embedding(vocab_size, n_embd)
+            self.pos_emb = nn.Embedding(block_size, n_embd)
+            self.drop = nn.Dropout(dropout)
+            self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+            self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+            self.head = nn.Linear(n_embd, vocab_size, bias=False)
+            self.head.weight = self.tok_emb.weight  # weight tying
+        place(self, device)
+        self.head.weight = self.tok_emb.weight  # tied again: to_empty made new Parameters
+        self.init_rules = standard_rules(self)
+        for name in self.init_rules:
             if name.endswith(("attn.proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+                self.init_rules[name] = Rule("normal", 0.02 / math.sqrt(2 * n_layer))
+        init_params(self, self.init_rules, self.init_seed)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
         """The logits (B, T, vocab); with ``fused_loss`` and ``targets`` (B, T), in training,

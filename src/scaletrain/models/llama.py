@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.init import draw_seed, init_params, place, standard_rules, unfilled
+
 
 def ffn_hidden_for(n_embd: int, multiple_of: int = 256) -> int:
     """Llama's MLP width when none is given: 8/3 of the model width, rounded up to a multiple of 256."""
@@ -28,6 +30,14 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
     both = torch.cat([angles, angles], dim=-1)
     return both.cos(), both.sin()
+
+
+def reset_rope(owner: nn.Module, device: torch.device | None = None) -> None:
+    """Recompute ``owner``'s rope_cos/rope_sin buffers from its ``rope`` (head_dim, seq_len, theta), on ``device``
+    (default: where they are): a Llama or a pipeline stage of one built on the meta device gets its tables here."""
+    cos, sin = rope_tables(*owner.rope)
+    device = device or owner.rope_cos.device
+    owner.rope_cos, owner.rope_sin = cos.to(device), sin.to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,18 +107,26 @@ class Llama(nn.Module):
                  dropout: float = 0.0) -> None:
         super().__init__()
         self.seq_len = seq_len
-        self.tok_embeddings = nn.Embedding(vocab_size, n_embd)
-        self.layers = nn.ModuleList(Block(n_embd, n_head, n_kv_head or n_head, ffn_hidden or ffn_hidden_for(n_embd),
-                                          norm_eps, dropout) for _ in range(n_layer))
-        self.norm = nn.RMSNorm(n_embd, eps=norm_eps)
-        self.output = nn.Linear(n_embd, vocab_size, bias=False)
-        cos, sin = rope_tables(n_embd // n_head, seq_len, rope_theta)
+        self.init_seed = draw_seed()  # every weight drawn by its name from it (models/init.py)
+        with unfilled() as device:
+            self.tok_embeddings = nn.Embedding(vocab_size, n_embd)
+            self.layers = nn.ModuleList(Block(n_embd, n_head, n_kv_head or n_head,
+                                              ffn_hidden or ffn_hidden_for(n_embd), norm_eps, dropout)
+                                        for _ in range(n_layer))
+            self.norm = nn.RMSNorm(n_embd, eps=norm_eps)
+            self.output = nn.Linear(n_embd, vocab_size, bias=False)
+        place(self, device)
+        self.rope = (n_embd // n_head, seq_len, rope_theta)  # what the RoPE tables are computed from
+        cos, sin = rope_tables(*self.rope)
         # Not in the state dict: rebuilt from the config, as the shapes are.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
+        self.init_rules = standard_rules(self)  # normal(0, 0.02) weights, norms one
+        init_params(self, self.init_rules, self.init_seed)
+
+    def reset_buffers(self, device: torch.device | None = None) -> None:
+        """Recompute the RoPE tables (a model built on the meta device gets them here, models/init.py)."""
+        reset_rope(self, device)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

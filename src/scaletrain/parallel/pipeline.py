@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from scaletrain.layout import SCHEDULES as SCHEDULE_NAMES
 from scaletrain.layout import resolve_microbatches
 from scaletrain.models.gpt import GPT, embed
-from scaletrain.models.llama import Llama
+from scaletrain.models.llama import Llama, reset_rope
 
 __all__ = ["PipelineRunner", "StepTimes", "bubble_fraction", "clip_grad_norm", "is_stage", "pipeline_stage",
            "rank_stages", "resolve_microbatches", "schedule_text", "split_stages", "stage_grad_norm", "stage_layers",
@@ -150,9 +150,14 @@ class _LlamaStage(_Stage):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
         self.norm = model.norm if index == pp - 1 else None
         self.output = model.output if index == pp - 1 else None
+        self.rope = model.rope
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.seq_shards = 1  # tensor parallelism's sequence-parallel residual: each rank holds T / tp positions
+
+    def reset_buffers(self, device: torch.device | None = None) -> None:
+        """The RoPE tables, computed (a stage of a model built on the meta device, models/init.py)."""
+        reset_rope(self, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1] if self.tok_embeddings is not None else x.shape[1] * self.seq_shards
@@ -171,6 +176,13 @@ def pipeline_stage(model: nn.Module, pp: int, index: int) -> nn.Module:
     GPT's tied head on the last stage when pp > 1); the caller keeps only its own stage."""
     if not 0 <= index < pp:
         raise ValueError(f"stage index {index} is outside parallel.pp={pp} stages (0 to {pp - 1})")
+    stage = _cut(model, pp, index)
+    # its parameters keep the model's names, so the model's initial-weight rules fill them (models/init.py)
+    stage.init_rules, stage.init_seed = model.init_rules, model.init_seed
+    return stage
+
+
+def _cut(model: nn.Module, pp: int, index: int) -> _Stage:
     if isinstance(model, GPT):
         if model.fused_loss and index == 0:  # once, where rank 0 (stage 0) logs it
             log.warning("model.loss=fused is ignored with parallel.pp > 1: the last stage returns the logits "
@@ -199,6 +211,7 @@ class _Stages(_Stage):
                     getattr(self, name).update(child)
                 else:
                     setattr(self, name, child)
+        self.init_rules, self.init_seed = parts[0].init_rules, parts[0].init_seed
         tied = [part for part in parts if part.tied_param is not None]
         self.tied_param = tied[0].tied_param if tied else None
         self.tied_copy = any(part.tied_copy for part in parts)
@@ -211,6 +224,11 @@ class _Stages(_Stage):
     @property
     def is_last(self) -> bool:
         return any(part.is_last for part in self.parts)
+
+    def reset_buffers(self, device: torch.device | None = None) -> None:
+        for part in self.parts:  # the parts' own buffers (the RoPE tables) are not registered here
+            if callable(reset := getattr(part, "reset_buffers", None)):
+                reset(device)
 
     @property
     def seq_shards(self) -> int:

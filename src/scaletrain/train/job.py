@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -189,6 +190,18 @@ def _default_loss(compile: bool) -> LossFn:
     return torch.compile(default_loss) if compile else default_loss
 
 
+def _split_before_filled(cfg: Config, world_size: int, nnodes: int) -> bool:
+    """Whether the built-in model is built on the meta device and given memory and weights only once split
+    (models/init.py materialize, in Session.setup): under FSDP/HSDP, tensor or pipeline parallelism a rank
+    holds a part of it, and the whole need not fit one device or the host. Not for parallel.strategy=auto,
+    which measures the whole model on the device to decide, nor with memory.cpu_offload (FSDP keeps the
+    offloaded shards in pinned host memory it allocates itself when it shards a model that has memory)."""
+    if cfg.parallel.strategy == "auto" or cfg.model.name not in ("gpt", "llama") or cfg.memory.cpu_offload:
+        return False
+    layout = resolve_layout(cfg.parallel, cfg.memory, world_size, nnodes)
+    return layout.sharded or layout.tp > 1 or layout.pp > 1
+
+
 def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
               loss_fn: LossFn | None = None, resume: dict[str, Any] | None = None,
               batch_fn: BatchFn | None = None) -> Job:
@@ -204,16 +217,20 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     check_pipeline(cfg.parallel, plan.batch_size)  # fit() too: its micro-batches split the batch evenly
     set_deterministic(cfg.train.deterministic)
     seed_all(cfg.run.seed)  # the same initial weights on every rank
+    nnodes = max(1, rt.world_size // rt.local_world_size)
+    deferred = model is None and _split_before_filled(cfg, rt.world_size, nnodes)
     if model is None:
-        module = build_model(cfg.model, splits.task, splits.info)
+        with torch.device("meta") if deferred else contextlib.nullcontext():
+            module = build_model(cfg.model, splits.task, splits.info)
     else:
         module = model if isinstance(model, nn.Module) else model()
-    module.to(rt.device)
+    if not deferred:
+        module.to(rt.device)
     # The built-in GPT with model.loss=fused computes its loss in forward: it is given the targets too.
     batcher = Batcher(module, batch_fn, target_kwarg="targets" if isinstance(module, GPT) and module.fused_loss else None)
     one = batcher(collate_one(splits.train))  # a batch of one sample, as the loader collates it
-    flops = flops_per_sample(module, one.to(rt.device))  # counted once, before any wrapping
-    nnodes = max(1, rt.world_size // rt.local_world_size)
+    # counted once, before any wrapping (on the meta device for a model built there: shapes are all it needs)
+    flops = flops_per_sample(module, one.to(torch.device("meta") if deferred else rt.device))
     strategy, reason = resolve_strategy(module, cfg.parallel, world_size=rt.world_size, nnodes=nnodes,
                                         precision=cfg.train.precision, optimizer=cfg.optim.name,
                                         sample=one if cfg.parallel.strategy == "auto" else None,

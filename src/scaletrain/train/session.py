@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import statistics
 import time
@@ -91,6 +92,7 @@ from scaletrain.errors import (
     install_excepthook,
 )
 from scaletrain.layout import check_pipeline
+from scaletrain.models.init import is_meta, local_numel, materialize
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import run_totals
 from scaletrain.observe.memory import MemoryBreakdown, model_state_bytes, peak_bytes
@@ -138,6 +140,8 @@ from scaletrain.train.state import (
     with_aliases,
 )
 from scaletrain.train.trace import TraceFile, digest
+
+log = logging.getLogger(__name__)
 
 OptimizerArg = Optimizer | Callable[[list[nn.Parameter]], Optimizer]
 
@@ -407,7 +411,8 @@ class Session:
         if any(m.name == name for m in self._models) or "." in name:
             raise UserError(f"session.setup(name={name!r}): names must be unique and without dots; fix: name="
                             f"'model{len(self._models)}'")
-        model.to(self.device)
+        if not is_meta(model):  # a built-in model built on the meta device gets its memory once split, below
+            model.to(self.device)
         given = [opt for opt in optimizers if isinstance(opt, Optimizer)]
         for opt in given:
             _check_optimizer(opt, model)
@@ -422,6 +427,10 @@ class Session:
                               optimizer=cfg.optim.name, layout=self.layout, loss_parallel=self.loss_parallel)
         if is_stage(wrapped):  # pp > 1: this rank keeps its stage of the model (the model's names for its part)
             model = self._stage = wrapped
+        if is_meta(model):  # its part only, now: the same weights as one process's model by name
+            materialize(model, self.device)
+            log.info("built on the meta device; this rank filled its part: %s parameters",
+                     f"{sum(local_numel(p) for p in model.parameters()):,}")
         if has_dtensors(wrapped):  # FSDP/TP replaced the parameters: an optimizer built before takes the new ones
             now = dict(model.named_parameters())
             for opt in given:
