@@ -1,19 +1,23 @@
 """Starting workers through torchrun's own API (torch.distributed.run), never a home-made spawner.
 
-The launcher process runs torchrun's agent in-process. Around it, launch() takes two things into its own
-hands: SIGINT/SIGTERM (a first one stops the job the agent's own way, a second Ctrl-C stops it at once), and
-torchrun's line about a failed worker (read for the restarted workers, which say what happened in one line).
+The launcher process runs torchrun's agent in-process. Around it, launch() takes three things into its own
+hands: SIGINT/SIGTERM (a first one stops the job the agent's own way, a second Ctrl-C stops it at once),
+torchrun's line about a failed worker (read for the restarted workers, which say what happened in one line),
+and the address the agent's key-value stores listen on (its own address, not every interface).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
+import ipaddress
 import logging
 import os
 import signal
 import socket
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from scaletrain.config import DistConfig
@@ -32,6 +36,88 @@ def _loopback_interface() -> str | None:
 
 def _is_local(endpoint: str) -> bool:
     return not endpoint or endpoint.rpartition(":")[0] in ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _bind_address(host: str) -> str | None:
+    """The address a store advertised at ``host`` listens on: that address when it is one (a name could
+    resolve to another address here than on the other machines: Debian maps the host name to 127.0.1.1),
+    loopback for "localhost"; None (every interface, torch's own way) for any other name."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None
+
+
+def _listening_socket(address: str, port: int) -> socket.socket:
+    """A TCP socket listening on address:port (0: a free port)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own store: no wait on TIME_WAIT
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _bound(make: Callable[..., Any]) -> Callable[..., Any]:
+    """``make`` (torch's TCPStore), whose server listens on the address it is advertised at: a socket bound
+    there is handed over through master_listen_fd (only the libuv server takes one; the store closes it)."""
+
+    def store(host_name: str, port: int, *args: Any, **kwargs: Any) -> Any:
+        address = _bind_address(host_name)
+        if not kwargs.get("is_master") or args or address is None or "master_listen_fd" in kwargs:
+            return make(host_name, port, *args, **kwargs)
+        try:
+            sock = _listening_socket(address, port)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:  # another agent of this machine hosts it: torch then joins as a client
+                raise RuntimeError(f"{address}:{port} is in use ({err})") from err
+            return make(host_name, port, *args, **kwargs)  # not an address of this machine: torch's own way
+        bound_port, fd = sock.getsockname()[1], sock.detach()
+        try:
+            return make(host_name, bound_port, *args, **{**kwargs, "master_listen_fd": fd, "use_libuv": True})
+        except BaseException:
+            os.close(fd)  # a store that failed to start did not take the socket
+            raise
+
+    return store
+
+
+@contextlib.contextmanager
+def _stores_on_their_address() -> Iterator[None]:
+    """While torchrun's agent runs in this process, its TCPStore servers listen on the address each is
+    advertised at instead of every interface (torch's TCPStore binds the wildcard address whatever host it is
+    given). Two servers: the c10d rendezvous store on the endpoint's host (c10d_rendezvous_backend's
+    TCPStore), and the store the workers meet at, on this agent's --local-addr (dynamic_rendezvous's
+    _create_tcp_store_server). On one machine both are loopback; on several, the endpoint's address where it
+    is given as one, and the second store stays on every interface (its address is the host's name, which
+    the other machines resolve). Restored on the way out: nothing else in the process is changed."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler as Handler
+
+    make = _bound(TCPStore)
+
+    def agent_store(self: Any, master_addr: str, master_port: int) -> Any:
+        return make(host_name=master_addr, port=master_port, is_master=True, multi_tenant=True)
+
+    # Each only where this torch has it: both are torch's private names (as of 2.13).
+    patches = [(obj, name, new) for obj, name, new in ((c10d, "TCPStore", make),
+                                                      (Handler, "_create_tcp_store_server", agent_store))
+               if name in vars(obj)]
+    before = [(obj, name, vars(obj)[name]) for obj, name, _ in patches]
+    try:
+        for obj, name, new in patches:
+            setattr(obj, name, new)
+        yield
+    finally:
+        for obj, name, old in before:
+            setattr(obj, name, old)
 
 
 def torchrun_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: str) -> list[str]:
@@ -110,8 +196,9 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     """Start cfg.nproc workers on this machine and wait for them; returns the job's exit code (128 + the
     signal when this process was stopped by one).
 
-    On one machine everything stays on loopback: the rendezvous store, MASTER_ADDR, and Gloo's sockets
-    (GLOO_SOCKET_IFNAME), which would otherwise bind the address the host name resolves to. Every agent of
+    On one machine everything stays on loopback: the agent's stores (which torch would have listen on every
+    interface: _stores_on_their_address), MASTER_ADDR, and Gloo's sockets (GLOO_SOCKET_IFNAME), which would
+    otherwise bind the address the host name resolves to. Every agent of
     a multi-machine job must pass the same run_id (cfg.rdzv_id wins over it). ``trainer``: the workers run
     scaletrain's trainer, which reports a stop and a restart itself; this process then prints nothing when
     signalled and drops torchrun's line about a failed worker.
@@ -134,7 +221,8 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     handlers = {signal.SIGUSR1: _forward_to_workers, signal.SIGINT: stop, signal.SIGTERM: stop}
     previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     try:
-        torchrun.run(parsed)
+        with _stores_on_their_address():
+            torchrun.run(parsed)
     except ChildFailedError as err:
         rank, code = root_failure(err.failures)
         if code == EXIT_USAGE:  # a usage error: the worker said it in one line, once for the job
