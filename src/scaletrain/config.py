@@ -191,6 +191,8 @@ class DistConfig:
     flight_recorder: Annotated[int, Range(0, most=I32, what="a count of collectives",
                                           fix="--dist.flight_recorder=2000")] = 2000
     """Collectives each rank remembers with their Python stacks (torch's Flight Recorder, Gloo and NCCL): when one fails or times out every rank writes them to RUN_DIR/flight/ for `scaletrain diagnose` (0 = off)."""
+    check_network: bool = False
+    """Before step 0 of a job on several machines: measure the bandwidth between every two of them (scaletrain doctor --nodes's check, a few seconds) and warn on rank 0 naming a slow node or link; never stops the run."""
 
     def __post_init__(self) -> None:
         check_fields(self)

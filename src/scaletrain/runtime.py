@@ -102,7 +102,27 @@ def init(cfg: DistConfig) -> Runtime:
     rt = Runtime(rank, local_rank, world, local_world, device, backend, owns)
     _announce(rt)
     speak_once(rank)
+    if cfg.check_network:
+        _check_network(rt)
     return rt
+
+
+def _check_network(rt: Runtime) -> None:
+    """dist.check_network: the bandwidth between every two machines (cluster/pairwise.py), said by rank 0
+    before step 0. A slow node or link is a warning; the run goes on either way."""
+    log = logging.getLogger("scaletrain")
+    if not rt.distributed or rt.world_size <= rt.local_world_size:
+        log.warning("dist.check_network is set but this job runs on one machine: no link between machines to "
+                    "measure, nothing checked")
+        return
+    from scaletrain.cluster.pairwise import measure, report
+
+    result = report(measure(rt.rank, rt.local_rank, rt.device))
+    for line in result["lines"] if rt.is_main else []:
+        if result["slow"]:
+            log.warning("network check before step 0: %s", line)
+        else:
+            print(f"scaletrain: network check before step 0: {line}", file=sys.stderr, flush=True)
 
 
 class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]

@@ -1,5 +1,8 @@
 """`scaletrain doctor [--self-test/--no-self-test] [--json]`: this machine's setup for a bug report, the
-classic mistakes flagged one line each with the fix, and a 2-rank all-reduce self-test."""
+classic mistakes flagged one line each with the fix, and a 2-rank all-reduce self-test.
+
+`scaletrain doctor --nodes N --rdzv-endpoint HOST:PORT [--nproc G] [--json]`, run on each of N machines: the
+pairwise bandwidth between them (cluster/pairwise.py), naming a slow node or link."""
 
 from __future__ import annotations
 
@@ -12,17 +15,27 @@ from typing import Any
 from scaletrain.errors import EXIT_FAILURE, EXIT_OK, UserError
 
 HELP = "Report versions, devices, launcher/Slurm/NCCL settings and network; flag classic mistakes; self-test."
+USAGE = ("scaletrain doctor [--self-test/--no-self-test] [--json] | scaletrain doctor --nodes N --rdzv-endpoint "
+         "HOST:PORT [--nproc G] [--json]")
 
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help=HELP, description=HELP + " Exit code 1 when the self-test fails or a finding "
                        "is an error (a setup that cannot work). Under torchrun it reports once per machine and "
-                       "self-tests the launcher's whole world.",
-                       usage="scaletrain doctor [--self-test/--no-self-test] [--json]", allow_abbrev=False)
+                       "self-tests the launcher's whole world. With --nodes N, run on each of N machines: the "
+                       "bandwidth between every two of them instead (exit code 1 when a node or link is slow).",
+                       usage=USAGE, allow_abbrev=False)
     p.add_argument("--self-test", action=argparse.BooleanOptionalAction, default=True,
                    help="run a 2-rank all-reduce (Gloo on CPU, NCCL with 2+ GPUs): result checked, bandwidth "
                    "measured [default: on]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    nodes = p.add_argument_group("between machines (run the same command on each)")
+    nodes.add_argument("--nodes", default=None, metavar="N",
+                       help="machines in the check: each one's first rank exchanges 16 MiB both ways with every "
+                       "other's, in rounds of disjoint pairs; a node or link below half its peers' median is named")
+    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="where the machines meet (a port free on the first machine)")
+    nodes.add_argument("--nproc", default=None, metavar="G", help="workers per machine (one per GPU) [default: 1]")
 
 
 def _gib(n: int) -> str:
@@ -71,13 +84,66 @@ def _print(facts: Any, findings: list[Any], result: dict[str, Any] | None) -> No
                   f"{', '.join(sorted(set(result['hosts'])))}): {verdict}; {speed}", markup=False)
 
 
+def _print_nodes(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, soft_wrap=True)
+    nodes = result["nodes"]
+    table = Table(title=f"pairwise bandwidth, GB/s each way ({result['size_bytes'] / 2**20:.0f} MiB both ways at "
+                  f"once, median of {result['iters']}; {result['backend']}, {result['device']})", title_justify="left")
+    table.add_column("node")
+    for node in nodes:
+        table.add_column(str(node["node"]), justify="right")
+    for node, row in zip(nodes, result["bytes_per_s"]):
+        table.add_row(f"{node['node']} {node['host']}", *("-" if bw is None else f"{bw / 1e9:.2f}" for bw in row))
+    console.print(table)
+    for line in result["lines"]:
+        console.print(line, markup=False)
+
+
+def _run_nodes(args: argparse.Namespace) -> int:
+    """The check between machines: this machine's part of it, its report, exit code 1 when a node or link is
+    slow (a gate before a long job: scaletrain doctor --nodes 4 ... && scaletrain train ...)."""
+    from scaletrain.cli.options import parse_count
+    from scaletrain.cluster.pairwise import run_check
+    from scaletrain.config import build
+    from scaletrain.env import under_launcher
+
+    if under_launcher():
+        raise UserError("doctor --nodes starts its own workers on each machine; fix: run it directly on each "
+                        "machine, not under torchrun or srun")
+    nodes = parse_count("--nodes", args.nodes, 2, "2")
+    if not args.rdzv_endpoint:
+        raise UserError(f"--nodes {nodes} needs --rdzv-endpoint HOST:PORT, where the machines meet (a free port on "
+                        "one of them); fix: --rdzv-endpoint node0:29500")
+    cfg = build([("command line", {"dist.nnodes": str(nodes), "dist.rdzv_endpoint": args.rdzv_endpoint,
+                                   "dist.nproc": args.nproc or "1"})]).dist
+    result = run_check(cfg.nnodes, cfg.rdzv_endpoint, cfg.nproc)
+    if "error" in result:
+        print(f"scaletrain: doctor --nodes: {result['error']}", file=sys.stderr)
+        return EXIT_FAILURE
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_nodes(result)
+    return EXIT_FAILURE if result["slow"] else EXIT_OK
+
+
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.cluster.doctor import diagnose, facts_dict, gather, self_test
     from scaletrain.env import under_launcher
 
     if leftovers:
-        raise UserError(f"unexpected argument {leftovers[0]!r}; fix: scaletrain doctor [--self-test/"
-                        "--no-self-test] [--json]")
+        raise UserError(f"unexpected argument {leftovers[0]!r}; fix: {USAGE}")
+    if args.nodes is not None:
+        return _run_nodes(args)
+    given = next((flag for flag, value in (("--rdzv-endpoint", args.rdzv_endpoint), ("--nproc", args.nproc))
+                  if value is not None), None)
+    if given:
+        raise UserError(f"{given} is for the check between machines; fix: add --nodes N (scaletrain doctor "
+                        f"--nodes 2 --rdzv-endpoint node0:29500), or drop {given}")
     # Before the self-test: launching sets GLOO_SOCKET_IFNAME and OMP_NUM_THREADS in this process.
     facts = gather()
     findings = diagnose(facts)
