@@ -81,3 +81,20 @@ def test_a_data_straggler_within_a_tp_group_is_named(tmp_path):
     (found,) = json.loads((tmp_path / "slow" / "summary.json").read_text())["stragglers"]
     assert found["rank"] == 1 and found["phase"] == "data"
     assert 0.12 < found["slower_by_s"] < 0.3, found
+
+
+def test_a_compute_straggler_within_a_tp_group_is_named(tmp_path):
+    """TP=2 on 2 ranks, rank 1 150 ms late between forward and backward of every step: the two ranks' phase times
+    are alike (rank 0 waits inside backward's collectives), but rank 1 issues the group's collectives later
+    (torch's Flight Recorder keeps when: observe/arrivals.py): it is named, in phase compute, by about 150 ms."""
+    import json
+
+    code, out, err = train("llama-tiny", "--nproc", "2", "--parallel.tp=2", "--data.batch_size=8",
+                           "--train.max_steps=30", "--log.every=5", "--train.eval_batches=1", "--train.progress=false",
+                           "--checkpoint.every=1000", "--chaos.delay_rank=1", "--chaos.delay_phase=compute",
+                           "--chaos.delay_ms=150", "--run.dir=slow", cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    assert "straggler: rank 1 (host" in out and "tensor-parallel group" in out, out
+    (found,) = json.loads((tmp_path / "slow" / "summary.json").read_text())["stragglers"]
+    assert found["rank"] == 1 and found["phase"] == "compute"
+    assert 0.12 < found["slower_by_s"] < 0.2, found

@@ -4,7 +4,9 @@ Under DDP every rank's step takes as long as the slowest one's (the all-reduce m
 time cannot find a straggler. The time from the step's start until the rank handed its last gradient bucket
 to the all-reduce (``pre_comm``) can: a slow rank's is longer, the others wait in ``comm`` instead. Under
 FSDP every all-gather and reduce-scatter of forward and backward can wait, so ``pre_comm`` ends where the
-root's forward starts the first all-gather: a data or copy straggler is named, a compute one is not.
+root's forward starts the first all-gather: a data or copy straggler is named, a compute one is not. Under
+tensor parallelism a rank's lateness in its group's collectives (observe/arrivals.py) is added to its own time:
+a rank computing slowly (on a CPU, or whose host is slow) is named in phase compute.
 
 A rank is flagged when, over a window of log intervals, it is persistently slower than the others: its
 excess over the median of the other ranks is positive in every interval of the window, its median excess
@@ -63,10 +65,15 @@ class StragglerDetector:
     def _peers(self, rank: int) -> list[int]:
         return self.peers.get(rank) or [other for other in range(self.world_size) if other != rank]
 
-    def update(self, per_rank: list[dict[str, float]]) -> dict[str, Any] | None:
-        """Add one interval; return the straggler finding for it (the slowest flagged rank) or None."""
+    def update(self, per_rank: list[dict[str, float]], late: list[float] | None = None) -> dict[str, Any] | None:
+        """Add one interval; return the straggler finding for it (the slowest flagged rank) or None. ``late``:
+        each rank's lateness per step in its tensor-parallel group's collectives (observe/arrivals.py): time of
+        its own that the group's waits hid, added to its compute (and so to its time before the collective)."""
         if self.world_size < 2:
             return None
+        if late is not None:
+            per_rank = [{**p, "compute": p["compute"] + x, "pre_comm": p["pre_comm"] + x}
+                        for p, x in zip(per_rank, late)]
         self.history.append(per_rank)
         while len(self.history) > self.window:
             self.history.popleft()
@@ -85,11 +92,15 @@ class StragglerDetector:
             if not (min(excess) > 0 and z > Z_MIN and slower >= max(self.min_fraction * step, MIN_SECONDS)):
                 continue
             phase = max(BLAMED, key=lambda p: _median([_excess(interval, rank, p, peers) for interval in self.history]))
-            others = _median([interval[o]["pre_comm"] for interval in self.history for o in peers])
+            # against the others' own time; under tensor parallelism that is their step (their time before
+            # forward's first collective is a sliver of it)
+            others = _median([interval[o]["step" if late is not None else "pre_comm"]
+                              for interval in self.history for o in peers])
             findings.append({"rank": rank, "host": self.hosts[rank] if rank < len(self.hosts) else "?",
                              "phase": phase, "slower_by_s": slower,
                              "slower_by_frac": slower / others if others > 0 else 0.0, "z": z,
-                             **({"peers": peers} if self.peers.get(rank) else {})})
+                             **({"peers": peers} if self.peers.get(rank) else {}),
+                             **({"within": "tp"} if late is not None else {})})
         if not findings:
             return None
         worst = max(findings, key=lambda f: f["slower_by_s"])
@@ -194,7 +205,8 @@ def hosts(rt: Any) -> list[str]:
 def straggler_line(found: dict[str, Any]) -> str:
     """The console's line for a newly named straggler (StragglerDetector.update's record)."""
     than = (f"ranks {', '.join(map(str, found['peers']))} (its pipeline stage's replicas) in its own work"
-            if found.get("peers") else "the other ranks before the all-reduce")
+            if found.get("peers") else "the other ranks in its own work (its lateness in its tensor-parallel "
+            "group's collectives counted)" if found.get("within") == "tp" else "the other ranks before the all-reduce")
     return (f"straggler: rank {found['rank']} (host {found['host']}) is {1000 * found['slower_by_s']:.1f} ms per "
             f"step ({100 * found['slower_by_frac']:.0f}%) slower than {than}, in phase {found['phase']}; the others "
             "wait for it")

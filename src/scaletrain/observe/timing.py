@@ -18,7 +18,8 @@ gaps between kernels as compute). Exposed communication is measured for DDP (thr
 each bucket is handed to the all-reduce); under FSDP its reduce-scatters are counted in ``compute``, and
 ``pre_comm`` ends where the root's forward starts its first all-gather (attach_forward_mark). Tensor
 parallelism is the same: its all-reduces and all-gathers wait inside forward and backward, so ``pre_comm``
-ends where forward starts; within a TP group a data or copy straggler is named, a compute one is not.
+ends where forward starts; within a TP group a data or copy straggler is named by these phases, a compute one by
+when it issued the group's collectives (observe/arrivals.py).
 
 A pipeline stage (parallel.pp > 1) spends its step partly computing its micro-batches and partly waiting for the
 other stages and its replicas (the bubble, point-to-point, the replicas' all-reduce), interleaved: the runner

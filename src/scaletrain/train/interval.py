@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from scaletrain.observe.arrivals import FIELDS as ARRIVAL_FIELDS
 from scaletrain.observe.timing import PHASES
 from scaletrain.runtime import Runtime
 from scaletrain.train.guard import NonFiniteGuard
 
-HOST = 5  # fingerprint, signal, peak, samples, tokens: then the phase times and the GPU lead
+HOST = 5  # fingerprint, signal, peak, samples, tokens: then the phase times, the GPU lead and the arrivals
 
 
 @dataclass
@@ -38,6 +39,7 @@ class RankReport:
     tokens: float  # of which tokens, where the samples are token ids
     phases: dict[str, float]  # seconds per step over the interval (zeros where not collected)
     lead_s: float  # StepTimer.lead_s (GPU)
+    arrivals: list[float]  # observe/arrivals.py Arrivals.read() of its tensor-parallel group (zeros if none)
 
     @classmethod
     def parse(cls, names: list[str], row: list[float]) -> RankReport:
@@ -45,7 +47,8 @@ class RankReport:
         skipped, first_skipped, first_bad, fingerprint, signal, peak, samples, tokens = row[n:n + 3 + HOST]
         times = row[n + 3 + HOST:]
         return cls(dict(zip(names, row[:n])), skipped, first_skipped, first_bad, int(fingerprint), int(signal),
-                   int(peak), samples, tokens, dict(zip(PHASES, times)), times[len(PHASES)])
+                   int(peak), samples, tokens, dict(zip(PHASES, times)), times[len(PHASES)],
+                   times[len(PHASES) + 1:])
 
 
 def fingerprint(names: list[str]) -> int:
@@ -54,13 +57,15 @@ def fingerprint(names: list[str]) -> int:
 
 
 def gather(rt: Runtime, sums: dict[str, torch.Tensor], guard: NonFiniteGuard, *, signal: int, peak: int,
-           times: list[float], lead: float, samples: float = 0.0, tokens: float = 0.0) -> list[RankReport]:
+           times: list[float], lead: float, samples: float = 0.0, tokens: float = 0.0,
+           arrivals: list[float] | None = None) -> list[RankReport]:
     """Every rank's RankReport, on every rank: one all_gather and one host-device sync (none of either on one
-    process but the read). ``sums``: this rank's device tensors (0-d), ``times``: its phase times (PHASES)."""
+    process but the read). ``sums``: this rank's device tensors (0-d), ``times``: its phase times (PHASES),
+    ``arrivals``: its Arrivals.read() (observe/arrivals.py; zeros when not given)."""
     names = sorted(sums)
     device_part = torch.stack([*(sums[name] for name in names), *guard.state()]).double()
     host = torch.tensor([float(fingerprint(names)), float(signal), float(peak), float(samples), float(tokens),
-                         *times, lead], dtype=torch.float64)
+                         *times, lead, *(arrivals or [0.0] * ARRIVAL_FIELDS)], dtype=torch.float64)
     mine = torch.cat([device_part.reshape(-1), host.to(device_part.device)])
     if not rt.distributed:
         return [RankReport.parse(names, mine.tolist())]

@@ -93,16 +93,18 @@ class RunServices:
             checkpointer.last_step = resume.step
         return cls(cfg, rt, console, writer, checkpointer, earlier[0])
 
-    def interval(self, per_rank: list[dict[str, float]], steps: int) -> dict[str, Any] | None:
+    def interval(self, per_rank: list[dict[str, float]], steps: int,
+                 late: list[float] | None = None) -> dict[str, Any] | None:
         """One log interval's phase times (seconds per step, per rank) over ``steps`` steps: added to the
         run's totals and, with log.phase_times, given to the straggler detector. Returns its record for
-        metrics.jsonl (a newly found straggler is said on the console once), or None."""
+        metrics.jsonl (a newly found straggler is said on the console once), or None. ``late``: each rank's
+        lateness per step in its tensor-parallel group's collectives (observe/arrivals.py), or None."""
         for totals, phases in zip(self.phase_totals, per_rank):
             for phase, seconds in phases.items():
                 totals[phase] += seconds * steps
         if not self.cfg.log.phase_times:
             return None
-        straggler = self.stragglers.update(per_rank)
+        straggler = self.stragglers.update(per_rank, late)
         if straggler is not None and straggler.pop("new"):
             self.console.print(straggler_line(straggler))
         return straggler
