@@ -224,10 +224,10 @@ def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nno
 
 
 def check_tp_split(tp: int, name: str, heads: tuple[tuple[str, int], ...], *, hidden: int | None = None,
-                   loss: str = "split", strategy: str = "ddp", pipelined: bool = False) -> None:
+                   loss: str = "split", strategy: str = "ddp") -> None:
     """Tensor parallelism can split model ``name`` (model.name, or a module's class name) ``tp`` ways, or a
     one-line ConfigError: ``heads`` (config key, count) and the MLP's ``hidden`` width (when known) divided
-    whole; the GPT neither with its fused loss, nor under FSDP, nor in pipeline stages (``pipelined``). Read
+    whole; the GPT neither with its fused loss nor under FSDP. Read
     from the config before workers start (check_split) and from the built model by parallel/tensor.py."""
     if tp == 1:
         return
@@ -248,10 +248,6 @@ def check_tp_split(tp: int, name: str, heads: tuple[tuple[str, int], ...], *, hi
     if hidden is not None and hidden % tp:
         raise ConfigError("parallel.tp", tp, f"a divisor of the MLP's width {hidden}",
                           f"--parallel.tp={_divisor_below(hidden, tp)}")
-    if name == "gpt" and pipelined:
-        raise ConfigError("parallel.tp", tp, "1 with parallel.pp > 1 on the built-in GPT (its tied embedding and "
-                          "head live on different stages; tensor parallelism ties them in one DTensor)",
-                          "--model.name=llama for pp x tp, or --parallel.tp=1")
 
 
 def _divisor_below(n: int, tp: int) -> int:
@@ -313,8 +309,7 @@ def check_split(cfg: ParallelConfig, model: ModelConfig) -> None:
     """The built-in model can be split tp ways by heads and pp ways by blocks, or a one-line ConfigError."""
     tp, pp = cfg.tp, cfg.pp
     kv = (("model.n_kv_head", model.n_kv_head or model.n_head),) if model.name == "llama" else ()
-    check_tp_split(tp, model.name, (("model.n_head", model.n_head), *kv), loss=model.loss, strategy=cfg.strategy,
-                   pipelined=pp > 1)
+    check_tp_split(tp, model.name, (("model.n_head", model.n_head), *kv), loss=model.loss, strategy=cfg.strategy)
     if pp > 1 and model.name not in ("gpt", "llama"):
         raise ConfigError("parallel.pp", pp, f"1 with model.name = {model.name}: pipeline stages split the "
                           "built-in GPT and Llama", "--parallel.pp=1, or --model.name=llama")

@@ -157,3 +157,17 @@ def test_a_loop_of_ones_own_runs_as_a_pipeline_and_equals_one_process(tmp_path):
     assert [s for s, _ in mine] == [s for s, _ in ref] == [10, 20]
     assert all(abs(x - y) < 1e-5 for (_, x), (_, y) in zip(mine, ref)), (mine, ref)
     assert ref[-1][1] < 0.8 * math.log(64), ref
+
+
+def test_gpt_pp_x_tp_equals_one_process(tmp_path):
+    """The built-in GPT as 2 stages x tensor parallelism 2 (4 ranks): its tied embedding and head on different
+    stages, each split by the same vocabulary rows, their gradients summed shard by shard; the weights, losses
+    and held-out loss after 6 steps as one process has them (1e-5), and it resumes at pp 1."""
+    gpt = ["gpt-stdlib", *JOB]
+    _legs(tmp_path, gpt, [["--nproc", "1", "--data.batch_size=8"]], "one")
+    said = _legs(tmp_path, gpt, [["--nproc", "4", "--parallel.pp=2", "--parallel.tp=2", "--data.batch_size=8",
+                                  "--chaos.interrupt_step=3"],
+                                 ["--nproc", "1", "--data.batch_size=8"]], "pp2xtp2")
+    assert "parallel: pp 2 x tp 2" in said[0], said[0]
+    assert "parallel.pp: 2 -> 1" in said[1] and "parallel.tp: 2 -> 1" in said[1], said[1]
+    _close(tmp_path / "pp2xtp2", tmp_path / "one")

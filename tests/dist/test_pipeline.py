@@ -115,6 +115,48 @@ def _four_ranks(rank: int, world: int) -> dict:
     return {"gpt-pp2-dp2": _pipelined(pp_dp, "gpt", "1f1b", 2), "gpt-pp4": _pipelined(pp4, "gpt", "gpipe", 4)}
 
 
+def _pp_x_tp(rank: int, world: int, name: str) -> dict:
+    """2 stages x tensor parallelism 2 (4 ranks, one data-parallel rank: every rank reads all 8 rows); the
+    stage split by apply_tp as the trainer splits it, the logits gathered for _loss. GPT: the last stage's head
+    copy is split by the same vocabulary rows as the first stage's embedding, and their shards summed rank by rank."""
+    from torch.distributed.tensor import DTensor
+
+    from scaletrain.parallel.tensor import apply_tp
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    stage = pipeline_stage(_model(name), 2, mesh.get_local_rank("pp"))
+    apply_tp(stage, mesh["tp"])
+    runner = PipelineRunner(stage, mesh, device=torch.device("cpu"), microbatches=4, schedule="1f1b",
+                            loss_fn=_loss)
+    data = _data()
+    opt = torch.optim.AdamW(stage.parameters(), lr=LR, weight_decay=0.1)
+    norms, losses = [], []
+    for step in range(STEPS):
+        if step == EVAL_AT:
+            stage.eval()
+            with torch.no_grad():
+                held_out = runner.eval_step(data[STEPS, :, :-1], data[STEPS, :, 1:])
+            stage.train()
+        loss = runner.step(data[step, :, :-1], data[step, :, 1:])
+        norms.append(float(clip_grad_norm(stage, CLIP, runner.pp_group)))
+        losses.append(None if loss is None else float(loss))
+        opt.step()
+        opt.zero_grad()
+    params = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+              for k, v in stage.state_dict().items()}
+    return {name: {"params": params, "norms": norms, "losses": losses,
+                   "eval": None if held_out is None else float(held_out)}}
+
+
+@pytest.mark.parametrize("name", ["gpt"])  # the Llama's pp x tp: tests/cli/test_pipeline_cli.py (8 ranks, FSDP too)
+def test_two_stages_by_tensor_parallelism_2_equal_one_process(name):
+    ranks = run_ranks(_pp_x_tp, 4, name)
+    if name == "gpt":  # stage 1's head copy, whole, equals stage 0's embedding (the tie kept)
+        assert torch.equal(ranks[2][name]["params"]["head.weight"], ranks[0][name]["params"]["tok_emb.weight"])
+    _check(ranks, name, _one_process(name), last=[2, 3])
+
+
 def _check(ranks: list[dict], run: str, ref: dict, last: list[int]) -> None:
     """Every rank's parameters within 1e-5 of one process's, the stages together holding them all; norms and
     the loss (on the last stages: ``last``) as one process has them."""

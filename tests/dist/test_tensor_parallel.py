@@ -100,7 +100,6 @@ def test_layout_places_tp_innermost_and_pp_outermost():
     ({"tp": 2, "strategy": "ddp"}, {"name": "llama"}, 4, 1, "parallel.strategy = 'ddp': expected fsdp or hsdp"),
     ({"tp": 2, "strategy": "fsdp"}, {"name": "gpt"}, 4, 1, "parallel.strategy = 'fsdp': expected ddp (one"),
     ({"pp": 4}, {"name": "llama", "n_layer": 2}, 4, 1, "parallel.pp = 4: expected at most model.n_layer = 2"),
-    ({"pp": 2, "tp": 2}, {"name": "gpt"}, 4, 1, "parallel.tp = 2: expected 1 with parallel.pp > 1 on the built-in GPT"),
     ({"pp": 2}, {"name": "mlp"}, 2, 1, "parallel.pp = 2: expected 1 with model.name = mlp"),
     ({"pp": 2, "microbatches": 1}, {"name": "llama"}, 2, 1,
      "parallel.microbatches = 1: expected at least parallel.pp = 2 with parallel.pp_schedule=1f1b"),

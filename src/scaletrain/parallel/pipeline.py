@@ -383,8 +383,14 @@ def _sum_tied_grads(stage: nn.Module, group: dist.ProcessGroup | None) -> None:
     if getattr(stage, "tied_param", None) is None:
         return
     assert group is not None, "a stage with a tied weight has a tied group"
-    grad = stage.get_parameter(stage.tied_param).grad
+    param = stage.get_parameter(stage.tied_param)
+    grad = param.grad
     assert grad is not None, "step() ran backward through the tied weight"
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        # Under tensor parallelism the embedding's gradient comes back whole (Replicate) while the head copy's is
+        # split by vocabulary rows like both weights: take this rank's rows (a local slice), so the two ends'
+        # shards meet rank by rank
+        param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
     dist.all_reduce(_local(grad), group=group)
 
 

@@ -62,8 +62,7 @@ def check_tp(model: nn.Module, tp: int, *, sharded: bool = False) -> None:
     elif isinstance(model, GPT) or is_stage(model):  # a GPT or a stage of one
         first = model.blocks[0] if isinstance(model, GPT) else next(iter(model.blocks.values()))
         check_tp_split(tp, "gpt", (("model.n_head", first.attn.n_head),), hidden=first.mlp[0].out_features,
-                       loss="fused" if getattr(model, "fused_loss", False) else "split", strategy=strategy,
-                       pipelined=is_stage(model))
+                       loss="fused" if getattr(model, "fused_loss", False) else "split", strategy=strategy)
     else:
         check_tp_split(tp, type(model).__name__, ())
 
@@ -129,14 +128,13 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sharded: bool = False, loss_
     another tp. ``loss_parallel``: the logits stay split by vocabulary (a DTensor, Shard(-1)), for a
     cross-entropy computed on the shards under loss_context(): 1/tp of the logits and of their gradient per
     rank instead of all of them; else they are gathered whole, for any loss function."""
-    from scaletrain.models import GPT
 
     check_tp(model, mesh.size(), sharded=sharded)
     _quiet()
     logits = {"output_layouts": Shard(-1), "use_local_output": False} if loss_parallel else \
         {"output_layouts": Replicate()}
     model.loss_parallel = loss_parallel
-    if isinstance(model, GPT):
+    if hasattr(model, "blocks"):  # a GPT or a pipeline stage of one (a Llama's are its layers)
         return _apply_tp_gpt(model, mesh, logits)
     ends = {
         # Vocabulary rows split; the output is the residual stream, sequence-sharded from here on.
@@ -184,14 +182,18 @@ def _apply_tp_gpt(model: nn.Module, mesh: DeviceMesh, logits: dict) -> nn.Module
     """The built-in GPT: Megatron's split of attention (fused qkv by heads, FusedColwise) and MLP; the layer
     norms and the residual stream whole on every rank (no sequence parallelism: the learned position embedding
     is added to the token embedding's full sequence); the tied embedding and head split by vocabulary."""
-    parallelize_module(model, mesh, {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "pos_emb": Replicated(),
-        "ln_f": Replicated(),
-    })
-    model.head.weight = model.tok_emb.weight  # the tie, now one DTensor split by vocabulary rows
-    parallelize_module(model.head, mesh, TiedColwise(**logits))
-    for block in model.blocks:
+    ends = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "pos_emb": Replicated(), "ln_f": Replicated()}
+    # A pipeline stage holds some of them: the first the embeddings, the last ln_f and its own copy of the head
+    parallelize_module(model, mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
+    head, emb = getattr(model, "head", None), getattr(model, "tok_emb", None)
+    if head is not None and emb is not None:
+        model.head.weight = model.tok_emb.weight  # the tie, now one DTensor split by vocabulary rows
+        parallelize_module(model.head, mesh, TiedColwise(**logits))
+    elif head is not None:  # the last stage's copy: split by the same rows as the first stage's embedding, so the
+        parallelize_module(model.head, mesh, ColwiseParallel(**logits))  # two ends' shards sum rank by rank
+    blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
+    for block in blocks:
         parallelize_module(block, mesh, {
             "ln1": Replicated(),
             "attn.qkv": FusedColwise(3),
