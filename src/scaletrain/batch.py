@@ -105,7 +105,16 @@ def default_loss(output: Any, target: Any) -> torch.Tensor:
         what = "no target" if target is None else f"a target of type {type(target).__name__}"
         raise UserError(f"loss: the model returned {describe(output)} with no loss, and the batch has {what}; "
                         "fix: pass loss_fn=..., or batches (inputs, target) with a tensor target, or a batch_fn")
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    return F.cross_entropy(loss_logits(logits).reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def loss_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The logits a cross-entropy takes: bf16/fp16 ones upcast to fp32 first, as torchtitan, Megatron-LM and
+    transformers compute their losses (a log-softmax over a large vocabulary in bf16 keeps 3 significant digits).
+    Under autocast the cross-entropy upcast them anyway; under FSDP's bf16 policy (no autocast) nothing did, so
+    the same run's loss was less precise under FSDP than under DDP. The fp32 copy and log-softmax cost memory
+    (plan counts them: observe/memory.py measures with this loss); a compiled loss fuses them."""
+    return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
 
 
 def describe(output: Any) -> str:

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from scaletrain.batch import Batch, backward_scalar, logits_of, loss_of
+from scaletrain.batch import Batch, backward_scalar, logits_of, loss_logits, loss_of
 
 GB = 1e9
 
@@ -205,7 +205,7 @@ def default_loss(output: Any) -> torch.Tensor:
     logits = logits_of(output)
     if loss_of(output) is not None or logits is None:
         return backward_scalar(output)
-    logits = logits.reshape(-1, logits.shape[-1])
+    logits = loss_logits(logits).reshape(-1, logits.shape[-1])
     return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
 
 
