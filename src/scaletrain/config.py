@@ -132,6 +132,10 @@ def _endpoint(text: str) -> bool:
     return not text or (bool(host) and re.fullmatch(r"[0-9]{1,5}", port) is not None and 1 <= int(port) <= 65535)
 
 
+def _address(text: str) -> bool:
+    return not text or re.fullmatch(r"[A-Za-z0-9._:\-\[\]]+", text) is not None
+
+
 def _class_names(text: str) -> bool:
     return not text.strip() or all(n.strip().isidentifier() for n in text.split(","))
 
@@ -184,6 +188,8 @@ class DistConfig:
     rdzv_endpoint: Annotated[str, Text("HOST:PORT with a port in [1, 65535]", _endpoint,
                                        "--rdzv-endpoint=node0:29500")] = ""
     """HOST:PORT where the machines of a multi-node job meet ('' = this machine, a free port)."""
+    local_addr: Annotated[str, Text("an IP address or host name", _address, "--dist.local_addr=10.0.0.5")] = ""
+    """This machine's address on the network the machines share ('' = its host name; 127.0.0.1 on one machine): the workers' store, when this machine hosts it, listens there only."""
     rdzv_id: Annotated[str, Text("a job id", fix="--dist.rdzv_id=myjob")] = ""
     """Job id shared by all machines of one job ('' = scaletrain-<run.name>; under 'launch': scaletrain-<SCRIPT>)."""
     max_restarts: Annotated[int, Range(0, most=I32, fix="--max-restarts 3")] = 0

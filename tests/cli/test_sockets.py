@@ -134,3 +134,19 @@ def test_a_store_listens_on_the_address_it_is_advertised_at() -> None:
 def test_bind_address_is_an_address_never_a_name() -> None:
     assert [_bind_address(h) for h in ("127.0.0.1", "localhost", "[::1]", "::1", "10.0.0.7", "node0")] == [
         "127.0.0.1", "127.0.0.1", "::1", "::1", "10.0.0.7", None]
+
+
+def test_a_machine_of_a_multi_node_job_gives_torchrun_its_configured_address():
+    """dist.local_addr (scaletrain launch --local-addr): torchrun's --local-addr, where the workers' store of the
+    machine hosting it listens (the wrapper above binds an address given as one); a local job keeps loopback."""
+    from scaletrain.cluster.torchrun import torchrun_args
+    from scaletrain.config import DistConfig
+
+    multi = torchrun_args(DistConfig(nnodes=2, rdzv_endpoint="10.0.0.1:29500", local_addr="10.0.0.2"), ["t.py"],
+                          module=False, run_id="job")
+    assert "--local-addr=10.0.0.2" in multi
+    assert "--local-addr=127.0.0.1" in torchrun_args(DistConfig(local_addr="10.0.0.2"), ["t.py"], module=False,
+                                                     run_id="job")
+    assert not any(a.startswith("--local-addr") for a in
+                   torchrun_args(DistConfig(nnodes=2, rdzv_endpoint="node0:29500"), ["t.py"], module=False,
+                                 run_id="job"))

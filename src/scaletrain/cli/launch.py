@@ -18,6 +18,8 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--nproc", default="1", help="worker processes on this machine [default: 1]")
     p.add_argument("--nnodes", default="1", help="machines in the job [default: 1]")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT where the machines meet (needed when nnodes > 1)")
+    p.add_argument("--local-addr", default="",
+                   help="this machine's address on the job's network [default: its host name]")
     p.add_argument("--rdzv-id", default="",
                    help="job id shared by all machines of one job [default: scaletrain-<SCRIPT's name>]")
     p.add_argument("--max-restarts", default="0", help="restarts of the worker group after a failure [default: 0]")
@@ -36,6 +38,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         raise UserError("launch needs a SCRIPT to run; fix: scaletrain launch --nproc 2 train.py [ARGS...]")
     dist = build([("command line", {"dist.nproc": args.nproc, "dist.nnodes": args.nnodes,
                                      "dist.rdzv_endpoint": args.rdzv_endpoint, "dist.rdzv_id": args.rdzv_id,
+                                     "dist.local_addr": args.local_addr,
                                      "dist.max_restarts": args.max_restarts})]).dist
     if not args.module and not Path(args.script).is_file():
         raise UserError(f"script {args.script!r} not found; fix: check the path (or use -m for a module)")

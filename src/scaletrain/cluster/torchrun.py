@@ -95,8 +95,8 @@ def _stores_on_their_address() -> Iterator[None]:
     given). Two servers: the c10d rendezvous store on the endpoint's host (c10d_rendezvous_backend's
     TCPStore), and the store the workers meet at, on this agent's --local-addr (dynamic_rendezvous's
     _create_tcp_store_server). On one machine both are loopback; on several, the endpoint's address where it
-    is given as one, and the second store stays on every interface (its address is the host's name, which
-    the other machines resolve). Restored on the way out: nothing else in the process is changed."""
+    is given as one, and the second store on dist.local_addr where that is an address of this machine (else
+    on every interface: by default its address is the host's name, which the other machines resolve). Restored on the way out: nothing else in the process is changed."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler as Handler
@@ -128,6 +128,8 @@ def torchrun_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: s
     if _is_local(cfg.rdzv_endpoint):
         # The address this agent gives its workers as MASTER_ADDR; the default would be the host's FQDN.
         args.append("--local-addr=127.0.0.1")
+    elif cfg.local_addr:  # this machine's address on the job's network: the workers' store listens there only
+        args.append(f"--local-addr={cfg.local_addr}")
     return args + (["-m"] if module else []) + target[:1]
 
 
