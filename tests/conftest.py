@@ -7,16 +7,6 @@ import pytest
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The docs tour's file first and the files that read the tour last (a stable sort: the rest keep their
-    order). `make test`'s workers take whole files in this order (--dist loadfile), so the tour starts at once
-    on one worker and the other reaches its readers only when the tour is done, instead of waiting for it under
-    the lock (measured: 93 s of one worker's time idle, most of the suite's excess over 15 minutes)."""
-    readers = {item.path for item in items if "docs_tour" in getattr(item, "fixturenames", ())}
-    tour = {item.path for item in items if item.path.name == "test_docs.py"}
-    items.sort(key=lambda item: 0 if item.path in tour else 2 if item.path in readers else 1)
-
-
 @pytest.fixture(autouse=True)
 def _no_process_group_left():
     yield
