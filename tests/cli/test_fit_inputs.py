@@ -223,3 +223,20 @@ def test_eval_indices_spread_over_the_split() -> None:
     chosen = eval_indices(1000, batch_size=4, world=2, max_batches=5)
     assert len(chosen) == 40 and len(set(chosen)) == 40
     assert chosen[0] == 0 and chosen[-1] == 975  # first to last part of the split, every 25th sample
+
+
+def test_a_model_of_ones_own_on_the_meta_device_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """scaletrain fills the weights of its built-in models built on the meta device, not of a model of one's own
+    (it cannot know their initialisation): one line, exit 2, before any step."""
+    script = tmp_path / "meta.py"
+    script.write_text("import scaletrain, torch\n"
+                      "with torch.device('meta'):\n"
+                      "    model = torch.nn.Linear(8, 4)\n"
+                      "scaletrain.fit(model, (torch.randn(64, 8), torch.randint(0, 4, (64,))),\n"
+                      f"               config={{'run.dir': {str(tmp_path / 'r')!r}, 'train.progress': False}})\n")
+    proc = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120,
+                          env=_env())
+    assert proc.returncode == 2, proc.stderr
+    said = ("scaletrain: error: this Linear's parameters are on the meta device (no values), and scaletrain fills "
+            "only its built-in models' weights; fix: build the model on the CPU (or load its weights) before training it")
+    assert proc.stderr.splitlines() == [said]

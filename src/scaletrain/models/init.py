@@ -116,6 +116,17 @@ def is_meta(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
+def refuse_unfilled(module: nn.Module) -> None:
+    """A one-line UserError for a model of the user's built on the meta device: its initialisation is its own
+    (scaletrain fills only the built-in models', by their init_rules)."""
+    if is_meta(module) and getattr(module, "init_rules", None) is None:
+        from scaletrain.errors import UserError
+
+        raise UserError(f"this {type(module).__name__}'s parameters are on the meta device (no values), and "
+                        "scaletrain fills only its built-in models' weights; fix: build the model on the CPU (or "
+                        "load its weights) before training it")
+
+
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Give a module built on the meta device (and split) memory on ``device`` and its initial weights: the
     model's own values, by name (``module.init_rules``/``init_seed``), and its computed buffers (``reset_buffers``)."""

@@ -21,6 +21,7 @@ from scaletrain.data import Splits
 from scaletrain.errors import UserError
 from scaletrain.layout import check_pipeline
 from scaletrain.models import GPT, build_model
+from scaletrain.models.init import refuse_unfilled
 from scaletrain.observe.throughput import flops_per_sample
 from scaletrain.parallel import Layout, gradient_sync, has_dtensors, is_fsdp, resolve_layout, resolve_strategy
 from scaletrain.parallel.pipeline import PipelineRunner
@@ -225,6 +226,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     else:
         module = model if isinstance(model, nn.Module) else model()
     if not deferred:
+        refuse_unfilled(module)
         module.to(rt.device)
     # The built-in GPT with model.loss=fused computes its loss in forward: it is given the targets too.
     batcher = Batcher(module, batch_fn, target_kwarg="targets" if isinstance(module, GPT) and module.fused_loss else None)

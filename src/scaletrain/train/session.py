@@ -92,7 +92,7 @@ from scaletrain.errors import (
     install_excepthook,
 )
 from scaletrain.layout import check_pipeline
-from scaletrain.models.init import is_meta, local_numel, materialize
+from scaletrain.models.init import is_meta, local_numel, materialize, refuse_unfilled
 from scaletrain.observe import flight
 from scaletrain.observe.arrivals import Arrivals, every, lateness
 from scaletrain.observe.console import Console
@@ -418,6 +418,8 @@ class Session:
                             f"'model{len(self._models)}'")
         if not is_meta(model):  # a built-in model built on the meta device gets its memory once split, below
             model.to(self.device)
+        else:
+            refuse_unfilled(model)
         given = [opt for opt in optimizers if isinstance(opt, Optimizer)]
         for opt in given:
             _check_optimizer(opt, model)
