@@ -130,6 +130,16 @@ class Layout:
             rank, out[name] = divmod(rank, size)
         return out
 
+    def groups(self, *axes: str) -> list[list[int]]:
+        """The ranks that differ only on ``axes`` (the same place on every other axis), one list per place:
+        groups("tp") are the tensor-parallel groups, groups("dp_replicate", "dp_shard") each pipeline stage and
+        tensor-parallel place's data-parallel replicas."""
+        found: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            place = tuple(i for axis, i in self.coordinates(rank).items() if axis not in axes)
+            found.setdefault(place, []).append(rank)
+        return list(found.values())
+
     def describe(self) -> str:
         """The strategy with the model-parallel degrees: "ddp", "fsdp x tp 2", "tp 2"."""
         parts = [] if self.dp_size == 1 and self.tp * self.pp > 1 else [self.strategy]

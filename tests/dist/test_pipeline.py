@@ -69,13 +69,20 @@ def _one_process(name: str) -> dict:
 
 
 def _pipelined(mesh, name: str, schedule: str, microbatches: int) -> dict:
-    """The same 5 steps with this rank's stage and this data-parallel rank's rows."""
-    pp = mesh.size(mesh.mesh_dim_names.index("pp"))
-    stage = pipeline_stage(_model(name), pp, mesh.get_local_rank("pp"))
+    """The same 5 steps with this rank's stage and this data-parallel rank's rows; a "tp" axis splits the stage
+    as the trainer does (apply_tp, the logits gathered for _loss) and its ranks read the same rows."""
+    from torch.distributed.tensor import DTensor
+
+    from scaletrain.parallel.tensor import apply_tp
+
+    names = mesh.mesh_dim_names
+    stage = pipeline_stage(_model(name), mesh.size(names.index("pp")), mesh.get_local_rank("pp"))
+    if "tp" in names:
+        apply_tp(stage, mesh["tp"])
     runner = PipelineRunner(stage, mesh, device=torch.device("cpu"), microbatches=microbatches,
                             schedule=schedule, loss_fn=_loss)
-    dp = mesh.size(1) if mesh.ndim > 1 else 1
-    lo, n = (mesh.get_local_rank(1) if dp > 1 else 0) * GLOBAL // dp, GLOBAL // dp
+    dp = mesh.size(names.index("dp_replicate")) if "dp_replicate" in names else 1
+    lo, n = (mesh.get_local_rank("dp_replicate") if dp > 1 else 0) * GLOBAL // dp, GLOBAL // dp
     data = _data()[:, lo:lo + n]
     opt = torch.optim.AdamW(stage.parameters(), lr=LR, weight_decay=0.1)
     norms, losses, times = [], [], []
@@ -91,8 +98,10 @@ def _pipelined(mesh, name: str, schedule: str, microbatches: int) -> dict:
         times.append(runner.times)
         opt.step()
         opt.zero_grad()
-    return {"params": {k: v.detach().clone() for k, v in stage.state_dict().items()}, "norms": norms,
-            "losses": losses, "times": times, "eval": None if held_out is None else float(held_out)}
+    params = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+              for k, v in stage.state_dict().items()}
+    return {"params": params, "norms": norms, "losses": losses, "times": times,
+            "eval": None if held_out is None else float(held_out)}
 
 
 def _two_ranks(rank: int, world: int) -> dict:
@@ -119,34 +128,9 @@ def _pp_x_tp(rank: int, world: int, name: str) -> dict:
     """2 stages x tensor parallelism 2 (4 ranks, one data-parallel rank: every rank reads all 8 rows); the
     stage split by apply_tp as the trainer splits it, the logits gathered for _loss. GPT: the last stage's head
     copy is split by the same vocabulary rows as the first stage's embedding, and their shards summed rank by rank."""
-    from torch.distributed.tensor import DTensor
-
-    from scaletrain.parallel.tensor import apply_tp
-
     torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    stage = pipeline_stage(_model(name), 2, mesh.get_local_rank("pp"))
-    apply_tp(stage, mesh["tp"])
-    runner = PipelineRunner(stage, mesh, device=torch.device("cpu"), microbatches=4, schedule="1f1b",
-                            loss_fn=_loss)
-    data = _data()
-    opt = torch.optim.AdamW(stage.parameters(), lr=LR, weight_decay=0.1)
-    norms, losses = [], []
-    for step in range(STEPS):
-        if step == EVAL_AT:
-            stage.eval()
-            with torch.no_grad():
-                held_out = runner.eval_step(data[STEPS, :, :-1], data[STEPS, :, 1:])
-            stage.train()
-        loss = runner.step(data[step, :, :-1], data[step, :, 1:])
-        norms.append(float(clip_grad_norm(stage, CLIP, runner.pp_group)))
-        losses.append(None if loss is None else float(loss))
-        opt.step()
-        opt.zero_grad()
-    params = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-              for k, v in stage.state_dict().items()}
-    return {name: {"params": params, "norms": norms, "losses": losses,
-                   "eval": None if held_out is None else float(held_out)}}
+    return {name: _pipelined(mesh, name, "1f1b", 4)}
 
 
 @pytest.mark.parametrize("name", ["gpt"])  # the Llama's pp x tp: tests/cli/test_pipeline_cli.py (8 ranks, FSDP too)

@@ -7,6 +7,7 @@ import torch
 
 from scaletrain.config import MemoryConfig, ParallelConfig, load
 from scaletrain.errors import ConfigError
+from scaletrain.layout import Layout
 from scaletrain.models import GPT
 from scaletrain.parallel import check_layout, is_fsdp, parallelize, resolve_degrees
 
@@ -118,3 +119,10 @@ def test_the_layout_is_one_immutable_value_resolved_once_per_run(monkeypatch, tm
                               "tp": 1, "pp": 1}
     with pytest.raises(ValueError, match="resolve parallel.strategy=auto first"):
         resolve_layout(ParallelConfig(strategy="auto"), MemoryConfig(), 2)
+
+
+def test_groups_are_the_ranks_that_differ_only_on_the_axes_named():
+    layout = Layout("fsdp", 8, 1, 1, 2, tp=2, pp=2)  # pp 2 x dp_shard 2 x tp 2, row-major
+    assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("dp_replicate", "dp_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]

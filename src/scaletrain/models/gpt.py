@@ -83,8 +83,7 @@ class GPT(nn.Module):
             self.ln_f = nn.LayerNorm(n_embd, bias=bias)
             self.head = nn.Linear(n_embd, vocab_size, bias=False)
             self.head.weight = self.tok_emb.weight  # weight tying
-        place(self, device)
-        self.head.weight = self.tok_emb.weight  # tied again: to_empty made new Parameters
+        place(self, device)  # the tie kept
         self.init_rules = standard_rules(self)
         for name in self.init_rules:
             if name.endswith(("attn.proj.weight", "mlp.2.weight")):

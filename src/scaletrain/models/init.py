@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from scaletrain.observe.memory import local_shard
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -33,7 +35,6 @@ class Rule:
     std: float = 0.0
 
 
-NORMAL_002 = Rule("normal", 0.02)
 ZEROS, ONES = Rule("zeros"), Rule("ones")
 
 
@@ -64,7 +65,21 @@ def unfilled() -> Iterator[torch.device]:
 def place(module: nn.Module, device: torch.device) -> None:
     """After ``with unfilled() as device:``: give the layers memory on ``device`` (to_empty), unless there."""
     if any(p.device != device for p in module.parameters()):
-        module.to_empty(device=device)
+        _to_empty(module, device)
+
+
+def _to_empty(module: nn.Module, device: torch.device) -> None:
+    """module.to_empty(device), its tied weights tied again: moving off the meta device makes new Parameters, one
+    per module that held the shared one."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # a tied weight: the same Parameter in several modules
+    for mod in module.modules():
+        for pname, param in mod.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((mod, pname))
+    module.to_empty(device=device)
+    for tied in (group for group in owners.values() if len(group) > 1):
+        first = getattr(*tied[0])
+        for mod, pname in tied[1:]:
+            setattr(mod, pname, first)
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -103,13 +118,8 @@ def init_params(module: nn.Module, rules: dict[str, Rule], seed: int, aliases: d
             if kept not in rules:
                 raise KeyError(f"no initial-weight rule for parameter {kept!r}")
             full = full_value(rules[kept], param.shape, seed, kept)
-            local = param.to_local() if isinstance(param, DTensor) else param
+            local = local_shard(param)
             local.copy_(_own_part(param, full.to(local.device)))
-
-
-def local_numel(param: torch.Tensor) -> int:
-    """Elements this rank holds of ``param`` (its shard of a DTensor)."""
-    return (param.to_local() if isinstance(param, DTensor) else param).numel()
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -133,15 +143,7 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     rules, seed = getattr(module, "init_rules", None), getattr(module, "init_seed", None)
     if rules is None or seed is None:
         raise ValueError(f"{type(module).__name__} was built on the meta device but states no init_rules/init_seed")
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # a tied weight: the same Parameter in several modules
-    for mod in module.modules():
-        for pname, param in mod.named_parameters(recurse=False):
-            owners.setdefault(id(param), []).append((mod, pname))
-    module.to_empty(device=device)  # moving off the meta device makes new Parameters: ties are made again
-    for tied in (group for group in owners.values() if len(group) > 1):
-        first = getattr(*tied[0])
-        for mod, pname in tied[1:]:
-            setattr(mod, pname, first)
+    _to_empty(module, device)
     init_params(module, rules, seed, getattr(module, "tied_aliases", None))
     reset = getattr(module, "reset_buffers", None)
     if callable(reset):

@@ -8,8 +8,8 @@ each collective, summed over a step, is how much longer its own work took. torch
 the time each collective was issued (``time_created_ns``, the host clock) for every process group, on Gloo and
 NCCL (dist.flight_recorder); nothing is added to the step. At a log step each rank reads its record once and
 reports the mean issue time of the group's collectives of the interval (up to the last ``WINDOW``) with their
-sequence numbers; the session turns those into each rank's lateness per step (``lateness``), which the straggler
-detector adds to the rank's own time. Reading the record costs (it is all of it, unpickled): it is read at every
+sequence numbers; the gathered readings become each rank's lateness per step (``Arrivals.update``), which the
+straggler detector adds to the rank's own time. Reading the record costs (it is all of it, unpickled): it is read at every
 log step or every few, so that it takes at most 0.5% of the time, and the last reading stands in between.
 
 The clocks compared are one machine's (tensor parallelism stays within a machine: layout.py). Host issue times
@@ -41,11 +41,32 @@ def _entries() -> list[dict[str, Any]]:
 
 
 class Arrivals:
-    """This rank's issue times of one process group's collectives (the tensor-parallel group's)."""
+    """This rank's issue times of its tensor-parallel group's collectives (process group ``group_name``), read
+    at the log steps due() says, and every rank's lateness made of the gathered readings (``groups``: the ranks
+    of each tensor-parallel group, Layout.groups("tp")). The same decisions on every rank: they are made from
+    the gathered rows."""
 
-    def __init__(self, group_name: str) -> None:
-        self.group = group_name
+    def __init__(self, group_name: str, groups: list[list[int]]) -> None:
+        self.group, self.groups = group_name, groups
         self._last = 0  # the last sequence number read
+        self._every, self._logs, self._steps = 1, 0, 0  # read every n log steps; log steps and steps since a read
+        self._late: list[float] | None = None  # the last reading's lateness, standing until the next
+
+    def due(self) -> bool:
+        """Whether this log step reads the record (every(...)-th log step)."""
+        return self._logs % self._every == 0
+
+    def update(self, rows: list[list[float]], before: list[float], steps: int,
+               interval_s: float) -> list[float] | None:
+        """Every rank's lateness per step (module ``lateness``) from this log step's gathered ``rows`` where
+        they were read (due()), else the last reading's; ``before``: each rank's pre_comm per step, ``steps``:
+        steps in this interval of ``interval_s`` seconds. Call once per log step, after the gather."""
+        self._steps += steps
+        if self.due():
+            self._late = lateness(rows, self.groups, self._steps, before)
+            self._every, self._steps, self._logs = every(rows, interval_s), 0, 0
+        self._logs += 1
+        return self._late
 
     def read(self) -> list[float]:
         """[mean issue time in seconds after EPOCH_NS, first and last sequence number, collectives since the last

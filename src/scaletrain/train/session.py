@@ -92,12 +92,12 @@ from scaletrain.errors import (
     install_excepthook,
 )
 from scaletrain.layout import check_pipeline
-from scaletrain.models.init import is_meta, local_numel, materialize, refuse_unfilled
+from scaletrain.models.init import is_meta, materialize, refuse_unfilled
 from scaletrain.observe import flight
-from scaletrain.observe.arrivals import Arrivals, every, lateness
+from scaletrain.observe.arrivals import Arrivals
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import run_totals
-from scaletrain.observe.memory import MemoryBreakdown, model_state_bytes, peak_bytes
+from scaletrain.observe.memory import MemoryBreakdown, local_shard, model_state_bytes, peak_bytes
 from scaletrain.observe.metrics import MetricsWriter, write_json
 from scaletrain.observe.noise_scale import PREFIX as NOISE_SUMS
 from scaletrain.observe.noise_scale import GradProbe, NoiseScaleLog, attach_probe
@@ -269,8 +269,6 @@ class Session:
         self._stage: nn.Module | None = None  # parallel.pp > 1: this rank's pipeline stage (the model set up)
         self._noise: NoiseScaleLog | None = None  # log.grad_noise_scale: the model's gradient noise scale
         self._arrivals: Arrivals | None = None  # tensor parallelism: when this rank issued its group's collectives
-        self._late: list[float] | None = None  # each rank's latest lateness per step in its group (arrivals.py)
-        self._late_every, self._late_logs, self._late_steps = 1, 0, 0  # read every n log steps; since the last read
         self._tracked: dict[str, Any] = {}  # st.track(): name -> an object with state_dict()
         self._loaders: list[Loader] = []
         self.preempt = opened.preempt if opened is not None else \
@@ -437,9 +435,9 @@ class Session:
         if is_meta(model):  # its part only, now: the same weights as one process's model by name
             materialize(model, self.device)
             log.info("built on the meta device; this rank filled its part: %s parameters",
-                     f"{sum(local_numel(p) for p in model.parameters()):,}")
+                     f"{sum(local_shard(p).numel() for p in model.parameters()):,}")
         if self.layout is not None and self.layout.tp > 1 and cfg.log.phase_times and self._arrivals is None:
-            self._arrivals = _tp_arrivals(model)
+            self._arrivals = _tp_arrivals(model, self.layout)
         if has_dtensors(wrapped):  # FSDP/TP replaced the parameters: an optimizer built before takes the new ones
             now = dict(model.named_parameters())
             for opt in given:
@@ -804,21 +802,6 @@ class Session:
         if stop or interrupt:
             self._stopped(PreemptFlag.name(stop) if stop else "chaos.interrupt_step")
 
-    def _lateness(self, rows: list[RankReport], ran: int, elapsed: float) -> list[float] | None:
-        """Each rank's lateness per step in its tensor-parallel group (observe/arrivals.py) from this log step's
-        rows where they were read, else the last reading; None without tensor parallelism."""
-        if self._arrivals is None or self.layout is None:
-            return None
-        self._late_steps += ran
-        if self._late_logs % self._late_every == 0:
-            arrivals = [r.arrivals for r in rows]
-            self._late = lateness(arrivals, _tp_groups(self.layout), self._late_steps,
-                                  [r.phases["pre_comm"] for r in rows])
-            self._late_every, self._late_steps = every(arrivals, elapsed), 0
-            self._late_logs = 0
-        self._late_logs += 1
-        return self._late
-
     def _gather(self, *, phases: bool = True) -> list[RankReport]:
         """Every rank's RankReport (train/interval.py): one all_gather, one host sync. The phase times only with
         ``phases`` (collecting them starts a new interval: a log step's)."""
@@ -827,7 +810,7 @@ class Session:
                           times=self.timer.collect() if phases else [0.0] * len(PHASES),
                           lead=self.timer.lead_s if phases else 0.0, samples=self._samples, tokens=self._tokens,
                           arrivals=self._arrivals.read() if phases and self._arrivals is not None
-                          and self._late_logs % self._late_every == 0 else None)
+                          and self._arrivals.due() else None)
         except RuntimeError as err:  # rows of other lengths: other numbers of names
             raise UserError("session.log(): the ranks logged different names (or numbers of them) in this "
                             f"interval ({type(err).__name__}); fix: log the same names on every rank") from err
@@ -854,7 +837,9 @@ class Session:
         rate = samples / elapsed if elapsed > 0 else 0.0
         phases = [r.phases for r in rows]
         assert self.services is not None
-        straggler = self.services.interval(phases, ran, self._lateness(rows, ran, elapsed))
+        late = self._arrivals.update([r.arrivals for r in rows], [p["pre_comm"] for p in phases], ran, elapsed) \
+            if self._arrivals is not None else None
+        straggler = self.services.interval(phases, ran, late)
         epoch = self._loaders[0].epoch + 1 if self._loaders else None
         lr = self._models[0].optimizers[0].param_groups[0]["lr"] if self._models and self._models[0].optimizers \
             else None
@@ -1255,7 +1240,7 @@ def session(config: Config | Mapping[str, Any] | str | None = None, *, argv: lis
         raise
 
 
-def _tp_arrivals(model: nn.Module) -> Arrivals | None:
+def _tp_arrivals(model: nn.Module, layout: Layout) -> Arrivals | None:
     """The Arrivals of this rank's tensor-parallel group (its name read off a tensor-parallel parameter's
     mesh), or None where torch's Flight Recorder is off (dist.flight_recorder=0): nothing to read then."""
     if not flight.enabled():
@@ -1263,26 +1248,15 @@ def _tp_arrivals(model: nn.Module) -> Arrivals | None:
     for param in model.parameters():
         mesh = getattr(param, "device_mesh", None)
         if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
-            return Arrivals(mesh.get_group("tp").group_name)
+            return Arrivals(mesh.get_group("tp").group_name, layout.groups("tp"))
     return None
-
-
-def _tp_groups(layout: Layout) -> list[list[int]]:
-    """The ranks of each tensor-parallel group: the ranks whose places differ only on the tp axis."""
-    groups: dict[tuple[tuple[str, int], ...], list[int]] = {}
-    for rank in range(layout.world_size):
-        place = tuple((axis, i) for axis, i in layout.coordinates(rank).items() if axis != "tp")
-        groups.setdefault(place, []).append(rank)
-    return list(groups.values())
 
 
 def _stage_peers(layout: Layout) -> dict[int, list[int]]:
     """Each rank's straggler peers in a pipeline: the other ranks of its stage and tensor-parallel place (its
     data-parallel replicas, which do the same work); none where a stage has no replica (the detector then
     compares it with every rank: a slow stage and a slow rank are one there)."""
-    place = [(c["pp"], c["tp"]) for c in map(layout.coordinates, range(layout.world_size))]
-    return {r: [o for o in range(layout.world_size) if o != r and place[o] == place[r]]
-            for r in range(layout.world_size)}
+    return {r: [o for o in group if o != r] for group in layout.groups("dp_replicate", "dp_shard") for r in group}
 
 
 def _stage_tree(tree: dict[str, Any], stage: nn.Module) -> dict[str, Any]:
