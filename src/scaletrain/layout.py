@@ -234,20 +234,15 @@ def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nno
 
 
 def check_tp_split(tp: int, name: str, heads: tuple[tuple[str, int], ...], *, hidden: int | None = None,
-                   loss: str = "split", strategy: str = "ddp") -> None:
+                   loss: str = "split") -> None:
     """Tensor parallelism can split model ``name`` (model.name, or a module's class name) ``tp`` ways, or a
     one-line ConfigError: ``heads`` (config key, count) and the MLP's ``hidden`` width (when known) divided
-    whole; the GPT neither with its fused loss nor under FSDP. Read
-    from the config before workers start (check_split) and from the built model by parallel/tensor.py."""
+    whole; the GPT not with its fused loss. Read from the config before workers start (check_split) and from the built model by parallel/tensor.py."""
     if tp == 1:
         return
     if name not in ("gpt", "llama"):
         raise ConfigError("parallel.tp", tp, f"1 with model.name = {name}: tensor parallelism splits the built-in "
                           "GPT and Llama", "--parallel.tp=1, or --model.name=llama")
-    if name == "gpt" and strategy in ("fsdp", "hsdp"):  # measured: it trains right, but qkv gathers wrong
-        raise ConfigError("parallel.strategy", strategy, "ddp (one data-parallel rank) with parallel.tp > 1 on "
-                          "the built-in GPT: FSDP2's sharding of its fused query/key/value matrix, split part by "
-                          "part, gathers out of order", "--model.name=llama for FSDP x TP, or --parallel.tp=1")
     if name == "gpt" and loss == "fused":
         raise ConfigError("model.loss", "fused", "split with parallel.tp > 1 (the fused loss reads the whole "
                           "output matrix, which tensor parallelism splits)", "--model.loss=split")
@@ -319,7 +314,7 @@ def check_split(cfg: ParallelConfig, model: ModelConfig) -> None:
     """The built-in model can be split tp ways by heads and pp ways by blocks, or a one-line ConfigError."""
     tp, pp = cfg.tp, cfg.pp
     kv = (("model.n_kv_head", model.n_kv_head or model.n_head),) if model.name == "llama" else ()
-    check_tp_split(tp, model.name, (("model.n_head", model.n_head), *kv), loss=model.loss, strategy=cfg.strategy)
+    check_tp_split(tp, model.name, (("model.n_head", model.n_head), *kv), loss=model.loss)
     if pp > 1 and model.name not in ("gpt", "llama"):
         raise ConfigError("parallel.pp", pp, f"1 with model.name = {model.name}: pipeline stages split the "
                           "built-in GPT and Llama", "--parallel.pp=1, or --model.name=llama")

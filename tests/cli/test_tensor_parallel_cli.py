@@ -3,8 +3,8 @@ resume at another layout (FSDP x TP as FSDP alone, TP=2 as one process).
 
 llama-tiny, fp32, AdamW with clipping, a global batch of 8 sequences throughout, 6 steps: one process (batch
 8); FSDP=2 x TP=2 on 4 ranks stopped after step 3 (batch 4 per data-parallel rank), its DCP checkpoint resumed
-by FSDP=2 on 2 ranks (no TP) for steps 4-6. And gpt-stdlib: TP=2 on 2 ranks (one data-parallel rank: both read
-the 8) stopped after step 3, resumed by one process. The sums differ in order only (halves of row-parallel
+by FSDP=2 on 2 ranks (no TP) for steps 4-6. And gpt-stdlib: FSDP=2 x TP=2 on 4 ranks stopped after step 3,
+resumed by one process. The sums differ in order only (halves of row-parallel
 matmuls added across ranks), so the final weights and the logged losses agree with one process's to 1e-5.
 (TP=2 alone against one process, both models: tests/dist/test_tensor_parallel.py.)
 """
@@ -52,18 +52,28 @@ def test_fsdp_x_tp_resumed_as_fsdp_equals_one_process(tmp_path):
     _close(tmp_path / "mixed", tmp_path / "one")
 
 
-def test_gpt_tp2_checkpoint_resumes_at_tp1(tmp_path):
-    """The built-in GPT under TP=2 (its fused query/key/value split part by part, the tied head split by
-    vocabulary), stopped after step 3; its DCP checkpoint resumed by one process: the same weights as one
-    process throughout, within 1e-5."""
-    gpt = ["gpt-stdlib", *JOB[1:], "--data.batch_size=8"]
-    code, _, err = train(*gpt, "--nproc", "1", "--run.dir=one", cwd=tmp_path)
+def test_gpt_fsdp_x_tp_checkpoint_resumes_at_one_process(tmp_path):
+    """The built-in GPT under FSDP=2 x TP=2 on 4 ranks (its fused query/key/value split part by part over tp and
+    by columns over dp_shard, its bias whole, the tied head split by vocabulary), stopped after step 3; its DCP
+    checkpoint resumed by one process: the same weights and losses as one process throughout, within 1e-5; and the
+weights a whole FSDP x TP run exports too."""
+    gpt = ["gpt-stdlib", *JOB[1:]]
+    code, _, err = train(*gpt, "--nproc", "1", "--data.batch_size=8", "--run.dir=one", cwd=tmp_path)
     assert code == 0, err[-3000:]
-    for leg in (["--nproc", "2", "--parallel.tp=2", "--chaos.interrupt_step=3"], ["--nproc", "1"]):
+    legs = [["--nproc", "4", "--parallel.tp=2", "--parallel.strategy=fsdp", "--data.batch_size=4",
+             "--chaos.interrupt_step=3"], ["--nproc", "1", "--data.batch_size=8"]]
+    said = []
+    for leg in legs:
         code, out, err = train(*gpt, *leg, "--run.dir=mixed", cwd=tmp_path)
         assert code == 0, err[-3000:]
-    assert "resumed from" in out and "parallel.tp: 2 -> 1" in out, out
+        said.append(out)
+    assert "parallel: fsdp x tp 2" in said[0], said[0]
+    assert "resumed from" in said[1] and "parallel.tp: 2 -> 1" in said[1], said[1]
     _close(tmp_path / "mixed", tmp_path / "one")
+    # and a whole FSDP x TP run's exported weights, gathered from both splits, are one process's
+    code, _, err = train(*gpt, *legs[0][:-1], "--run.dir=whole", cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    _close(tmp_path / "whole", tmp_path / "one")
 
 
 def test_a_data_straggler_within_a_tp_group_is_named(tmp_path):

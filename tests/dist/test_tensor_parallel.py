@@ -70,7 +70,7 @@ def test_tp2_equals_one_process(name, local):
             assert r["tied"] and r["qkv_rows"]
 
 
-@pytest.mark.parametrize("name", ["llama"])
+@pytest.mark.parametrize("name", ["llama", "gpt"])
 def test_fsdp2_x_tp2_on_four_ranks_equals_one_process(name):
     ref = _one_process(name)
     ranks = run_ranks(_run, 4, "fsdp", 2, name)
@@ -79,6 +79,8 @@ def test_fsdp2_x_tp2_on_four_ranks_equals_one_process(name):
         # TP shards dim 0 over tp first, FSDP then over dp_shard: FSDP2 marks its part strided
         if name == "llama":
             assert r["wq_placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+        else:  # the fused q, k, v split part by part over tp, so FSDP takes the other dim (and _full gathers it)
+            assert r["wq_placements"] == "(Shard(dim=1), _StridedShard(dim=0, sf=3))"
         assert _max_diff(r["params"], ref["params"]) < 1e-5
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
 
@@ -98,7 +100,6 @@ def test_layout_places_tp_innermost_and_pp_outermost():
     ({"tp": 4}, {"name": "llama", "n_head": 4, "n_kv_head": 2}, 4, 1,
      "parallel.tp = 4: expected a divisor of model.n_kv_head = 2"),
     ({"tp": 2, "strategy": "ddp"}, {"name": "llama"}, 4, 1, "parallel.strategy = 'ddp': expected fsdp or hsdp"),
-    ({"tp": 2, "strategy": "fsdp"}, {"name": "gpt"}, 4, 1, "parallel.strategy = 'fsdp': expected ddp (one"),
     ({"pp": 4}, {"name": "llama", "n_layer": 2}, 4, 1, "parallel.pp = 4: expected at most model.n_layer = 2"),
     ({"pp": 2}, {"name": "mlp"}, 2, 1, "parallel.pp = 2: expected 1 with model.name = mlp"),
     ({"pp": 2, "microbatches": 1}, {"name": "llama"}, 2, 1,

@@ -176,7 +176,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
         model = _stage_of(model, mesh, layout.pp, virtual_stages(cfg))
     if layout.tp > 1:
         assert mesh is not None
-        apply_tp(model, mesh["tp"], sharded=layout.sharded, loss_parallel=loss_parallel)
+        apply_tp(model, mesh["tp"], loss_parallel=loss_parallel)
     units = find_units(model, cfg.fsdp_units)
     sharded = mesh is not None and layout.sharded
     for line in unit_warnings(model, units, sharded=sharded, checkpointing=memory.activation_checkpointing):

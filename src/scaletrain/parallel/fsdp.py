@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from scaletrain.parallel.tensor import fsdp_placement
 from scaletrain.parallel.units import Units, find_units
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
     units = units if units is not None else find_units(model)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward, shard_placement_fn=fsdp_placement)
     root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                    output_dtype=torch.float32 if param_dtype is not None else None)
-    fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload, shard_placement_fn=fsdp_placement)
     dims = "x".join(str(s) for s in mesh.shape)
     log.info("FSDP: %s + root on mesh %s (%s), params %s, reduce %s, reshard_after_forward=%s%s",
              units.describe() or "no units", dims, "HSDP" if mesh.ndim == 2 else "FSDP", param_dtype or "fp32",

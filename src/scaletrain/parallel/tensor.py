@@ -26,13 +26,14 @@ Numbers: the same math as one process up to the order of floating-point sums (te
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -48,21 +49,20 @@ from scaletrain.layout import check_tp_split
 log = logging.getLogger(__name__)
 
 
-def check_tp(model: nn.Module, tp: int, *, sharded: bool = False) -> None:
-    """The built model through layout.check_tp_split (``sharded``: FSDP then shards over the data-parallel
-    ranks): its heads and MLP width, read from the modules a user's config cannot be trusted to describe."""
+def check_tp(model: nn.Module, tp: int) -> None:
+    """The built model through layout.check_tp_split: its heads and MLP width, read from the modules a user's
+    config cannot be trusted to describe."""
     from scaletrain.models import GPT, Llama
     from scaletrain.parallel.pipeline import is_stage
 
-    strategy = "fsdp" if sharded else "ddp"
     if isinstance(model, Llama) or (is_stage(model) and hasattr(model, "layers")):  # a Llama or a stage of one
         first = _blocks(model)[0]
         heads = (("model.n_head", first.attention.n_head), ("model.n_kv_head", first.attention.n_kv_head))
-        check_tp_split(tp, "llama", heads, hidden=first.feed_forward.w1.out_features, strategy=strategy)
+        check_tp_split(tp, "llama", heads, hidden=first.feed_forward.w1.out_features)
     elif isinstance(model, GPT) or is_stage(model):  # a GPT or a stage of one
         first = model.blocks[0] if isinstance(model, GPT) else next(iter(model.blocks.values()))
         check_tp_split(tp, "gpt", (("model.n_head", first.attn.n_head),), hidden=first.mlp[0].out_features,
-                       loss="fused" if getattr(model, "fused_loss", False) else "split", strategy=strategy)
+                       loss="fused" if getattr(model, "fused_loss", False) else "split")
     else:
         check_tp_split(tp, type(model).__name__, ())
 
@@ -82,19 +82,49 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-class FusedColwise(ColwiseParallel):
-    """ColwiseParallel for a Linear whose output is ``parts`` matrices stacked (GPT's fused query, key and value):
-    each part is split over the ranks, so a rank's rows are [q_r; k_r; v_r] (DTensor's _StridedShard), not the
-    r-th slice of the stack. Its output, taken local, is this rank's heads of each part."""
+class FusedColwise(ParallelStyle):
+    """Column parallelism for a Linear whose output is ``parts`` matrices stacked (GPT's fused query, key and
+    value): each part is split over the ranks, so a rank's rows are [q_r; k_r; v_r] (DTensor's _StridedShard),
+    not the r-th slice of the stack; its output, local, is this rank's heads of each part.
+
+    The bias stays whole on every rank (Replicate) and each rank adds its own slice of each part. Split part by
+    part as the weight is, FSDP's Shard(0) over it (the only dim of a 1-D tensor) would nest one strided split
+    in another, which DTensor does not describe: training stayed right but full_tensor() and checkpoints
+    gathered it out of order. A Replicate bias has no such split, and FSDP shards the weight by its other dim
+    (fsdp_placement), so every placement says where the values are. The cost: the bias's gradient is
+    all-gathered over the tp ranks in backward (3 x n_embd numbers per block)."""
 
     def __init__(self, parts: int) -> None:
-        super().__init__(output_layouts=_StridedShard(2, split_factor=parts))  # (B, T, parts x C / tp) local
+        super().__init__()
         self.parts = parts
 
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        for key, param in module.named_parameters():
-            split = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=self.parts)])
-            module.register_parameter(key, nn.Parameter(split, requires_grad=param.requires_grad))
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, nn.Linear), module
+        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh,
+                                                       [_StridedShard(0, split_factor=self.parts)]))
+        if module.bias is not None:
+            module.bias = nn.Parameter(distribute_tensor(module.bias, device_mesh, [Replicate()]))
+        module.forward = functools.partial(_fused_forward, module, device_mesh, self.parts)
+        return module
+
+
+def _fused_forward(module: nn.Linear, mesh: DeviceMesh, parts: int, x: torch.Tensor) -> torch.Tensor:
+    """FusedColwise's forward: ``x`` (whole on every rank) through this rank's rows of the weight and its
+    slices of the bias. x enters as a Replicate DTensor whose local gradient is partial, so its gradient is
+    summed over the tp ranks in backward (as ColwiseParallel's input does)."""
+    x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    bias = module.bias
+    if bias is not None:  # (parts, n) whole -> (parts, n / tp) this rank's: a local slice; backward all-gathers
+        bias = bias.view(parts, -1).redistribute(mesh, [Shard(1)]).to_local().reshape(-1)
+    return nn.functional.linear(x, module.weight.to_local(), bias)
+
+
+def fsdp_placement(param: nn.Parameter) -> Shard | None:
+    """FSDP2's shard_placement_fn: a matrix split part by part over tp (FusedColwise) is sharded by FSDP along
+    its input dim, so the two splits lie on different dims; every other parameter along dim 0 (None)."""
+    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements):
+        return Shard(1)
+    return None
 
 
 class TiedColwise(ColwiseParallel):
@@ -121,15 +151,15 @@ class Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sharded: bool = False, loss_parallel: bool = False) -> nn.Module:
-    """Split ``model`` (a built-in GPT or Llama) in place over the 1-D ``mesh``; returns it (``sharded``: FSDP
-    will shard it next, checked with the rest). Parameters become DTensors on ``mesh`` (split or replicated):
+def apply_tp(model: nn.Module, mesh: DeviceMesh, *, loss_parallel: bool = False) -> nn.Module:
+    """Split ``model`` (a built-in GPT or Llama) in place over the 1-D ``mesh``; returns it (FSDP may shard it
+    next: fsdp_placement). Parameters become DTensors on ``mesh`` (split or replicated):
     state_dict keys are unchanged, and DCP saves them whole-tensor-addressable, so a checkpoint resumes at
     another tp. ``loss_parallel``: the logits stay split by vocabulary (a DTensor, Shard(-1)), for a
     cross-entropy computed on the shards under loss_context(): 1/tp of the logits and of their gradient per
     rank instead of all of them; else they are gathered whole, for any loss function."""
 
-    check_tp(model, mesh.size(), sharded=sharded)
+    check_tp(model, mesh.size())
     _quiet()
     logits = {"output_layouts": Shard(-1), "use_local_output": False} if loss_parallel else \
         {"output_layouts": Replicate()}
