@@ -11,7 +11,8 @@ How the docs tell the tour what to expect: an HTML comment (invisible on GitHub)
 
     <!-- doc-test: exit=2 -->                      every command of the block exits 2 (an error shown on purpose)
     <!-- doc-test: needs=cuda -->                  runs only where CUDA is (also: nodes = several machines,
-                                                   slurm = sbatch on PATH, bench = the peers' extras installed)
+                                                   slurm = sbatch on PATH, bench = the peers' extras installed,
+                                                   netns = root and iproute2 for network namespaces)
     <!-- doc-test: file=my_run.toml -->            the block is a file the commands after it use: write it
     <!-- doc-test: slow -->                        one of the few expensive ones: they run together in
                                                    test_docs_slow_commands, scaled down (SCALED_DOWN)
@@ -189,6 +190,11 @@ def _missing(cmd: Command) -> str:
         return "" if have else "needs the peers' extras (pip install -e '.[bench]')"
     if needs == "nodes":
         return "needs several machines"
+    if needs == "netns":
+        from scaletrain.cluster.netns import unavailable
+
+        why = unavailable(shaped=True)
+        return f"needs network namespaces: {why}" if why else ""
     return f"unknown need {needs!r}"
 
 

@@ -1,5 +1,8 @@
 """scaletrain cluster rehearse: a 2-node job as two torchrun agents on loopback computes what one node of 4
-ranks does at the same global batch (weights within 1e-6), and reports the world, the bandwidth and the command."""
+ranks does at the same global batch (weights within 1e-6), and reports the world, the bandwidth and the command.
+With --netns (where this machine lets a test make network namespaces: root and iproute2), each node has its own
+network stack and a link shaped to --link-gbps: the job listens only on the nodes' own addresses, carries no
+more than the link's rate between them, computes what one node does, and leaves no namespace behind."""
 
 from __future__ import annotations
 
@@ -9,8 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
+from test_sockets import _watch
+
+from scaletrain.cluster import netns
 
 ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 RUN = ["--train.progress=false", "--train.eval_batches=1", "--log.every=4"]
@@ -36,17 +43,60 @@ def test_two_nodes_of_two_ranks_equal_one_node_of_four(tmp_path: Path) -> None:
 
     one = _scaletrain("train", "digits", "--nproc", "4", "--train.max_steps=4", f"--run.dir={tmp_path / 'one'}", *RUN)
     assert one.returncode == 0, one.stderr[-2000:]
-    a = safetensors.torch.load_file(str(tmp_path / "rehearse" / "run" / "model.safetensors"))
-    b = safetensors.torch.load_file(str(tmp_path / "one" / "model.safetensors"))
-    assert sorted(a) == sorted(b)
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    assert _same_weights(tmp_path / "rehearse" / "run", tmp_path / "one") <= 1e-6
     summary = json.loads((tmp_path / "rehearse" / "run" / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["global_batch"] == 128 and summary["steps"] == 4
     assert torch.isfinite(torch.tensor(summary["train_loss"]))
 
 
+def _same_weights(a_run: Path, b_run: Path) -> float:
+    a = safetensors.torch.load_file(str(a_run / "model.safetensors"))
+    b = safetensors.torch.load_file(str(b_run / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+WHY_NOT = netns.unavailable(shaped=True)
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"network namespaces: {WHY_NOT}")
+def test_nodes_in_network_namespaces_on_a_shaped_link(tmp_path: Path) -> None:
+    out = tmp_path / "ns"
+    rehearse = [sys.executable, "-m", "scaletrain", "cluster", "rehearse", "--nodes", "2", "--nproc", "1", "digits",
+                "--steps", "4", "--link-gbps", "0.5", "--out", str(out), *RUN]
+    seen = _watch([rehearse], tmp_path)  # every listener of the rehearsal's processes, in their own namespaces
+    said = (tmp_path / "agent0.log").read_text()
+    assert ("rehearsal: 2 nodes x 1 ranks on this machine (2 torchrun agents, each in a network namespace of its "
+            "own, on a bridge, links of 0.5 Gbit/s, a c10d rendezvous at 10.213.0.1:29500): world 2, gloo") in said
+    assert "node 1: ranks 1 on node1 at 10.213.0.2, a 0.5 Gbit/s link" in said, said
+    # The stores and the Gloo pairs listen on the nodes' own addresses only: not loopback, not every interface
+    assert {addr for _, addr, _ in seen} == {"10.213.0.1", "10.213.0.2"}, seen
+    assert {("10.213.0.1", 29400), ("10.213.0.1", 29500)} <= {(a, p) for _, a, p in seen}, seen  # rendezvous
+    # The shaper holds the link to 0.5 Gbit/s = 62.5 MB/s (its 10 ms burst aside)
+    net = json.loads((out / "rehearsal.json").read_text())["net"]
+    assert 0 < net["between_nodes_busbw"] <= 0.5e9 / 8 * 1.05, net
+    assert not [n for n in netns._existing() if n.startswith("st-")]  # nothing left behind
+    assert not list(Path("/etc/netns").glob("st-*"))
+
+    one = _scaletrain("train", "digits", "--nproc", "2", "--train.max_steps=4", f"--run.dir={tmp_path / 'one'}", *RUN)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert _same_weights(out / "run", tmp_path / "one") <= 1e-6
+
+
 def test_what_the_rehearsal_sets_cannot_be_given() -> None:
     bad = _scaletrain("cluster", "rehearse", "--nodes", "2", "digits", "--nnodes", "3")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "the rehearsal sets it" in bad.stderr
+    for speeds in ("fast", "1,2,3", "0"):
+        bad = _scaletrain("cluster", "rehearse", "--nodes", "2", "digits", "--link-gbps", speeds)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert f"--link-gbps = {speeds!r}: expected Gbit/s above 0" in bad.stderr, bad.stderr
     none = _scaletrain("cluster")
     assert none.returncode == 2 and "fix: scaletrain cluster rehearse" in none.stderr
+
+
+def test_network_namespaces_say_in_one_line_why_they_cannot_be_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert netns.unavailable() == "creating network namespaces needs root (CAP_NET_ADMIN) on Linux"
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else "/sbin/" + tool)
+    assert netns.unavailable() is None and netns.unavailable(shaped=True) == "iproute2's 'tc' is not on PATH"

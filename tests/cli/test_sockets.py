@@ -1,7 +1,8 @@
 """Every socket a job listens on is on loopback when the job is on one machine (issue 17): the agent's two
 stores (torch's TCPStore would listen on every interface: cluster/torchrun.py's _stores_on_their_address),
-and the workers' Gloo pairs. Seen from /proc while the job runs: the LISTEN rows of /proc/net/tcp{,6} whose
-socket inodes belong to the launcher or one of its descendants."""
+and the workers' Gloo pairs. Seen from /proc while the job runs: the LISTEN rows of /proc/PID/net/tcp{,6} (the
+process's network namespace) whose socket inodes belong to the launcher or one of its descendants.
+(A rehearsal's nodes in network namespaces: tests/cli/test_rehearse.py.)"""
 
 from __future__ import annotations
 
@@ -32,15 +33,20 @@ def _address(hex_addr: str) -> tuple[str, int]:
     return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw), int(port, 16)
 
 
-def _listening() -> dict[int, tuple[str, int]]:
-    """Every listening TCP socket of this machine: inode -> (address, port)."""
+def _listening(pid: int | str = "self") -> dict[int, tuple[str, int]]:
+    """Every listening TCP socket of ``pid``'s network namespace (this machine's, unless it runs in another):
+    inode -> (address, port)."""
     found = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for row in f.read().splitlines()[1:]:
-                cols = row.split()
-                if cols[3] == "0A":  # TCP_LISTEN
-                    found[int(cols[9])] = _address(cols[1])
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:  # gone, or no IPv6
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "0A":  # TCP_LISTEN
+                found[int(cols[9])] = _address(cols[1])
     return found
 
 
@@ -61,9 +67,13 @@ def _socket_inodes(pid: int) -> set[int]:
 
 
 def _listeners_of(pids: list[int]) -> set[tuple[int, str, int]]:
-    """(pid, address, port) of each listening socket these processes hold."""
-    table = _listening()
-    return {(pid, *table[inode]) for pid in pids for inode in _socket_inodes(pid) if inode in table}
+    """(pid, address, port) of each listening socket these processes hold, each seen in its own network
+    namespace."""
+    found = set()
+    for pid in pids:
+        table = _listening(pid)
+        found |= {(pid, *table[inode]) for inode in _socket_inodes(pid) if inode in table}
+    return found
 
 
 def _watch(commands: list[list[str]], tmp: Path) -> set[tuple[int, str, int]]:
@@ -150,3 +160,12 @@ def test_a_machine_of_a_multi_node_job_gives_torchrun_its_configured_address():
     assert not any(a.startswith("--local-addr") for a in
                    torchrun_args(DistConfig(nnodes=2, rdzv_endpoint="node0:29500"), ["t.py"], module=False,
                                  run_id="job"))
+
+
+def test_the_interface_of_an_address_is_found_by_the_address() -> None:
+    """dist.local_addr -> the interface Gloo's and NCCL's sockets use (cluster/torchrun.py's launch)."""
+    from scaletrain.cluster.torchrun import interface_of
+
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.77") is None  # TEST-NET-1: on no interface here
+    assert interface_of("node0") is None  # a name is not an address

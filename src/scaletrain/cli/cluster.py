@@ -1,4 +1,5 @@
-"""`scaletrain cluster rehearse --nodes N --nproc P RECIPE|FILE.toml [--steps S] [--out DIR] [--section.key=value ...]`:
+"""`scaletrain cluster rehearse --nodes N --nproc P RECIPE|FILE.toml [--steps S] [--out DIR] [--netns]
+[--link-gbps G[,G...]] [--section.key=value ...]`:
 a multi-node job rehearsed on this machine before one is rented.
 
 N torchrun agents on loopback (as N machines would run them, one agent each, meeting at a c10d rendezvous) start
@@ -7,14 +8,19 @@ over the world and between the nodes' first ranks), then S steps of the training
 what a real launch would show: the rendezvous, the world and where each rank is, the layout, the bandwidths, the
 short run, and the command each machine would run. Two nodes of two ranks compute what one node of four does (the
 same global batch, the same ranks' shards): tests/cli/test_rehearse.py holds them to 1e-6.
+
+With --netns (or --link-gbps G[,G...]) each agent runs in a network namespace of its own (cluster/netns.py), with
+its own address, host name and link speed: the job then binds and talks as it would between machines.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -29,10 +35,12 @@ from scaletrain.cli.options import (
     load_job,
     parse_count,
 )
+from scaletrain.cluster import netns
 from scaletrain.errors import TrainingFailed, UserError
 
-HELP = "Multi-node jobs: rehearse one on this machine (N agents on loopback) before renting N machines."
-_SET_HERE = ("dist.nnodes", "dist.rdzv_endpoint", "dist.rdzv_id", "train.max_steps")
+HELP = ("Multi-node jobs: rehearse one on this machine (N agents on loopback, or in network namespaces) before "
+        "renting N machines.")
+_SET_HERE = ("dist.nnodes", "dist.rdzv_endpoint", "dist.rdzv_id", "dist.local_addr", "train.max_steps")
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -40,17 +48,21 @@ def add_parser(sub: Any, name: str) -> None:
 
     p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
                        usage="scaletrain cluster rehearse --nodes N --nproc P RECIPE|FILE.toml [--steps S] "
-                             "[--out DIR] [--section.key=value ...]")
+                             "[--out DIR] [--netns] [--link-gbps G[,G...]] [--section.key=value ...]")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", parser_class=Parser)
     r = verbs.add_parser("rehearse", help="a multi-node job on this machine: rendezvous, world, bandwidth, a short run",
                          description=__doc__.split("\n\n")[1], allow_abbrev=False,
                          usage="scaletrain cluster rehearse --nodes N --nproc P RECIPE|FILE.toml [--steps S] "
-                               "[--out DIR] [--section.key=value ...]")
+                               "[--out DIR] [--netns] [--link-gbps G[,G...]] [--section.key=value ...]")
     add_config_argument(r)
     own = r.add_argument_group("rehearsal")
     own.add_argument("--nodes", default="2", help="machines to rehearse (torchrun agents here) [default: 2]")
     own.add_argument("--steps", default="20", help="optimizer steps of the short run [default: 20]")
     own.add_argument("--out", default="", help="where the logs, net.json and the run go [default: runs/rehearse]")
+    own.add_argument("--netns", action="store_true",
+                     help="each node in a network namespace of its own, on a bridge, instead of loopback (needs root)")
+    own.add_argument("--link-gbps", default="", metavar="G[,G...]",
+                     help="each node's link speed in Gbit/s: one for all, or one per node; implies --netns")
     add_config_options(r)
 
 
@@ -62,15 +74,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _agents(commands: list[list[str]], logs: list[Path], timeout_s: float) -> list[int]:
+def _agents(commands: list[list[str]], logs: list[Path], timeout_s: float, drop: tuple[str, ...] = ()) -> list[int]:
     """Each command as one "machine's" agent, its output in its log; their exit codes. One failing stops the
-    others after 30 s (a real job's survivors would time out)."""
+    others after 30 s (a real job's survivors would time out). ``drop``: variables of this machine the agents
+    must not inherit."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *drop)}
     handles = [log.open("w", encoding="utf-8") for log in logs]
     procs = [subprocess.Popen(cmd, stdout=h, stderr=subprocess.STDOUT, env=env, start_new_session=True)
              for cmd, h in zip(commands, handles)]
     deadline, failed_at = time.monotonic() + timeout_s, None
+    stopped = signal.signal(signal.SIGTERM, _as_interrupt)
     try:
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
@@ -83,9 +97,25 @@ def _agents(commands: list[list[str]], logs: list[Path], timeout_s: float) -> li
                 break
             time.sleep(0.2)
         return [p.wait(timeout=60) for p in procs]
+    except BaseException:  # Ctrl-C or SIGTERM: the agents run in sessions of their own, so stop them here
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        raise
     finally:
+        signal.signal(signal.SIGTERM, stopped)
         for h in handles:
             h.close()
+
+
+def _as_interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM as Ctrl-C: the agents are stopped and the namespaces removed on the way out."""
+    raise KeyboardInterrupt
 
 
 def _tail(log: Path, lines: int = 3) -> str:
@@ -105,60 +135,112 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         if key in overrides:
             raise UserError(f"--{key} = {overrides[key]!r}: the rehearsal sets it (--nodes, --nproc, --steps and a "
                             "loopback rendezvous); fix: drop it")
-    cfg = load_job(args.config, overrides, nproc=nproc, nnodes=nodes, endpoint="127.0.0.1:29500")
+    speeds = _speeds(args.link_gbps, nodes)
+    isolated = args.netns or bool(speeds)
+    if isolated and (why := netns.unavailable(shaped=bool(speeds))):
+        raise UserError(f"--netns: {why}; fix: run the rehearsal as root on Linux, or drop --netns and "
+                        "--link-gbps to rehearse on loopback")
+    host = f"{netns.SUBNET}.1" if isolated else "127.0.0.1"
+    cfg = load_job(args.config, overrides, nproc=nproc, nnodes=nodes, endpoint=f"{host}:29500")
     out = Path(args.out or "runs/rehearse")
     out.mkdir(parents=True, exist_ok=True)
+    with netns.namespaces(nodes, speeds) if isolated else contextlib.nullcontext([]) as where:
+        return _rehearse(args.config, cfg, overrides, nodes, nproc, steps, out, where, speeds)
+
+
+def _speeds(text: str, nodes: int) -> list[float]:
+    """--link-gbps: each node's link speed in Gbit/s, from one for all or one per node ([] when not given)."""
+    if not text:
+        return []
+    try:
+        speeds = [float(part) for part in text.split(",")]
+    except ValueError:
+        speeds = []
+    if not speeds or not all(0 < g < 1e4 for g in speeds) or len(speeds) not in (1, nodes):
+        raise UserError(f"--link-gbps = {text!r}: expected Gbit/s above 0, one for every node or one for each of "
+                        f"the {nodes} (comma-separated); fix: --link-gbps=1 or --link-gbps={','.join(['1'] * nodes)}")
+    return speeds * nodes if len(speeds) == 1 else speeds
+
+
+def _rehearse(config: str, cfg: Any, overrides: dict[str, str], nodes: int, nproc: int, steps: int, out: Path,
+              where: list[netns.Node], speeds: list[float]) -> int:
+    """The network check, then the short run, each as ``nodes`` agents: on loopback, or each agent inside its
+    node's namespace (``where``), given that node's address for its stores and sockets."""
     job = f"rehearse-{os.getpid()}"
     me = [sys.executable, "-m", "scaletrain"]
     started = time.monotonic()
+    inside = [n.run for n in where] or [lambda command: command] * nodes
+    # This machine's interface names mean nothing inside a namespace: the agents' launchers pick the interface
+    # holding the node's address (--local-addr) themselves.
+    drop = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if where else ()
+    addr = [[n.address] for n in where] or [[]] * nodes  # each agent's own address, under --netns
 
-    net_port = _free_port()
-    net = [[*me, "launch", "--nproc", str(nproc), "--nnodes", str(nodes), "--rdzv-endpoint", f"127.0.0.1:{net_port}",
-            "--rdzv-id", f"{job}-net", "-m", "scaletrain.cluster.rehearse_net", "--out", str(out / "net.json")]
-           for _ in range(nodes)]
+    net_port = 29400 if where else _free_port()  # a fresh namespace has every port free
+    # 16 MiB per all-reduce, or what the slowest link carries in about 0.1 s (a shaped link's rate is exact)
+    mib = min(16.0, max(0.25, round(min(speeds) * 1e9 / 8 * 0.1 / 2**20 * 4) / 4)) if speeds else 16.0
+    host = where[0].address if where else "127.0.0.1"
+    net = [inside[i]([*me, "launch", "--nproc", str(nproc), "--nnodes", str(nodes), "--rdzv-endpoint",
+                      f"{host}:{net_port}", *(f"--local-addr={a}" for a in addr[i]), "--rdzv-id", f"{job}-net", "-m", "scaletrain.cluster.rehearse_net",
+                      "--out", str(out / "net.json"), "--mb", f"{mib:g}"]) for i in range(nodes)]
     net_logs = [out / f"net-node{i}.log" for i in range(nodes)]
-    codes = _agents(net, net_logs, timeout_s=max(120, cfg.dist.timeout_s))
+    codes = _agents(net, net_logs, timeout_s=max(120, cfg.dist.timeout_s), drop=drop)
     if any(codes):
         bad = next(i for i, c in enumerate(codes) if c)
         raise TrainingFailed(f"rehearsal: the network check failed on agent {bad} (exit {codes[bad]}): "
                              f"{_tail(net_logs[bad])}; its log: {net_logs[bad]}")
     netinfo = json.loads((out / "net.json").read_text())
 
-    port = _free_port()
+    port = 29500 if where else _free_port()
     passed = [f"--{k}={v}" for k, v in overrides.items() if k != "run.dir"]
     run_dir = out / "run"
-    train = [[*me, "train", args.config, f"--nproc={nproc}", f"--nnodes={nodes}", f"--rdzv-endpoint=127.0.0.1:{port}",
-              f"--dist.rdzv_id={job}", f"--run.dir={run_dir}", f"--train.max_steps={steps}", *passed]
-             for _ in range(nodes)]
+    train = [inside[i]([*me, "train", config, f"--nproc={nproc}", f"--nnodes={nodes}", f"--rdzv-endpoint={host}:{port}",
+                        *(f"--dist.local_addr={a}" for a in addr[i]),
+                        f"--dist.rdzv_id={job}", f"--run.dir={run_dir}", f"--train.max_steps={steps}", *passed])
+             for i in range(nodes)]
     train_logs = [out / f"train-node{i}.log" for i in range(nodes)]
-    codes = _agents(train, train_logs, timeout_s=max(600, cfg.dist.timeout_s))
+    codes = _agents(train, train_logs, timeout_s=max(600, cfg.dist.timeout_s), drop=drop)
     if any(codes) or not (run_dir / "summary.json").exists():
         bad = next((i for i, c in enumerate(codes) if c), 0)
         raise TrainingFailed(f"rehearsal: the short run failed on agent {bad} (exit {codes[bad]}): "
                              f"{_tail(train_logs[bad])}; its log: {train_logs[bad]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    _report(args.config, nodes, nproc, steps, netinfo, summary, run_dir, passed, time.monotonic() - started, out)
+    links = [{"node": n.index, "host": n.hostname, "address": n.address, "gbps": speeds[n.index] if speeds else None}
+             for n in where]
+    warned = [line.strip() for line in train_logs[0].read_text(errors="replace").splitlines()
+              if line.startswith("scaletrain: warning:")]
+    _report(config, nodes, nproc, steps, netinfo, summary, run_dir, passed, time.monotonic() - started, out,
+            f"{host}:{port}", links, warned)
     return 0
 
 
 def _report(config: str, nodes: int, nproc: int, steps: int, net: dict[str, Any], summary: dict[str, Any],
-            run_dir: Path, passed: list[str], took: float, out: Path) -> None:
+            run_dir: Path, passed: list[str], took: float, out: Path, endpoint: str, links: list[dict[str, Any]],
+            warned: list[str]) -> None:
     by_node: dict[int, list[dict[str, Any]]] = {}
     for r in net["ranks"]:
         by_node.setdefault(r["node"], []).append(r)
-    lines = [(f"rehearsal: {nodes} nodes x {nproc} ranks on this machine ({nodes} torchrun agents on loopback, a c10d "
-             f"rendezvous): world {net['world_size']}, {net['backend']}")]
+    if links:
+        speeds = sorted({link["gbps"] for link in links if link["gbps"]})
+        how = (f"{nodes} torchrun agents, each in a network namespace of its own, on a bridge{_links(speeds)}, a c10d rendezvous at "
+               f"{endpoint}")
+    else:
+        how = f"{nodes} torchrun agents on loopback, a c10d rendezvous"
+    lines = [(f"rehearsal: {nodes} nodes x {nproc} ranks on this machine ({how}): world {net['world_size']}, "
+              f"{net['backend']}")]
     for node, ranks in sorted(by_node.items()):
-        lines.append(f"  node {node}: ranks {', '.join(str(r['rank']) for r in ranks)} on {ranks[0]['host']} "
+        link = next((k for k in links if k["node"] == node), None)
+        at = f" at {link['address']}" + (f", a {link['gbps']:g} Gbit/s link" if link["gbps"] else "") if link else ""
+        lines.append(f"  node {node}: ranks {', '.join(str(r['rank']) for r in ranks)} on {ranks[0]['host']}{at} "
                      f"(pids {', '.join(str(r['pid']) for r in ranks)})")
     mib = net["size_bytes"] / 2**20
     between = net["between_nodes_busbw"]
-    lines.append(f"all-reduce of {mib:g} MiB: {net['world_busbw'] / 1e9:.2f} GB/s bus bandwidth over the world"
-                 + (f", {between / 1e9:.2f} GB/s between the nodes' first ranks" if between else ""))
+    lines.append(f"all-reduce of {mib:g} MiB: {net['world_busbw'] / 1e9:.3f} GB/s bus bandwidth over the world"
+                 + (f", {between / 1e9:.3f} GB/s between the nodes' first ranks" if between else ""))
     rate = summary.get("samples_per_s", 0.0)
     lines.append(f"short run: {summary['steps']} steps of {config}, {summary.get('strategy', 'ddp')} over "
                  f"{summary['world_size']} ranks, effective batch {summary['global_batch']}, train loss "
                  f"{summary['train_loss']:.4f}, {rate:,.0f} samples/s; run dir {run_dir}")
+    lines += [f"  it warned: {line.removeprefix('scaletrain: warning: ')}" for line in warned]
     command = shlex.join(["scaletrain", "train", config, f"--nproc={nproc}", f"--nnodes={nodes}",
                           "--rdzv-endpoint=FIRST_MACHINE:29500", "--dist.rdzv_id=JOB_ID", *passed])
     lines.append(f"on {nodes} real machines, run on each: {command}")
@@ -166,4 +248,12 @@ def _report(config: str, nodes: int, nproc: int, steps: int, net: dict[str, Any]
                  f"rehearsed in {took:.0f} s; logs in {out}")
     print("\n".join(lines))
     (out / "rehearsal.json").write_text(json.dumps({"nodes": nodes, "nproc": nproc, "steps": steps, "net": net,
-                                                    "summary": summary, "command": command}, indent=1))
+                                                    "summary": summary, "command": command, "links": links},
+                                                   indent=1))
+
+
+def _links(speeds: list[float]) -> str:
+    if not speeds:
+        return ""
+    return f", links of {speeds[0]:g} Gbit/s" if len(speeds) == 1 else \
+        f", links of {' to '.join(f'{g:g}' for g in (speeds[0], speeds[-1]))} Gbit/s"

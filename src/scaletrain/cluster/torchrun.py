@@ -34,6 +34,26 @@ def _loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
+def interface_of(address: str) -> str | None:
+    """The name of this machine's interface holding IPv4 ``address`` (Linux's SIOCGIFADDR), or None."""
+    import fcntl
+    import struct
+
+    try:
+        wanted = str(ipaddress.IPv4Address(address))
+    except ValueError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(raw[20:24]) == wanted:
+                return name
+    return None
+
+
 def _is_local(endpoint: str) -> bool:
     return not endpoint or endpoint.rpartition(":")[0] in ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -200,7 +220,8 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
 
     On one machine everything stays on loopback: the agent's stores (which torch would have listen on every
     interface: _stores_on_their_address), MASTER_ADDR, and Gloo's sockets (GLOO_SOCKET_IFNAME), which would
-    otherwise bind the address the host name resolves to. Every agent of
+    otherwise bind the address the host name resolves to. On several, given dist.local_addr, Gloo's and NCCL's
+    sockets use the interface holding it (unless GLOO_/NCCL_SOCKET_IFNAME say otherwise). Every agent of
     a multi-machine job must pass the same run_id (cfg.rdzv_id wins over it). ``trainer``: the workers run
     scaletrain's trainer, which reports a stop and a restart itself; this process then prints nothing when
     signalled and drops torchrun's line about a failed worker.
@@ -212,6 +233,11 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
 
     if _is_local(cfg.rdzv_endpoint) and (lo := _loopback_interface()):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    elif cfg.local_addr and (nic := interface_of(cfg.local_addr)):
+        # Gloo's and NCCL's sockets on the interface of the address the job was given, not the one the host
+        # name resolves to (a management network, or none at all inside a container or namespace).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", nic)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", nic)
     # torchrun would set 1 and print a banner about it; on CPUs give each worker its share of the cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     _quiet_agent_logs()
