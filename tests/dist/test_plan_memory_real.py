@@ -138,8 +138,22 @@ def _pp_real(rank: int, world: int) -> dict[str, int]:
             with tracker:
                 runner.step(xs, ys)
             peaks.append(tracker.peak)
-        out[schedule] = peaks[-1]
+        # and torch's receive buffers, allocated in the first step and kept (the second's tracker cannot see them)
+        out[schedule] = peaks[-1] + _receive_buffers(runner)
     return out
+
+
+def _receive_buffers(runner: PipelineRunner) -> int:
+    """Bytes of the receive buffers torch's PipelineStages of this rank keep: per micro-batch, each stage's
+    inputs (not the first stage's, which has none) and its output's gradients (not the last's)."""
+    storages = {}
+    for stage in runner.stages:
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            for info in infos:
+                buffer = getattr(info, "buffer", None)
+                if isinstance(buffer, torch.Tensor):
+                    storages[buffer.untyped_storage()._cdata] = buffer.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def _pp_planned(schedule: str) -> list[int]:
@@ -161,15 +175,14 @@ def _pp_planned(schedule: str) -> list[int]:
 
 
 def test_pp2_activations_per_stage_against_the_real_pipeline_step():
+    """Each schedule's planned activations per stage (the blocks' micro-batches in flight and the stages'
+    edges: plan/parallel.py's stage_edges) against the real step's peak plus torch's receive buffers, within
+    5% (measured 2026-11-25: -1.0 to +3.4%; interleaved was 7-18% low before the edges were counted)."""
     real = run_ranks(_pp_real, 2)
-    first, last = _pp_planned("1f1b")
-    assert first == pytest.approx(real[0]["1f1b"], rel=0.06)  # the largest stage: the layout's number
-    assert last == pytest.approx(real[1]["1f1b"], rel=0.12)
-    assert real[0]["1f1b"] > real[1]["1f1b"] and first > last  # stage 0 holds 2 micro-batches in flight
-    first, last = _pp_planned("gpipe")
-    assert first == pytest.approx(real[0]["gpipe"], rel=0.06)
-    assert last == pytest.approx(real[1]["gpipe"], rel=0.06)  # all m micro-batches' logits and loss graphs
-    first, last = _pp_planned("interleaved")  # the warm-up's chunks in flight: more than 1F1B's, planned low
-    assert 0.8 * real[0]["interleaved"] < first < real[0]["interleaved"]
-    assert 0.75 * real[1]["interleaved"] < last < real[1]["interleaved"]
-    assert first > _pp_planned("1f1b")[0]
+    for schedule in ("1f1b", "gpipe", "interleaved"):
+        planned = _pp_planned(schedule)
+        for stage in (0, 1):
+            assert planned[stage] == pytest.approx(real[stage][schedule], rel=0.05), (schedule, stage, planned, real)
+    assert real[0]["1f1b"] > real[1]["1f1b"] and _pp_planned("1f1b")[0] > _pp_planned("1f1b")[1]  # 2 in flight
+    # the interleaved warm-up's chunks in flight: more than 1F1B's, as planned
+    assert real[0]["interleaved"] > real[0]["1f1b"] and _pp_planned("interleaved")[0] > _pp_planned("1f1b")[0]

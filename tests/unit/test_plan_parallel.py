@@ -171,8 +171,12 @@ def test_tensor_and_pipeline_degrees_divide_what_they_state():
     pp2 = par.parallel_layout(st, "fsdp", "full", gpus=8, tp=1, pp=2)
     assert (pp2.dp, pp2.microbatches, pp2.bubble) == (4, 2, 1 / 2)
     sblock, stotal = facts.block_activations["sharded-full"], facts.activations["sharded-full"]
-    stage0 = 2 * 2 * sblock + stotal - 4 * sblock  # 1F1B: stage 0 holds 2 micro-batches of its 2 blocks
-    stage1 = 1 * 2 * sblock + stotal - 4 * sblock
+    # the stages' edges, each micro-batch's tensor between stages (s x b x h bf16): stage 0 a receive buffer for
+    # each of the 2 micro-batches' output gradients and the outputs of its 2 in flight; stage 1 a receive buffer
+    # for each input and each input's gradient kept
+    edge = 32 * 4 * 64 * 2
+    stage0 = 2 * 2 * sblock + stotal - 4 * sblock + (2 + 2) * edge  # 1F1B: stage 0 holds 2 micro-batches of its 2 blocks
+    stage1 = 1 * 2 * sblock + stotal - 4 * sblock + (2 + 2) * edge
     s0 = sum(par.zero_state_bytes(par.stage_params(shape, 1, 2, 0), "fsdp", 4))
     s1 = sum(par.zero_state_bytes(par.stage_params(shape, 1, 2, 1), "fsdp", 4))
     assert pp2.total_bytes - pp2.fsdp_buffers_bytes == max(s0 + stage0, s1 + stage1)

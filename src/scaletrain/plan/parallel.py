@@ -18,7 +18,8 @@ estimate.py with_tp_activations: torch's fake process group, one process playing
 blocks' share of one micro-batch's step and, for each further micro-batch in flight (1F1B: stage i holds
 p - i, GPipe all m), what forward keeps of its blocks until their backward (ModelFacts.block_kept: under
 checkpointing the step's peak comes at its end and does not grow with depth, the inputs kept do), the rest
-whole on every stage: exact at p = 1, an overestimate elsewhere. Where the fake process group cannot be
+whole on every stage: exact at p = 1, an overestimate elsewhere; and what the stages' edges hold (stage_edges:
+torch's receive buffers, outputs kept for backward, input gradients). Where the fake process group cannot be
 had, Korthikanti et al. 2022's ratio ("Reducing Activation Recomputation in Large Transformer Models", table
 2) at t to t = 1 (with sequence parallelism exactly 1/t) divides the block measured at t = 1; it is 8-20% low
 for torch's tensor parallelism, which keeps the all-gathered inputs of the column-parallel matmuls whole for
@@ -155,6 +156,27 @@ def in_flight(pp: int, stage: int, microbatches: int, schedule: str, virtual: in
     return min(pp - stage, microbatches)
 
 
+def stage_edges(pp: int, stage: int, microbatches: int, schedule: str, virtual: int, edge: int) -> int:
+    """Bytes pipeline rank ``stage`` holds at the stages' edges, ``edge`` the bytes of one micro-batch's tensor
+    between two stages (s x b x h / t elements, sequence-parallel, in the compute dtype), as torch's
+    PipelineStage holds them (tests/dist/test_plan_memory_real.py measures each):
+
+    - receive buffers, allocated once and kept: per micro-batch, one for each local stage's input (all but the
+      first stage) and one for its output's gradient (all but the last);
+    - each micro-batch's output of a local stage before the last, kept from its forward to its backward (the
+      schedule's cache; autograd alone would not keep a block's output);
+    - the gradient of each micro-batch's input of a local stage after the first, kept until the step ends.
+    """
+    if pp == 1:
+        return 0
+    v = virtual if schedule == "interleaved" else 1
+    receiving = v - (stage == 0)  # local stages with an input to receive (and keep its gradient of)
+    sending = v - (stage == pp - 1)  # local stages with an output to send (and its gradient to receive)
+    chunks = in_flight(pp, stage, microbatches, schedule, virtual) * v  # micro-batches of a local stage in flight
+    outputs = chunks * sending / v
+    return round(((receiving + sending) * microbatches + outputs + receiving * microbatches) * edge)
+
+
 def stage_blocks(n_layer: int, pp: int) -> list[int]:
     """Blocks per stage: the first n_layer % pp stages one more (parallel/pipeline.py's split)."""
     base, extra = divmod(n_layer, pp)
@@ -279,7 +301,8 @@ def _stage_memory(st: Setting, kind: str, ac: str, dp: int, tp: int, pp: int, m:
     # further micro-batch in flight until its backward: its blocks', and on the last stage its logits' and loss's
     more = in_flight(pp, stage, m, st.schedule, st.virtual) - 1
     held = more * (blocks * max(kept, 0) * ratio + (max(rest_kept, 0) if stage == pp - 1 else 0))
-    acts = round(blocks * block * ratio + held) + rest
+    edge = shape.seq_len * st.batch_size * shape.n_embd * compute_bytes(st.precision) // tp
+    acts = round(blocks * block * ratio + held) + rest + stage_edges(pp, stage, m, st.schedule, st.virtual, edge)
     buffers = 0 if key == ac else math.ceil(facts.largest_unit / tp) * (2 * compute_bytes(st.precision) + 4)
     return (*state, acts, buffers)
 
