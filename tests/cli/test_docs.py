@@ -27,7 +27,7 @@ def test_the_docs_have_commands_and_markers_parse() -> None:
     assert readme[0].text.startswith("make demo")
     errors = [c for c in readme if c.exit == 2]
     assert errors and all(c.output for c in errors)  # each error example shows its one line
-    assert all(c.needs in ("", "cuda", "nodes", "slurm", "bench") for c in ALL)
+    assert all(c.needs in ("", "cuda", "nodes", "slurm", "bench", "netns") for c in ALL)
     assert sum(c.slow for c in ALL) <= 8  # "the few slow ones"
 
 

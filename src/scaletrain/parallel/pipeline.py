@@ -26,6 +26,7 @@ one process's GPT, whose state_dict also lists the one tied tensor under both na
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -39,7 +40,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
 from scaletrain.layout import SCHEDULES as SCHEDULE_NAMES
@@ -53,7 +53,6 @@ __all__ = ["PipelineRunner", "StepTimes", "bubble_fraction", "clip_grad_norm", "
 
 log = logging.getLogger(__name__)
 
-SCHEDULES: dict[str, type[Any]] = dict(zip(SCHEDULE_NAMES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)))
 DP_DIMS = ("dp_replicate", "dp_shard")
 
 
@@ -345,20 +344,33 @@ class _Clock:
         return reading
 
 
-class _TimedStage(PipelineStage):
-    """A PipelineStage that times its forward and backward chunks on a clock: the stage's busy time."""
+@functools.cache
+def _pipelining() -> tuple[type[Any], dict[str, type[Any]]]:
+    """torch.distributed.pipelining's stage (timed on a clock: its forward and backward chunks are the stage's
+    busy time) and its schedules by name, imported when a pipeline is first built: the module imports
+    torch._dynamo, 0.4 s of every process's start-up on this project's machine, which a run without pipeline
+    parallelism never needs."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
-    def __init__(self, *args: Any, clock: _Clock, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.clock = clock
+    class TimedStage(PipelineStage):
+        def __init__(self, *args: Any, clock: _Clock, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.clock = clock
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.clock.span():
-            return super().forward_one_chunk(*args, **kwargs)
+        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            with self.clock.span():
+                return super().forward_one_chunk(*args, **kwargs)
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.clock.span():
-            return super().backward_one_chunk(*args, **kwargs)
+        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            with self.clock.span():
+                return super().backward_one_chunk(*args, **kwargs)
+
+    return TimedStage, dict(zip(SCHEDULE_NAMES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)))
 
 
 def _tied_group(mesh: DeviceMesh, pp_dim: str) -> dist.ProcessGroup | None:
@@ -489,11 +501,12 @@ class PipelineRunner:
             [mesh.get_group(n) for n in DP_DIMS if n in names and mesh.size(names.index(n)) > 1]
         self._tied_group = _tied_group(mesh, pp_dim) if getattr(stage, "ties_stages", False) else None
         self._busy, self._wall = _Clock(device), _Clock(device)
-        self.stages = [_TimedStage(part, part.index, part.pp, device, group=self.pp_group, clock=self._busy)
+        timed, schedules = _pipelining()
+        self.stages = [timed(part, part.index, part.pp, device, group=self.pp_group, clock=self._busy)
                        for part in parts]
         self.is_first, self.is_last = any(st.is_first for st in self.stages), any(st.is_last for st in self.stages)
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, unscaled
-        self._schedule = SCHEDULES[schedule](self.stages if len(parts) > 1 else self.stages[0], self.microbatches,
+        self._schedule = schedules[schedule](self.stages if len(parts) > 1 else self.stages[0], self.microbatches,
                                              loss_fn=self._scaled(loss_fn), scale_grads=False)
         self._last: tuple[_Reading, _Reading] | None = None  # the last step's (busy, wall)
         self._pending: list[tuple[_Reading, _Reading]] = []  # steps not yet added to the totals
