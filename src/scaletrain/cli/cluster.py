@@ -143,6 +143,9 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     host = f"{netns.SUBNET}.1" if isolated else "127.0.0.1"
     cfg = load_job(args.config, overrides, nproc=nproc, nnodes=nodes, endpoint=f"{host}:29500")
     out = Path(args.out or "runs/rehearse")
+    if (out / "run" / "summary.json").exists():  # said now, not after the network check
+        raise UserError(f"--out = {str(out)!r}: holds a finished rehearsal ({out / 'run' / 'summary.json'}); fix: "
+                        f"--out={out}-2, or remove {out} first")
     out.mkdir(parents=True, exist_ok=True)
     with netns.namespaces(nodes, speeds) if isolated else contextlib.nullcontext([]) as where:
         return _rehearse(args.config, cfg, overrides, nodes, nproc, steps, out, where, speeds)
