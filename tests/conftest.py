@@ -15,15 +15,19 @@ def _no_process_group_left():
     assert not (dist.is_available() and dist.is_initialized()), "a test left a process group initialized"
 
 
+def _record(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the docs tour's record lies, shared by the workers of one session (their base temp's parent)."""
+    return tmp_path_factory.getbasetemp().parent / "docs_tour.pickle"
+
+
 @pytest.fixture(scope="session")
 def docs_tour(tmp_path_factory: pytest.TempPathFactory):
     """Every runnable command of README.md and docs/*.md but the slow ones, run once, in order, in a fresh
-    workspace (tests/docs_tour.py). Tests that need what a documented command makes (the demo's run, the byo
-    example's three runs, a doctor report) read it from here instead of running it again.
+    workspace (tests/docs_tour.py), for tests/cli/test_docs.py.
 
-    Once per test session: under pytest-xdist (`make test` runs 2 workers, `--dist loadfile`) the first worker
-    to need it runs the tour in the workers' shared temporary directory, under a file lock, and the others
-    read its record (the tour is the longest fixture: run per worker, it cost a worker 4 minutes)."""
+    Once per test session: under pytest-xdist (`make test` runs 2 workers, `--dist loadfile`) the worker that
+    runs test_docs.py runs the tour in the workers' shared temporary directory, under a file lock, and leaves
+    its record there for the readers of what documented commands made (the `documented` fixture)."""
     import docs_tour
 
     def run(where: Path) -> docs_tour.Tour:
@@ -35,11 +39,38 @@ def docs_tour(tmp_path_factory: pytest.TempPathFactory):
 
     from filelock import FileLock
 
-    shared = tmp_path_factory.getbasetemp().parent  # the same for every worker of this session
-    record = shared / "docs_tour.pickle"
-    with FileLock(str(shared / "docs_tour.lock")):
+    record = _record(tmp_path_factory)
+    with FileLock(str(record.with_suffix(".lock"))):
         if record.exists():
             return pickle.loads(record.read_bytes())
-        tour = run(shared / "docs")
-        record.write_bytes(pickle.dumps(tour))
+        tour = run(record.parent / "docs")
+        partial = record.with_suffix(".partial")
+        partial.write_bytes(pickle.dumps(tour))
+        partial.replace(record)  # whole or absent: a reader never sees half a record
         return tour
+
+
+@pytest.fixture(scope="session")
+def documented(tmp_path_factory: pytest.TempPathFactory):
+    """``documented(text)``: a Tour that ran the documented command(s) starting with ``text``, for tests that
+    read what it made (the demo's run, the byo example's three runs, a verify-resume report). The docs tour's
+    record when the tour has finished (in this worker or the other); else just those commands, run once per
+    worker in a workspace of its own. A reader never waits for the tour: blocked on its lock, a worker sat
+    idle 90-131 s while the other ran it, where running its own few commands costs 5-15 s."""
+    import pickle
+
+    import docs_tour
+
+    record = _record(tmp_path_factory)
+    own: dict[str, docs_tour.Tour] = {}
+
+    def tour_for(text: str) -> docs_tour.Tour:
+        if record.exists():
+            return pickle.loads(record.read_bytes())
+        if text not in own:
+            cmds = [c for c in docs_tour.ALL if not c.slow and c.text.startswith(text)]
+            assert cmds, f"no documented command starts with {text!r}"
+            own[text] = docs_tour.tour(cmds, docs_tour.workspace(tmp_path_factory.mktemp("documented")))
+        return own[text]
+
+    return tour_for

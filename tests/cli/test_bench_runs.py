@@ -70,11 +70,12 @@ def test_throughput_of_a_sequence_model_is_in_tokens(tmp_path):
     assert "cpu tokens/s" in proc.stdout
 
 
-def test_weak_scaling_over_one_and_two_ranks(docs_tour):
+def test_weak_scaling_over_one_and_two_ranks(documented):
     """docs/benchmarks.md's weak-scaling command (gpt-stdlib, 1 and 2 ranks), as the docs tour ran it."""
-    ran = docs_tour.find("scaletrain bench scaling --recipe gpt-stdlib --nproc 1,2 --mode weak")
+    tour = documented("scaletrain bench scaling --recipe gpt-stdlib --nproc 1,2 --mode weak")
+    ran = tour.find("scaletrain bench scaling --recipe gpt-stdlib --nproc 1,2 --mode weak")
     assert ran.proc is not None and ran.proc.returncode == 0, ran.problem or ran.note
-    proc, tmp_path = ran.proc, docs_tour.workspace
+    proc, tmp_path = ran.proc, tour.workspace
     data = json.loads((tmp_path / "weak.json").read_text())
     assert data["mode"] == "weak" and data["threads_per_rank"] == 1
     one, two = data["results"]

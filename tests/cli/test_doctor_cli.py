@@ -41,9 +41,9 @@ def test_expected_sum_is_the_sum_of_what_the_ranks_send() -> None:
     assert torch.equal(_expected(6, 3), sum(sent))
 
 
-def test_self_test_runs_two_gloo_ranks_and_checks_the_sum(docs_tour) -> None:
+def test_self_test_runs_two_gloo_ranks_and_checks_the_sum(documented) -> None:
     """docs/observe.md's `scaletrain doctor --json`, as the docs tour ran it."""
-    ran = docs_tour.find("scaletrain doctor --json")
+    ran = documented("scaletrain doctor --json").find("scaletrain doctor --json")
     assert ran.proc is not None and ran.proc.returncode == 0, ran.problem or ran.note
     report = json.loads(ran.proc.stdout)
     result = report["self_test"]

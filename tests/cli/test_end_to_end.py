@@ -27,11 +27,12 @@ def scaletrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def digits_run(docs_tour):
+def digits_run(documented):
     """`make demo` (digits on 2 ranks, the README's first command), as the docs tour ran it."""
-    demo = docs_tour.find("make demo")
+    tour = documented("make demo")
+    demo = tour.find("make demo")
     assert demo.proc is not None and demo.proc.returncode == 0, demo.problem or demo.note
-    return docs_tour.workspace / "runs" / "digits", demo.proc
+    return tour.workspace / "runs" / "digits", demo.proc
 
 
 def test_digits_two_ranks_reach_97_percent(digits_run):

@@ -57,12 +57,13 @@ def _summary(run_dir: Path) -> dict:
     ("torchrun --nproc_per_node 2 examples/byo_model.py", 2),
     ("scaletrain launch --nproc 2 examples/byo_model.py", 2),
 ])
-def test_byo_example_runs_unchanged_under_each_launcher(docs_tour, command: str, world: int) -> None:
+def test_byo_example_runs_unchanged_under_each_launcher(documented, command: str, world: int) -> None:
     """The README's three commands for examples/byo_model.py, as the docs tour ran them (in that order, each
     into the next free runs/byo-N)."""
-    ran = docs_tour.find(command)
+    tour = documented(command)
+    ran = tour.find(command)
     assert ran.proc is not None and ran.proc.returncode == 0, ran.problem or ran.note
-    run_dir = docs_tour.workspace / ran.run_dir
+    run_dir = tour.workspace / ran.run_dir
 
     summary = _summary(run_dir)
     assert summary["world_size"] == world

@@ -72,11 +72,12 @@ def test_a_slow_loader_is_named_under_fsdp_too(tmp_path):
                                                                                      "optim_bytes"))
 
 
-def test_a_healthy_run_has_no_straggler_and_its_phases_add_up_to_the_step(docs_tour):
+def test_a_healthy_run_has_no_straggler_and_its_phases_add_up_to_the_step(documented):
     """`make demo` (digits, 2 ranks, 440 steps), as the docs tour ran it."""
-    demo = docs_tour.find("make demo")
+    tour = documented("make demo")
+    demo = tour.find("make demo")
     assert demo.proc is not None and demo.proc.returncode == 0, demo.problem or demo.note
-    run_dir = docs_tour.workspace / "runs" / "digits"
+    run_dir = tour.workspace / "runs" / "digits"
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_records, summary = [r for r in records if r["kind"] == "train"], json.loads((run_dir / "summary.json").read_text())
     assert len(train_records) == 9

@@ -83,7 +83,12 @@ def test_nodes_in_network_namespaces_on_a_shaped_link(tmp_path: Path) -> None:
     assert _same_weights(out / "run", tmp_path / "one") <= 1e-6
 
 
-def test_what_the_rehearsal_sets_cannot_be_given() -> None:
+def test_what_the_rehearsal_sets_cannot_be_given(tmp_path: Path) -> None:
+    done = tmp_path / "done"
+    (done / "run").mkdir(parents=True)
+    (done / "run" / "summary.json").write_text("{}")
+    again = _scaletrain("cluster", "rehearse", "digits", "--out", str(done))
+    assert again.returncode == 2 and "holds a finished rehearsal" in again.stderr and "Traceback" not in again.stderr
     bad = _scaletrain("cluster", "rehearse", "--nodes", "2", "digits", "--nnodes", "3")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "the rehearsal sets it" in bad.stderr
     for speeds in ("fast", "1,2,3", "0"):

@@ -318,10 +318,10 @@ def test_bad_use_is_one_clear_error(tmp_path: Path) -> None:
         scaletrain.session({"run.dir": str(tmp_path / "c")}, argv=["--chaos.kill_rnk=1"])
 
 
-def test_verify_resume_checks_a_sessions_script(docs_tour) -> None:
+def test_verify_resume_checks_a_sessions_script(documented) -> None:
     """The README's `scaletrain verify-resume examples/gan.py --steps 8 --at 3`, as the docs tour ran it: three
     runs of the script (straight, stopped after step 3, resumed), every step's state compared."""
-    ran = docs_tour.find("scaletrain verify-resume examples/gan.py")
+    ran = documented("scaletrain verify-resume examples/gan.py").find("scaletrain verify-resume examples/gan.py")
     assert ran.proc is not None and ran.proc.returncode == 0, ran.problem or ran.note
     assert "examples/gan.py on 1 rank(s), 8 steps, interrupted after step 3" in ran.proc.stdout
     assert "identical: interrupted after step 3 and resumed, the run matches the uninterrupted one bit for bit " \

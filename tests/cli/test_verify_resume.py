@@ -20,9 +20,9 @@ def verify(*args: str, cwd) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, check=False)
 
 
-def test_the_digits_recipe_resumes_bit_for_bit(docs_tour):
+def test_the_digits_recipe_resumes_bit_for_bit(documented):
     """The README's `scaletrain verify-resume digits --nproc 2`, as the docs tour ran it (4 steps, at step 2)."""
-    ran = docs_tour.find("scaletrain verify-resume digits --nproc 2")
+    ran = documented("scaletrain verify-resume digits --nproc 2").find("scaletrain verify-resume digits --nproc 2")
     assert ran.proc is not None and ran.proc.returncode == 0, ran.problem or ran.note
     assert "digits on 2 rank(s), 4 steps, interrupted after step 2 (epoch 1, 2 of 89 steps in)" in ran.proc.stdout
     assert "identical: interrupted after step 2 and resumed, the run matches the uninterrupted one bit for bit " \
