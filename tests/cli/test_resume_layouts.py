@@ -115,20 +115,17 @@ def test_digits_ddp_to_fsdp_to_ddp_keeps_the_state(digits_runs):
 
 def test_the_first_throughput_after_a_resume_counts_only_the_steps_run_since(digits_runs):
     """The last resume came 16 steps into the interval that ends at step 48; the process ran the other 8: the
-    first record after it must time those 8, not count 24 steps over their time (3x too high). Both intervals
-    compared are the first of a DDP process (warm-up on both sides). On this shared 2-core VM a step's time
-    can double from one process to the next under load (measured: 0.46x to 1.04x), so that comparison only
-    bounds it loosely; the one against the rank's own step timer, over the same steps, is free of that noise
-    (measured 1.15-1.17 with the fix, 0.39 without). Every step's time is in the summary's train_s too, those
-    between a log step and a checkpoint included."""
+    first record after it must time those 8, not count 24 steps over their time (3x too high). Its rate is not
+    compared with the first process's: on this shared 2-core VM a step's time changes from one process to the
+    next under load by 0.46x to 2.01x (measured), which overlaps the bug's 3x. The rank's own step timer, over
+    the same steps, is free of that noise (measured 1.15-1.17 with the fix, 0.39 without). Every step's time is
+    in the summary's train_s too, those between a log step and a checkpoint included."""
     _, mixed = digits_runs
     records = [json.loads(line) for line in (mixed / "metrics.jsonl").read_text().splitlines()]
     last_resume = max(i for i, r in enumerate(records) if r["kind"] == "resume")
     before = next(r for r in records if r["kind"] == "train")
     after = next(r for r in records[last_resume:] if r["kind"] == "train")
     assert (before["step"], after["step"]) == (24, 48)
-    ratio = after["samples_per_s"] / before["samples_per_s"]
-    assert 1 / 3 < ratio < 2, (before["samples_per_s"], after["samples_per_s"])
     # rank 0's loop time per step against its own steps' mean duration (StepTimer, over the steps it ran): at
     # least that (the loop's time holds the steps), at most twice (the rest is logging and the trace).
     assert 1 <= after["step_time_s"] / after["phase_s"]["step"][0] < 2
