@@ -103,5 +103,8 @@ def test_network_namespaces_say_in_one_line_why_they_cannot_be_made(monkeypatch:
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     assert netns.unavailable() == "creating network namespaces needs root (CAP_NET_ADMIN) on Linux"
     monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns, "_capable", lambda: False)
+    assert "lacks (a restricted container)" in netns.unavailable()
+    monkeypatch.setattr(netns, "_capable", lambda: True)
     monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else "/sbin/" + tool)
     assert netns.unavailable() is None and netns.unavailable(shaped=True) == "iproute2's 'tc' is not on PATH"

@@ -67,10 +67,24 @@ def unavailable(shaped: bool = False) -> str | None:
     """Why network namespaces cannot be made here (None when they can); ``shaped``: tc is needed too."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "creating network namespaces needs root (CAP_NET_ADMIN) on Linux"
+    if not _capable():
+        return ("creating network namespaces needs CAP_NET_ADMIN and CAP_SYS_ADMIN, which this root lacks "
+                "(a restricted container)")
     for tool in ("ip", "tc") if shaped else ("ip",):
         if shutil.which(tool) is None:
             return f"iproute2's {tool!r} is not on PATH"
     return None
+
+
+def _capable() -> bool:
+    """This process holds CAP_NET_ADMIN (12: interfaces, addresses, qdiscs) and CAP_SYS_ADMIN (21: `ip netns
+    add` mounts the namespace under /run/netns): root in a container often does not."""
+    try:
+        with open("/proc/self/status") as f:
+            effective = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return all(effective >> bit & 1 for bit in (12, 21))
 
 
 def _ip(*args: str) -> None:
