@@ -62,11 +62,13 @@ def documented(tmp_path_factory: pytest.TempPathFactory):
     import docs_tour
 
     record = _record(tmp_path_factory)
-    own: dict[str, docs_tour.Tour] = {}
+    own: dict[str, docs_tour.Tour] = {}  # text -> the commands run here; "" -> the tour's record, once read
 
     def tour_for(text: str) -> docs_tour.Tour:
-        if record.exists():
-            return pickle.loads(record.read_bytes())
+        if "" not in own and record.exists():
+            own[""] = pickle.loads(record.read_bytes())
+        if "" in own:
+            return own[""]
         if text not in own:
             cmds = [c for c in docs_tour.ALL if not c.slow and c.text.startswith(text)]
             assert cmds, f"no documented command starts with {text!r}"

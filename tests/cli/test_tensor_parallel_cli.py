@@ -56,7 +56,7 @@ def test_gpt_fsdp_x_tp_checkpoint_resumes_at_one_process(tmp_path):
     """The built-in GPT under FSDP=2 x TP=2 on 4 ranks (its fused query/key/value split part by part over tp and
     by columns over dp_shard, its bias whole, the tied head split by vocabulary), stopped after step 3; its DCP
     checkpoint resumed by one process: the same weights and losses as one process throughout, within 1e-5; and the
-weights a whole FSDP x TP run exports too."""
+    weights a whole FSDP x TP run exports too."""
     gpt = ["gpt-stdlib", *JOB[1:]]
     code, _, err = train(*gpt, "--nproc", "1", "--data.batch_size=8", "--run.dir=one", cwd=tmp_path)
     assert code == 0, err[-3000:]

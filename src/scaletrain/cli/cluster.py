@@ -40,20 +40,18 @@ from scaletrain.errors import TrainingFailed, UserError
 
 HELP = ("Multi-node jobs: rehearse one on this machine (N agents on loopback, or in network namespaces) before "
         "renting N machines.")
+USAGE = ("scaletrain cluster rehearse --nodes N --nproc P RECIPE|FILE.toml [--steps S] [--out DIR] [--netns] "
+         "[--link-gbps G[,G...]] [--section.key=value ...]")
 _SET_HERE = ("dist.nnodes", "dist.rdzv_endpoint", "dist.rdzv_id", "dist.local_addr", "train.max_steps")
 
 
 def add_parser(sub: Any, name: str) -> None:
     from scaletrain.cli.options import Parser
 
-    p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
-                       usage="scaletrain cluster rehearse --nodes N --nproc P RECIPE|FILE.toml [--steps S] "
-                             "[--out DIR] [--netns] [--link-gbps G[,G...]] [--section.key=value ...]")
+    p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False, usage=USAGE)
     verbs = p.add_subparsers(dest="verb", metavar="VERB", parser_class=Parser)
     r = verbs.add_parser("rehearse", help="a multi-node job on this machine: rendezvous, world, bandwidth, a short run",
-                         description=__doc__.split("\n\n")[1], allow_abbrev=False,
-                         usage="scaletrain cluster rehearse --nodes N --nproc P RECIPE|FILE.toml [--steps S] "
-                               "[--out DIR] [--netns] [--link-gbps G[,G...]] [--section.key=value ...]")
+                         description=__doc__.split("\n\n")[1], allow_abbrev=False, usage=USAGE)
     add_config_argument(r)
     own = r.add_argument_group("rehearsal")
     own.add_argument("--nodes", default="2", help="machines to rehearse (torchrun agents here) [default: 2]")
@@ -91,26 +89,30 @@ def _agents(commands: list[list[str]], logs: list[Path], timeout_s: float, drop:
             if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
                 failed_at = now
             if now > deadline or (failed_at is not None and now - failed_at > 30):
-                for p in procs:
-                    if p.poll() is None:
-                        p.terminate()
                 break
             time.sleep(0.2)
-        return [p.wait(timeout=60) for p in procs]
+        _stop(procs)  # past the deadline, or 30 s after one failed: the rest
+        return [p.returncode for p in procs]
     except BaseException:  # Ctrl-C or SIGTERM: the agents run in sessions of their own, so stop them here
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
         raise
     finally:
         signal.signal(signal.SIGTERM, stopped)
         for h in handles:
             h.close()
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate the agents still running, each given 60 s to stop its workers before it is killed."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _as_interrupt(signum: int, frame: Any) -> None:
@@ -172,19 +174,26 @@ def _rehearse(config: str, cfg: Any, overrides: dict[str, str], nodes: int, npro
     job = f"rehearse-{os.getpid()}"
     me = [sys.executable, "-m", "scaletrain"]
     started = time.monotonic()
-    inside = [n.run for n in where] or [lambda command: command] * nodes
     # This machine's interface names mean nothing inside a namespace: the agents' launchers pick the interface
     # holding the node's address (--local-addr) themselves.
     drop = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if where else ()
-    addr = [[n.address] for n in where] or [[]] * nodes  # each agent's own address, under --netns
+
+    def agent(i: int, command: list[str]) -> list[str]:
+        """Node i's agent: on loopback as is, or inside its namespace."""
+        return where[i].run(command) if where else command
+
+    def own(i: int, option: str) -> list[str]:
+        """Node i's address as ``option``, under --netns (on loopback the launcher binds 127.0.0.1 itself)."""
+        return [f"{option}={where[i].address}"] if where else []
 
     net_port = 29400 if where else _free_port()  # a fresh namespace has every port free
     # 16 MiB per all-reduce, or what the slowest link carries in about 0.1 s (a shaped link's rate is exact)
     mib = min(16.0, max(0.25, round(min(speeds) * 1e9 / 8 * 0.1 / 2**20 * 4) / 4)) if speeds else 16.0
     host = where[0].address if where else "127.0.0.1"
-    net = [inside[i]([*me, "launch", "--nproc", str(nproc), "--nnodes", str(nodes), "--rdzv-endpoint",
-                      f"{host}:{net_port}", *(f"--local-addr={a}" for a in addr[i]), "--rdzv-id", f"{job}-net", "-m", "scaletrain.cluster.rehearse_net",
-                      "--out", str(out / "net.json"), "--mb", f"{mib:g}"]) for i in range(nodes)]
+    net = [agent(i, [*me, "launch", "--nproc", str(nproc), "--nnodes", str(nodes), "--rdzv-endpoint",
+                     f"{host}:{net_port}", *own(i, "--local-addr"), "--rdzv-id", f"{job}-net",
+                     "-m", "scaletrain.cluster.rehearse_net", "--out", str(out / "net.json"), "--mb", f"{mib:g}"])
+           for i in range(nodes)]
     net_logs = [out / f"net-node{i}.log" for i in range(nodes)]
     codes = _agents(net, net_logs, timeout_s=max(120, cfg.dist.timeout_s), drop=drop)
     if any(codes):
@@ -196,9 +205,9 @@ def _rehearse(config: str, cfg: Any, overrides: dict[str, str], nodes: int, npro
     port = 29500 if where else _free_port()
     passed = [f"--{k}={v}" for k, v in overrides.items() if k != "run.dir"]
     run_dir = out / "run"
-    train = [inside[i]([*me, "train", config, f"--nproc={nproc}", f"--nnodes={nodes}", f"--rdzv-endpoint={host}:{port}",
-                        *(f"--dist.local_addr={a}" for a in addr[i]),
-                        f"--dist.rdzv_id={job}", f"--run.dir={run_dir}", f"--train.max_steps={steps}", *passed])
+    train = [agent(i, [*me, "train", config, f"--nproc={nproc}", f"--nnodes={nodes}",
+                       f"--rdzv-endpoint={host}:{port}", *own(i, "--dist.local_addr"), f"--dist.rdzv_id={job}",
+                       f"--run.dir={run_dir}", f"--train.max_steps={steps}", *passed])
              for i in range(nodes)]
     train_logs = [out / f"train-node{i}.log" for i in range(nodes)]
     codes = _agents(train, train_logs, timeout_s=max(600, cfg.dist.timeout_s), drop=drop)
@@ -224,14 +233,14 @@ def _report(config: str, nodes: int, nproc: int, steps: int, net: dict[str, Any]
         by_node.setdefault(r["node"], []).append(r)
     if links:
         speeds = sorted({link["gbps"] for link in links if link["gbps"]})
-        how = (f"{nodes} torchrun agents, each in a network namespace of its own, on a bridge{_links(speeds)}, a c10d rendezvous at "
-               f"{endpoint}")
+        how = (f"{nodes} torchrun agents, each in a network namespace of its own, on a bridge{_links(speeds)}, "
+               f"a c10d rendezvous at {endpoint}")
     else:
         how = f"{nodes} torchrun agents on loopback, a c10d rendezvous"
     lines = [(f"rehearsal: {nodes} nodes x {nproc} ranks on this machine ({how}): world {net['world_size']}, "
               f"{net['backend']}")]
     for node, ranks in sorted(by_node.items()):
-        link = next((k for k in links if k["node"] == node), None)
+        link = links[node] if links else None  # by node index
         at = f" at {link['address']}" + (f", a {link['gbps']:g} Gbit/s link" if link["gbps"] else "") if link else ""
         lines.append(f"  node {node}: ranks {', '.join(str(r['rank']) for r in ranks)} on {ranks[0]['host']}{at} "
                      f"(pids {', '.join(str(r['pid']) for r in ranks)})")

@@ -172,9 +172,9 @@ def stage_edges(pp: int, stage: int, microbatches: int, schedule: str, virtual: 
     v = virtual if schedule == "interleaved" else 1
     receiving = v - (stage == 0)  # local stages with an input to receive (and keep its gradient of)
     sending = v - (stage == pp - 1)  # local stages with an output to send (and its gradient to receive)
-    chunks = in_flight(pp, stage, microbatches, schedule, virtual) * v  # micro-batches of a local stage in flight
-    outputs = chunks * sending / v
-    return round(((receiving + sending) * microbatches + outputs + receiving * microbatches) * edge)
+    # in flight: in_flight's units of the rank's blocks, each a micro-batch of every local stage
+    outputs = in_flight(pp, stage, microbatches, schedule, virtual) * sending
+    return round(((2 * receiving + sending) * microbatches + outputs) * edge)
 
 
 def stage_blocks(n_layer: int, pp: int) -> list[int]:
