@@ -48,6 +48,7 @@ from scaletrain.observe.memory import (
     FIT_MARGIN,
     OPTIM_STATES,
     estimate_activation_bytes,
+    estimate_step,
     fmt_bytes,
 )
 from scaletrain.plan.catalog import Accelerator
@@ -415,8 +416,10 @@ def _step_bytes(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *, 
         dtype, precision = AUTOCAST_DTYPE[precision], "fp32"
         if isinstance(sample, torch.Tensor) and sample.is_floating_point():
             sample = sample.to(dtype)
-    peak = estimate_activation_bytes(model, sample, batch, precision=precision, whole_step=True)
-    return peak, estimate_activation_bytes(model, sample, batch, precision=precision) if kept else None
+    if not kept:
+        return estimate_activation_bytes(model, sample, batch, precision=precision, whole_step=True), None
+    step = estimate_step(model, sample, batch, precision=precision)
+    return step.peak_bytes, step.activations_bytes
 
 
 def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
