@@ -28,23 +28,25 @@ def _scaletrain(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=600, check=False)
 
 
-def test_two_nodes_of_two_ranks_equal_one_node_of_four(tmp_path: Path) -> None:
-    rehearsed = _scaletrain("cluster", "rehearse", "--nodes", "2", "--nproc", "2", "digits", "--steps", "4",
-                            "--out", str(tmp_path / "rehearse"), *RUN)
-    assert rehearsed.returncode == 0, rehearsed.stdout[-2000:] + rehearsed.stderr[-2000:]
+def test_two_nodes_of_two_ranks_equal_one_node_of_four(tmp_path: Path, documented) -> None:
+    """The rehearsal docs/multinode.md shows, as typed (the docs tour's run of it), against one node of 4."""
+    command = "scaletrain cluster rehearse --nodes 2 --nproc 2 digits --steps 4 --out runs/rehearse"
+    tour = documented(command)
+    rehearsed, rehearsal = tour.find(command).proc, tour.workspace / "runs" / "rehearse"
+    assert rehearsed is not None and rehearsed.returncode == 0, tour.find(command).problem
     out = rehearsed.stdout
     assert "rehearsal: 2 nodes x 2 ranks on this machine" in out and "world 4, gloo" in out
     assert "between the nodes' first ranks" in out
     assert ("on 2 real machines, run on each: scaletrain train digits --nproc=2 --nnodes=2 "
             "--rdzv-endpoint=FIRST_MACHINE:29500 --dist.rdzv_id=JOB_ID") in out
-    net = json.loads((tmp_path / "rehearse" / "net.json").read_text())
+    net = json.loads((rehearsal / "net.json").read_text())
     assert net["nodes"] == 2 and sorted(r["rank"] for r in net["ranks"]) == [0, 1, 2, 3]
     assert sorted((r["node"], r["local_rank"]) for r in net["ranks"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
     one = _scaletrain("train", "digits", "--nproc", "4", "--train.max_steps=4", f"--run.dir={tmp_path / 'one'}", *RUN)
     assert one.returncode == 0, one.stderr[-2000:]
-    assert _same_weights(tmp_path / "rehearse" / "run", tmp_path / "one") <= 1e-6
-    summary = json.loads((tmp_path / "rehearse" / "run" / "summary.json").read_text())
+    assert _same_weights(rehearsal / "run", tmp_path / "one") <= 1e-6
+    summary = json.loads((rehearsal / "run" / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["global_batch"] == 128 and summary["steps"] == 4
     assert torch.isfinite(torch.tensor(summary["train_loss"]))
 

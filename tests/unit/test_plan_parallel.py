@@ -222,14 +222,25 @@ def test_bad_degrees_and_budgets_are_one_line_and_exit_2(argv, words, capsys):
     assert len(err) == 1 and all(w in err[0] for w in words), err
 
 
-def test_a_given_tp_and_pp_are_planned_within_80_columns_and_in_json(tmp_path, capsys):
-    out = tmp_path / "plan.json"
-    assert main(["plan", "llama-tiny", "--gpu", "h100", "--nproc", "8", "--parallel.tp=2", "--parallel.pp=2",
-                 "--data.seq_len=32", "--train.global_batch=128", "--tokens", "1M", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def tiny_tp_pp(tmp_path_factory):
+    """(what it printed, its JSON record) of one plan of llama-tiny at tp 2 x pp 2 on 8 H100s, a token budget and
+    a given MFU, read by the three tests below (each plan measures its activations again: 8 s)."""
+    import contextlib
+    import io
+
+    out, said = tmp_path_factory.mktemp("plan") / "plan.json", io.StringIO()
+    with contextlib.redirect_stdout(said):
+        assert main(["plan", "llama-tiny", "--gpu", "h100", "--nproc", "8", "--parallel.tp=2", "--parallel.pp=2",
+                     "--data.seq_len=32", "--train.global_batch=128", "--tokens", "1M", "--mfu", "0.3",
+                     "--json", str(out)]) == 0
+    return said.getvalue(), json.loads(out.read_text())
+
+
+def test_a_given_tp_and_pp_are_planned_within_80_columns_and_in_json(tiny_tp_pp):
+    text, record = tiny_tp_pp
     assert max(len(line) for line in text.splitlines()) <= 80, text
     assert "dp x tp x pp layouts at tp 2, pp 2 on 8 GPUs" in " ".join(text.split())
-    record = json.loads(out.read_text())
     found, rows = record["parallel"], record["parallel"]["layouts"]
     assert {(r["kind"], r["dp"], r["tp"], r["pp"]) for r in rows} == \
         {(k, 2, 2, 2) for k in ("ddp", "zero1", "zero2", "fsdp")}
@@ -243,6 +254,27 @@ def test_a_given_tp_and_pp_are_planned_within_80_columns_and_in_json(tmp_path, c
     for r in rows:  # each layout's time is that batch's FLOPs: at MFU 1 in flops_per_gpu_s, its MFU of the step
         assert r["flops_per_gpu_s"] == pytest.approx(flops * 128 / (8 * peak), rel=1e-12)
         assert r["step_mfu"] == pytest.approx(r["flops_per_gpu_s"] / r["step_s"], rel=1e-12) and r["step_mfu"] < 1
+
+
+def test_selective_checkpointing_is_planned_between_none_and_full(tiny_tp_pp):
+    """The dp x tp x pp rows plan selective checkpointing (torchtitan's op-level policy): its activations, measured
+    on fake tensors, between none's and full's; its compute 7/6 of the model's (full's 4/3); its tensor-parallel
+    collectives 6 per block per micro-batch, as full's (recompute runs the forward's all-gathers again)."""
+    rows = {(r["kind"], r["checkpointing"]): r for r in tiny_tp_pp[1]["parallel"]["layouts"]}
+    none, selective, full = (rows["fsdp", ac] for ac in ("none", "selective", "full"))
+    assert none["activations_bytes"] > selective["activations_bytes"] > full["activations_bytes"]
+    assert selective["compute_s"] == pytest.approx(none["compute_s"] * 7 / 6, rel=1e-12)
+    assert full["compute_s"] == pytest.approx(none["compute_s"] * 4 / 3, rel=1e-12)
+    assert selective["tp_comm_s"] == pytest.approx(full["tp_comm_s"], rel=1e-12)
+    assert selective["tp_comm_s"] == pytest.approx(none["tp_comm_s"] * 6 / 4, rel=1e-12)
+
+
+def test_a_given_mfu_beyond_what_the_layout_can_reach_is_said(tiny_tp_pp):
+    """A toy model at tp 2 x pp 2: its tp/pp communication alone caps the step's MFU, whatever the GPUs do."""
+    said = " ".join(tiny_tp_pp[0].split())
+    assert "its GPUs then compute at 1 of peak" in said
+    reached = float(said.split("that layout reaches at most MFU ")[1].split()[0])
+    assert 0 < reached < 0.3
 
 
 def test_a_given_pair_whose_data_parallel_ranks_do_not_split_the_global_batch_is_one_line(capsys):
@@ -278,16 +310,6 @@ def test_a_given_mfu_is_the_whole_step_mfu_of_the_configs_own_layout(tmp_path, c
     assert full["step_mfu"] < own["step_mfu"]
 
 
-def test_a_given_mfu_beyond_what_the_layout_can_reach_is_said(capsys):
-    """A toy model at tp 2 x pp 2: its tp/pp communication alone caps the step's MFU, whatever the GPUs do."""
-    assert main(["plan", "llama-tiny", "--gpu", "h100", "--nproc", "8", "--parallel.tp=2", "--parallel.pp=2",
-                 "--data.seq_len=32", "--train.global_batch=128", "--mfu", "0.3"]) == 0
-    said = " ".join(capsys.readouterr().out.split())
-    assert "its GPUs then compute at 1 of peak" in said
-    reached = float(said.split("that layout reaches at most MFU ")[1].split()[0])
-    assert 0 < reached < 0.3
-
-
 def test_a_given_mfu_on_a_data_parallel_plan_is_its_layouts_mfu(tmp_path, capsys):
     """Without tp or pp: the config's strategy and checkpointing row runs at the MFU given."""
     out = tmp_path / "plan.json"
@@ -314,22 +336,6 @@ def test_llama3_405b_at_its_published_layout_and_mfu_is_within_20_percent_of_its
     own = next(r for r in record["parallel"]["layouts"] if (r["kind"], r["checkpointing"]) == ("ddp", "none"))
     assert own["gpu_hours"] == pytest.approx(published, rel=0.20)
     assert record["parallel"]["fastest"]["gpu_hours"] == pytest.approx(published, rel=0.20)
-
-
-def test_selective_checkpointing_is_planned_between_none_and_full(tmp_path):
-    """The dp x tp x pp rows plan selective checkpointing (torchtitan's op-level policy): its activations, measured
-    on fake tensors, between none's and full's; its compute 7/6 of the model's (full's 4/3); its tensor-parallel
-    collectives 6 per block per micro-batch, as full's (recompute runs the forward's all-gathers again)."""
-    out = tmp_path / "plan.json"
-    assert main(["plan", "llama-tiny", "--gpu", "h100", "--nproc", "8", "--parallel.tp=2", "--parallel.pp=2",
-                 "--data.seq_len=32", "--train.global_batch=128", "--json", str(out)]) == 0
-    rows = {(r["kind"], r["checkpointing"]): r for r in json.loads(out.read_text())["parallel"]["layouts"]}
-    none, selective, full = (rows["fsdp", ac] for ac in ("none", "selective", "full"))
-    assert none["activations_bytes"] > selective["activations_bytes"] > full["activations_bytes"]
-    assert selective["compute_s"] == pytest.approx(none["compute_s"] * 7 / 6, rel=1e-12)
-    assert full["compute_s"] == pytest.approx(none["compute_s"] * 4 / 3, rel=1e-12)
-    assert selective["tp_comm_s"] == pytest.approx(full["tp_comm_s"], rel=1e-12)
-    assert selective["tp_comm_s"] == pytest.approx(none["tp_comm_s"] * 6 / 4, rel=1e-12)
 
 
 def test_llama3_8b_memory_per_gpu_is_within_20_percent_of_torchtitans_published_run(tmp_path):
