@@ -297,16 +297,22 @@ def workspace(root: Path) -> Path:
 
 def tour(cmds: list[Command], cwd: Path, *, earlier: Tour | None = None) -> Tour:
     """Run ``cmds`` in order in ``cwd``. A command whose effective text (short-run options included) already
-    ran in this workspace is not run twice: it has been shown to work as typed."""
+    ran in this workspace is not run twice: it has been shown to work as typed. Two commands that differ only
+    in their trailing comment (the README's overview and a later section both show `scaletrain doctor`) are
+    the same command to bash."""
     result = Tour(cwd)
-    seen = {r.typed: r.cmd.where for r in (earlier.ran if earlier else []) if r.proc is not None}
+
+    def code(typed: str) -> str:
+        return typed.partition(" #")[0].rstrip()
+
+    seen = {code(r.typed): r.cmd.where for r in (earlier.ran if earlier else []) if r.proc is not None}
     for cmd in cmds:
         typed = _shortened(cmd)
-        why = _missing(cmd) or (f"the same command ran as {seen[typed]}" if typed in seen else "")
+        why = _missing(cmd) or (f"the same command ran as {seen[code(typed)]}" if code(typed) in seen else "")
         if why:
             result.ran.append(Ran(cmd, typed, None, 0.0, "", why))
             continue
         proc, seconds = _run(cmd, cwd)
-        seen[typed] = cmd.where
+        seen[code(typed)] = cmd.where
         result.ran.append(Ran(cmd, typed, proc, seconds, _check(cmd, proc)))
     return result
