@@ -85,7 +85,8 @@ def _planned(recipe: str, overrides: dict, precision: str, tp: int) -> tuple[int
     splits = build_splits(cfg.data, cfg.model)
     sample, target = splits.train[0]
     ratio = with_block_activations(cfg, splits.task, splits.info, sample,
-                                   measure_model(cfg, splits.task, splits.info, sample, target=target), target=target)
+                                   measure_model(cfg, splits.task, splits.info, sample, target=target, modes=("none",),
+                                                 sharded=(False,)), target=target)  # what ddp x tp, none reads
     measured = with_tp_activations(cfg, splits.task, splits.info, sample, ratio, [tp], target=target)
     assert set(measured.tp_activations) == {tp}
     with torch.device("meta"):
@@ -165,7 +166,8 @@ def _pp_planned(schedule: str) -> list[int]:
     splits = build_splits(cfg.data, cfg.model)
     sample, target = splits.train[0]
     facts = with_block_activations(cfg, splits.task, splits.info, sample,
-                                   measure_model(cfg, splits.task, splits.info, sample, target=target), target=target)
+                                   measure_model(cfg, splits.task, splits.info, sample, target=target, modes=("none",),
+                                                 sharded=(False,)), target=target)  # what ddp x tp, none reads
     with torch.device("meta"):
         shape = par.structure(build_model(cfg.model, splits.task, splits.info), facts.tokens_per_sample)
     h100, b = ACCELERATORS["h100"], cfg.data.batch_size
