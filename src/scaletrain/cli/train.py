@@ -38,6 +38,10 @@ def preflight(cfg: Config, world: int) -> None:
     check_precision(cfg.train.precision, pick_device(cfg.dist, 0), cfg.parallel.strategy)
     check_layout(cfg.parallel, cfg.memory, world, max(1, cfg.dist.nnodes), cfg.model, cfg.data.batch_size)
     cfg.chaos.check_world(world)
+    if cfg.log.grad_noise_scale:
+        from scaletrain.observe.noise_scale import check_measurable
+
+        check_measurable(tp=cfg.parallel.tp, pp=cfg.parallel.pp, precision=cfg.train.precision)
     if cfg.log.tensorboard:
         check_tensorboard()
     splits = build_splits(cfg.data, cfg.model)

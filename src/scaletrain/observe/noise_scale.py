@@ -152,13 +152,11 @@ class _ProbedReduceScatter:
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-def attach_probe(wrapped: Any, params: list[Any], sums: dict[str, Any], device: Any, *, world_size: int,
-                 tp: int = 1, pp: int = 1, precision: str = "fp32") -> GradProbe:
-    """A GradProbe on a model as parallelize() wrapped it: DDP through its comm hook (the caller passes the
-    probe to observe/timing.py attach_comm_hook), FSDP2 through every unit's reduce-scatter, one process
-    through each parameter's gradient of each micro-batch. What it cannot measure is one UserError naming why."""
+def check_measurable(*, tp: int, pp: int, precision: str) -> None:
+    """The layouts and precisions the noise scale cannot be measured under, as one UserError naming why: from
+    the config alone, so `scaletrain train` says it before starting workers (cli/train.py preflight), and
+    attach_probe again for a session's own loop."""
     from scaletrain.errors import UserError
-    from scaletrain.parallel import is_fsdp
 
     def refuse(why: str, fix: str) -> UserError:
         return UserError(f"log.grad_noise_scale: {why}; fix: {fix}")
@@ -170,6 +168,16 @@ def attach_probe(wrapped: Any, params: list[Any], sums: dict[str, Any], device: 
     if precision == "fp16-mixed":
         raise refuse("under fp16-mixed the gradients are scaled by a loss scale that changes between steps",
                      "--train.precision=bf16-mixed (or fp32)")
+
+
+def attach_probe(wrapped: Any, params: list[Any], sums: dict[str, Any], device: Any, *, world_size: int,
+                 tp: int = 1, pp: int = 1, precision: str = "fp32") -> GradProbe:
+    """A GradProbe on a model as parallelize() wrapped it: DDP through its comm hook (the caller passes the
+    probe to observe/timing.py attach_comm_hook), FSDP2 through every unit's reduce-scatter, one process
+    through each parameter's gradient of each micro-batch. What it cannot measure is one UserError naming why."""
+    from scaletrain.parallel import is_fsdp
+
+    check_measurable(tp=tp, pp=pp, precision=precision)
     if world_size == 1:
         probe = GradProbe(sums, device, per_micro_batch=True)
         probe.hook_parameters(params)
