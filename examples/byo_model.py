@@ -40,6 +40,8 @@ def smoothed_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    where = {"run.dir": sys.argv[1]} if len(sys.argv) > 1 else {}  # default: runs/byo, runs/byo-2, ...
+    # Any --section.key=value on the command line goes on top (--run.dir=..., --parallel.strategy=fsdp); without
+    # --run.dir the runs go to runs/byo, runs/byo-2, ...
     scaletrain.fit(Net, make_data(4096, seed=0), eval_data=make_data(1024, seed=1), loss_fn=smoothed_ce,
-                   config={"run.name": "byo", **where, "train.epochs": 5, "optim.lr": 3e-3, "log.every": 50})
+                   config={"run.name": "byo", "train.epochs": 5, "optim.lr": 3e-3, "log.every": 50},
+                   argv=sys.argv[1:])

@@ -210,9 +210,20 @@ def test_evaluation_is_bounded_by_default_and_whole_on_request(tmp_path: Path,
     out = capsys.readouterr().out
     assert out.count("eval: 800 of 2,000 held-out samples") == 1, out
     whole = scaletrain.fit(lambda: nn.Linear(8, 4), (x[:600], y[:600]), eval_data=(x[600:], y[600:]),
-                           config={**cfg, "run.dir": str(tmp_path / "all"), "train.eval_batches": 0})
+                           config={**cfg, "run.dir": str(tmp_path / "all")}, argv=["--train.eval_batches=0"])
     assert whole["eval"]["count"] == 2000
     assert "held-out samples, spread" not in capsys.readouterr().out
+
+
+def test_the_command_line_goes_on_top_of_a_config_object(tmp_path: Path) -> None:
+    """fit(argv=sys.argv[1:]) as a session's: `--key=value` and `--key value` over a Config (or a mapping)."""
+    from scaletrain.config import load
+
+    x, y = _points(640, 0)
+    cfg = load(None, overrides={**_config(tmp_path, "c"), "data.source": "memory", "train.epochs": 1})
+    summary = scaletrain.fit(lambda: nn.Linear(8, 4), (x[:512], y[:512]), eval_data=(x[512:], y[512:]), config=cfg,
+                             argv=["--data.batch_size=16", "--train.epochs", "2"])
+    assert (summary["global_batch"], summary["steps"], summary["epochs"]) == (16, 2 * 512 // 16, 2.0)
 
 
 def test_eval_indices_spread_over_the_split() -> None:

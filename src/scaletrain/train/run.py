@@ -399,7 +399,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
 
 def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_data: Any = None,
         loss_fn: LossFn | None = None, config: Config | Mapping[str, Any] | str | None = None,
-        batch_fn: BatchFn | None = None) -> dict[str, Any]:
+        batch_fn: BatchFn | None = None, argv: list[str] | None = None) -> dict[str, Any]:
     """Train your own model on your own data, on one process or every rank of a torchrun job.
 
     ``model``: a module, or better its class (or any callable building it): it is then built after seeding
@@ -411,17 +411,23 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     ``loss_fn(output, target)`` receives the model's output as it returned it (a tensor, tuple, dict or
     ModelOutput); by default the model's own ``loss`` if it computed one, else cross-entropy of its logits.
     ``config``: a Config, a mapping of dotted keys ({"optim.lr": 0.1}), or a recipe/TOML path.
+    ``argv``: ``--section.key=value`` strings on top of it, as scaletrain.session() takes them (pass
+    sys.argv[1:], and `scaletrain launch --nproc 2 my.py --parallel.strategy=fsdp` reaches the run).
 
     A scaletrain error that the caller does not catch ends the program as the CLI does: one line, exit code
     2 (1 when training failed), said once however many ranks raised it.
     """
+    from scaletrain.cli.options import parse_overrides
+    from scaletrain.train.session import flat
+
     try:
+        cli = parse_overrides(argv or [])
         if isinstance(config, Config):
-            cfg = config
+            cfg = load(None, overrides=flat(config), cli_overrides=cli) if cli else config
         elif isinstance(config, str):
-            cfg = load(config, overrides={"data.source": "memory"})
+            cfg = load(config, overrides={"data.source": "memory"}, cli_overrides=cli)
         else:
-            cfg = load(None, overrides={"data.source": "memory", **(config or {})})
+            cfg = load(None, overrides={"data.source": "memory", **(config or {})}, cli_overrides=cli)
         splits = in_memory(train_data, eval_data, cfg.data.val_fraction)
         return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn)
     except (Reported, Stopped):

@@ -254,7 +254,7 @@ class Session:
         self.started = time.perf_counter() if opened is None else opened.started
         cli = parse_overrides(argv or [])
         if isinstance(config, Config):
-            cfg = load(None, overrides=_flat(config), cli_overrides=cli) if cli else config
+            cfg = load(None, overrides=flat(config), cli_overrides=cli) if cli else config
         elif isinstance(config, str):
             cfg = load(config, cli_overrides=cli)
         else:
@@ -1285,7 +1285,8 @@ def _check_optimizer(opt: Any, model: nn.Module) -> None:
         raise UserError("session.setup(): the optimizer has taken steps already; fix: set up before training")
 
 
-def _flat(cfg: Config) -> dict[str, Any]:
+def flat(cfg: Config) -> dict[str, Any]:
+    """A Config as the dotted keys load() takes, so command-line overrides can go on top of it."""
     return {f"{sec}.{k}": v for sec, values in cfg.to_dict().items() for k, v in values.items()}
 
 
