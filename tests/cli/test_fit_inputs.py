@@ -178,6 +178,41 @@ def test_a_refused_run_dir_is_one_line_and_exit_2_on_two_ranks(tmp_path: Path, l
         assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr
 
 
+UNUSED = """import sys, torch, scaletrain
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.aux_head = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)  # aux_head: never called
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+    def forward(self, x):
+        return self.body(self.frozen(x))
+x = torch.randn(256, 8); y = (x.sum(1) > 0).long()
+scaletrain.fit(Net, (x, y), config={'train.progress': False, 'train.max_steps': 3}, argv=sys.argv[1:])
+"""
+
+
+def test_parameters_without_a_gradient_under_ddp_are_named_in_one_line(tmp_path: Path) -> None:
+    """A model with a layer its forward never calls: DDP's page about "finished reduction in the prior
+    iteration" (raised on every rank in the step after) becomes one line naming the parameters, said once,
+    exit 2; --parallel.find_unused=true, the fix it gives, then trains."""
+    script = tmp_path / "unused.py"
+    script.write_text(UNUSED)
+
+    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*SCALETRAIN, "launch", "--nproc", "2", str(script), *extra], check=False,
+                              capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
+
+    refused = launch(f"--run.dir={tmp_path / 'a'}")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    ours = [line for line in refused.stderr.splitlines() if "scaletrain:" in line]
+    assert len(ours) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert ("got no gradient in step 1 (aux_head.weight, aux_head.bias)" in ours[0]
+            and "fix: --parallel.find_unused=true" in ours[0]), ours
+    fixed = launch(f"--run.dir={tmp_path / 'b'}", "--parallel.find_unused=true")
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert (tmp_path / "b" / "summary.json").is_file()
+
+
 def _refusal(finished: Path) -> str:
     return (f"scaletrain: error: run.dir = '{finished}': expected a new or unfinished run directory ({finished}/"
             f"summary.json says this one finished); fix: --run.dir={finished}-2, or remove {finished} first")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 
 import torch
@@ -26,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletrain.batch import Batch
 from scaletrain.config import MemoryConfig, ParallelConfig
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError
 from scaletrain.layout import Layout, check_layout, resolve_degrees, resolve_layout, virtual_stages
 from scaletrain.observe.memory import (
     choose_strategy,
@@ -74,6 +75,28 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh | None, *, bucket_mb: float, fi
                   find_unused_parameters=find_unused, gradient_as_bucket_view=True)
     log.info("DDP: buckets of %.0f MB", bucket_mb)
     return wrapped
+
+
+def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> UserError | None:
+    """DDP's error about parameters that got no gradient (raised in the step after, a page of text) as one
+    line naming them, or None for any other error. DDP numbers the parameters that require a gradient in the
+    module's order, each once; with several DDP models (a GAN) the error does not say which one, so the
+    names of each candidate are given."""
+    text = str(err)
+    if "Expected to have finished reduction in the prior iteration" not in text:
+        return None
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", text)  # the same on every rank: said once
+    indices = [int(i) for i in found.group(1).split()] if found else []
+    named = []
+    for model in models:
+        if isinstance(model, DDP):
+            params = [name for name, p in model.module.named_parameters() if p.requires_grad]
+            named.append(", ".join(params[i] for i in indices if i < len(params)))
+    which = " or ".join(f"({n})" for n in named if n) or "(TORCH_DISTRIBUTED_DEBUG=DETAIL names them)"
+    return UserError(f"parallel.find_unused = false: parameters of the model got no gradient in step {step - 1} "
+                     f"{which}, and DDP averages every parameter's gradient each step; fix: "
+                     "--parallel.find_unused=true (DDP then looks for them every step, at a cost), or freeze them "
+                     "(requires_grad_(False)) or take them out of the model")
 
 
 @contextlib.contextmanager

@@ -107,7 +107,15 @@ from scaletrain.observe.throughput import device_peak, throughput
 from scaletrain.observe.timeline import Timeline
 from scaletrain.observe.timeline import merge as merge_timeline
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_forward_mark
-from scaletrain.parallel import Layout, has_dtensors, is_fsdp, parallelize, resolve_layout, units_line
+from scaletrain.parallel import (
+    Layout,
+    has_dtensors,
+    is_fsdp,
+    parallelize,
+    resolve_layout,
+    units_line,
+    unused_parameters,
+)
 from scaletrain.parallel.pipeline import PipelineRunner, clip_with_norm, is_stage, stage_grad_norm
 from scaletrain.parallel.tensor import plain
 from scaletrain.runtime import Runtime
@@ -608,6 +616,9 @@ class Session:
             self.console.advance()
             self._after_step()
         except RuntimeError as err:  # a peer died or hung in a collective: one line naming it
+            unused = unused_parameters(err, [m.wrapped for m in self._models], step)
+            if unused is not None:
+                raise unused from err
             raise runtime.collective_failure(err, self.rt, step, self.cfg.dist.timeout_s, self.cfg.run_dir) from err
         finally:
             self._in_step = False
