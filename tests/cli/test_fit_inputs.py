@@ -261,6 +261,23 @@ def test_the_command_line_goes_on_top_of_a_config_object(tmp_path: Path) -> None
     assert (summary["global_batch"], summary["steps"], summary["epochs"]) == (16, 2 * 512 // 16, 2.0)
 
 
+def test_float64_data_for_a_float32_model_is_one_line_naming_the_data(tmp_path: Path) -> None:
+    """numpy's float64 arrays into a float32 model: torch's "mat1 and mat2 must have the same dtype" from inside
+    the model's first forward becomes a data error naming float64 and the fix (exit 2 from a script); the same
+    data as float32 trains."""
+    import numpy as np
+
+    from scaletrain.errors import UserError
+
+    x, y = _points(256, 0)
+    with pytest.raises(UserError, match=r"data: the model's first forward failed \(mat1 and mat2 must have the same "
+                                        r"dtype.*the samples hold float64 tensors .* fix: make the data float32"):
+        scaletrain.fit(lambda: nn.Linear(8, 4), (x.double().numpy(), y.numpy()), config=_config(tmp_path, "f64"))
+    done = scaletrain.fit(lambda: nn.Linear(8, 4), (x.double().numpy().astype(np.float32), y.numpy()),
+                          config={**_config(tmp_path, "f32"), "train.epochs": 1})
+    assert done["steps"] > 0
+
+
 def test_eval_indices_spread_over_the_split() -> None:
     from scaletrain.data import eval_indices
 

@@ -203,6 +203,25 @@ def _split_before_filled(cfg: Config, world_size: int, nnodes: int) -> bool:
     return layout.sharded or layout.tp > 1 or layout.pp > 1
 
 
+def _first_forward(module: nn.Module, one: Any) -> float:
+    """flops_per_sample(): the model's first forward and backward, on a batch of one training sample. Data in
+    float64 (numpy's default) meeting float32 parameters fails there with torch's dtype error from deep inside
+    the model: said in one line as what it is, a property of the data, with the fix. Any other error is the
+    user's code's own, traceback and all."""
+    try:
+        return flops_per_sample(module, one)
+    except RuntimeError as err:
+        doubles = any(t.dtype == torch.float64 for t in one.tensors())
+        params = {p.dtype for p in module.parameters() if p.is_floating_point()}
+        if not doubles or not params or torch.float64 in params:
+            raise
+        said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        dtype = str(min(params, key=str)).removeprefix("torch.")
+        raise UserError(f"data: the model's first forward failed ({said}): the samples hold float64 tensors "
+                        f"(numpy's default) and the model's parameters are {dtype}; fix: make the data {dtype} "
+                        f"(x.astype(np.float32), or .float() in the Dataset's __getitem__)") from err
+
+
 def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
               loss_fn: LossFn | None = None, resume: dict[str, Any] | None = None,
               batch_fn: BatchFn | None = None) -> Job:
@@ -232,7 +251,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     batcher = Batcher(module, batch_fn, target_kwarg="targets" if isinstance(module, GPT) and module.fused_loss else None)
     one = batcher(collate_one(splits.train))  # a batch of one sample, as the loader collates it
     # counted once, before any wrapping (on the meta device for a model built there: shapes are all it needs)
-    flops = flops_per_sample(module, one.to(torch.device("meta") if deferred else rt.device))
+    flops = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device))
     strategy, reason = resolve_strategy(module, cfg.parallel, world_size=rt.world_size, nnodes=nnodes,
                                         precision=cfg.train.precision, optimizer=cfg.optim.name,
                                         sample=one if cfg.parallel.strategy == "auto" else None,
