@@ -278,6 +278,31 @@ def test_float64_data_for_a_float32_model_is_one_line_naming_the_data(tmp_path: 
     assert done["steps"] > 0
 
 
+def test_a_model_given_compiled_trains_compiled_and_saves_its_own_names(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile(model) given to fit(): its module is set up and compiled as train.compile does it (before
+    any wrapping), so the weights are named 'weight', not '_orig_mod.weight', and the verdict does not tell
+    the user to compile what is compiled."""
+    import safetensors.torch
+
+    from scaletrain.train import session as session_module
+
+    seen: list[bool] = []
+    real = session_module.parallelize
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["compile"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "parallelize", spy)
+    x, y = _points(256, 0)
+    summary = scaletrain.fit(torch.compile(nn.Linear(8, 4)), (x, y),
+                             config={**_config(tmp_path, "c"), "train.max_steps": 3})
+    assert seen == [True]
+    assert sorted(safetensors.torch.load_file(str(tmp_path / "c" / "model.safetensors"))) == ["bias", "weight"]
+    assert "torch.compile" not in summary["bottleneck"]["fix"], summary["bottleneck"]
+
+
 def test_eval_indices_spread_over_the_split() -> None:
     from scaletrain.data import eval_indices
 

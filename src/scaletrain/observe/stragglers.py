@@ -169,13 +169,14 @@ def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int,
     if device == "cuda" and gpu_lead is not None and gpu_lead < HOST_LEAD:
         evidence += (f"; at log steps the GPU had only {100 * gpu_lead:.1f}% of a step still queued when the host "
                      "caught up: it waits for Python, and its idle gaps are counted in compute")
+        fuse = "" if compiled else "torch.compile (--train.compile=true) to fuse kernels and cut launches; "
         fix = ("more work per kernel: a larger per-rank batch (--data.batch_size) or a larger model per GPU; "
-               "torch.compile (--train.compile=true) to fuse kernels and cut launches; no host syncs (.item(), "
-               "printing tensors) inside the step")
+               f"{fuse}no host syncs (.item(), printing tensors) inside the step")
         return {"verdict": "host-bound", "evidence": evidence, "fix": fix}
     if host >= 0.25:
-        fix = ("a larger batch per step (fewer optimizer steps and copies per sample), torch.compile "
-               "(--train.compile=true) to cut launch overhead, and a fused optimizer (used where possible)")
+        launches = "" if compiled else ", torch.compile (--train.compile=true) to cut launch overhead,"
+        fix = (f"a larger batch per step (fewer optimizer steps and copies per sample){launches} and a fused "
+               "optimizer (used where possible)")
         return {"verdict": "host-bound", "evidence": evidence, "fix": fix}
     levers = [] if precision != "fp32" else ["bf16 mixed precision (--train.precision=bf16-mixed)"]
     levers += [] if compiled else ["torch.compile (--train.compile=true)"]

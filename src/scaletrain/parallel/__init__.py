@@ -44,7 +44,8 @@ from scaletrain.parallel.units import Units, find_units, unit_warnings, units_li
 
 __all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "apply_tp", "build_mesh",
            "check_layout", "find_units", "fsdp_units", "gradient_sync", "has_dtensors", "is_fsdp", "mixed_precision_policy",
-           "parallelize", "resolve_degrees", "resolve_layout", "resolve_strategy", "units_line"]
+           "parallelize", "resolve_degrees", "resolve_layout", "resolve_strategy", "uncompiled", "units_line",
+           "unused_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,16 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh | None, *, bucket_mb: float, fi
                   find_unused_parameters=find_unused, gradient_as_bucket_view=True)
     log.info("DDP: buckets of %.0f MB", bucket_mb)
     return wrapped
+
+
+def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    """(the module, True) for what torch.compile(module) returned, else (model, False): scaletrain compiles it
+    itself as train.compile does (before DDP or FSDP wrap it), and names its weights by the module's own names,
+    not _orig_mod.*."""
+    bare = getattr(model, "_orig_mod", None)
+    if isinstance(bare, nn.Module) and type(model).__name__ == "OptimizedModule":
+        return bare, True
+    return model, False
 
 
 def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> UserError | None:

@@ -23,7 +23,15 @@ from scaletrain.layout import check_pipeline
 from scaletrain.models import GPT, build_model
 from scaletrain.models.init import refuse_unfilled
 from scaletrain.observe.throughput import flops_per_sample
-from scaletrain.parallel import Layout, gradient_sync, has_dtensors, is_fsdp, resolve_layout, resolve_strategy
+from scaletrain.parallel import (
+    Layout,
+    gradient_sync,
+    has_dtensors,
+    is_fsdp,
+    resolve_layout,
+    resolve_strategy,
+    uncompiled,
+)
 from scaletrain.parallel.pipeline import PipelineRunner
 from scaletrain.parallel.tensor import loss_context, plain
 from scaletrain.runtime import Runtime, seed_all, set_deterministic
@@ -58,6 +66,7 @@ class Job:
     tokens_per_sample: int = 0  # sequence models: tokens per sample
     params: int = 0  # the whole model's parameters (counted before a pipeline keeps one stage per rank)
     model_name: str = ""  # its class
+    compiled: bool = False  # the model was given as torch.compile(model) returned it: compiled as train.compile does
     model: nn.Module | None = None  # what forward and backward go through (DDP-wrapped when world > 1)
     pipeline: PipelineRunner | None = None  # parallel.pp > 1: runs this rank's stage of every step
     scheduler: LambdaLR | None = None
@@ -94,6 +103,7 @@ class Job:
         st.total_steps, st.flops_per_sample = plan.total_steps, self.flops
         st.loss_parallel = cfg.parallel.loss_parallel and self.loss_fn is default_loss
         self.st = st
+        st._compiled = st._compiled or self.compiled
         layout = self.layout  # under tp or pp, st.setup() says why it cannot be measured at all
         if cfg.log.grad_noise_scale and layout.tp == layout.pp == layout.dp_size == plan.accum_steps == 1:
             raise UserError("log.grad_noise_scale compares the gradients of several ranks, or of the micro-batches "
@@ -239,11 +249,12 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     seed_all(cfg.run.seed)  # the same initial weights on every rank
     nnodes = max(1, rt.world_size // rt.local_world_size)
     deferred = model is None and _split_before_filled(cfg, rt.world_size, nnodes)
+    compiled = False
     if model is None:
         with torch.device("meta") if deferred else contextlib.nullcontext():
             module = build_model(cfg.model, splits.task, splits.info)
     else:
-        module = model if isinstance(model, nn.Module) else model()
+        module, compiled = uncompiled(model if isinstance(model, nn.Module) else model())
     if not deferred:
         refuse_unfilled(module)
         module.to(rt.device)
@@ -262,4 +273,4 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     return Job(cfg, rt, plan, module, build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), splits.train,
                splits.eval, loss_fn or _default_loss(cfg.train.compile), batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
-               model_name=type(module).__name__)
+               model_name=type(module).__name__, compiled=compiled)

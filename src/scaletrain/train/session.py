@@ -113,6 +113,7 @@ from scaletrain.parallel import (
     is_fsdp,
     parallelize,
     resolve_layout,
+    uncompiled,
     units_line,
     unused_parameters,
 )
@@ -273,6 +274,7 @@ class Session:
             # does; installed after init_process_group, which wraps the hook it finds in one that buffers stderr.
             install_excepthook()
         self._closed, self._in_step, self._training, self._timing = False, False, False, False
+        self._compiled = False  # a model was given as torch.compile(model) returned it
         self._models: list[_Model] = []
         self._stage: nn.Module | None = None  # parallel.pp > 1: this rank's pipeline stage (the model set up)
         self._noise: NoiseScaleLog | None = None  # log.grad_noise_scale: the model's gradient noise scale
@@ -398,6 +400,11 @@ class Session:
         return self.rt.world_size
 
     @property
+    def compiled(self) -> bool:
+        """train.compile, or a model set up as torch.compile(model) returned it (compiled the same way)."""
+        return self.cfg.train.compile or self._compiled
+
+    @property
     def done(self) -> bool:
         """True once ``total_steps`` steps ran (train.max_steps; scaletrain train: the batch plan's steps);
         never when it is 0: the loop decides."""
@@ -412,6 +419,10 @@ class Session:
                             "the loop starts")
         if not isinstance(model, nn.Module):
             raise UserError(f"session.setup(): the model is a {type(model).__name__}; fix: pass a torch.nn.Module")
+        # torch.compile(model) given: its own module, compiled as train.compile does it (before DDP or FSDP wrap
+        # it, block by block under FSDP), so checkpoints and weights carry the model's own names, not _orig_mod.*
+        model, compiled = uncompiled(model)
+        self._compiled = self._compiled or compiled
         if any(m.module is model for m in self._models):
             raise UserError(f"session.setup(): this {type(model).__name__} is set up already; fix: call setup() "
                             "once per model, with all of its optimizers")
@@ -435,7 +446,7 @@ class Session:
                             "of the parameters (lambda params: torch.optim.AdamW(params))")
         names = {id(p): n for n, p in model.named_parameters()}
         cfg = self.cfg
-        wrapped = parallelize(model, self.device, self.world_size, cfg.parallel, compile=cfg.train.compile,
+        wrapped = parallelize(model, self.device, self.world_size, cfg.parallel, compile=self.compiled,
                               precision=cfg.train.precision, memory=cfg.memory, nnodes=self._nnodes,
                               optimizer=cfg.optim.name, layout=self.layout, loss_parallel=self.loss_parallel)
         if is_stage(wrapped):  # pp > 1: this rank keeps its stage of the model (the model's names for its part)
@@ -466,7 +477,7 @@ class Session:
             for opt in built:
                 opt.register_step_pre_hook(self._unscaled_step)
         units = units_line(model, cfg.parallel.fsdp_units, sharded=is_fsdp(wrapped),
-                           blocks=cfg.memory.activation_checkpointing != "none" or cfg.train.compile)
+                           blocks=cfg.memory.activation_checkpointing != "none" or self.compiled)
         if units and self._opened is None:  # scaletrain train / fit() name the units in their header
             self.console.print(f"{name} ({type(model).__name__.removeprefix('FSDP')}): {units}")
         entry = _Model(name, model, wrapped, built)
@@ -1147,7 +1158,7 @@ class Session:
             "metrics": self.last_metrics, "phase_frac": phase_fractions(totals),
             "bottleneck": bottleneck(totals, device=self.device.type, num_workers=cfg.data.num_workers,
                                      bucket_mb=cfg.parallel.bucket_mb, precision=cfg.train.precision,
-                                     compiled=cfg.train.compile,
+                                     compiled=self.compiled,
                                      gpu_lead=statistics.median(self._lead_fracs) if self._lead_fracs else None,
                                      pipeline=(cfg.parallel.pp, check_pipeline(cfg.parallel), cfg.parallel.pp_schedule)
                                      if self._stage is not None else None),
