@@ -103,7 +103,7 @@ class Job:
         st.total_steps, st.flops_per_sample = plan.total_steps, self.flops
         st.loss_parallel = cfg.parallel.loss_parallel and self.loss_fn is default_loss
         self.st = st
-        st._compiled = st._compiled or self.compiled
+        st.compiled = st.compiled or self.compiled
         layout = self.layout  # under tp or pp, st.setup() says why it cannot be measured at all
         if cfg.log.grad_noise_scale and layout.tp == layout.pp == layout.dp_size == plan.accum_steps == 1:
             raise UserError("log.grad_noise_scale compares the gradients of several ranks, or of the micro-batches "

@@ -14,7 +14,7 @@ from torch import nn
 
 from scaletrain import __version__, runtime
 from scaletrain.batch import BatchFn
-from scaletrain.config import Config, load
+from scaletrain.config import Config
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory
 from scaletrain.errors import DiskFull, Reported, Stopped, TrainingFailed, install_excepthook
 from scaletrain.observe.console import Console
@@ -38,7 +38,7 @@ from scaletrain.train.precision import slow_here
 from scaletrain.train.preempt import Preempted, PreemptFlag, restart_line
 from scaletrain.train.resume import config_changes, fitting
 from scaletrain.train.rundir import agree_run_dir
-from scaletrain.train.session import Opened, Session
+from scaletrain.train.session import Opened, Session, resolve_config
 
 PREEMPTED, INTERRUPTED = "preempted", "interrupted"
 
@@ -417,17 +417,9 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     A scaletrain error that the caller does not catch ends the program as the CLI does: one line, exit code
     2 (1 when training failed), said once however many ranks raised it.
     """
-    from scaletrain.cli.options import parse_overrides
-    from scaletrain.train.session import flat
-
     try:
-        cli = parse_overrides(argv or [])
-        if isinstance(config, Config):
-            cfg = load(None, overrides=flat(config), cli_overrides=cli) if cli else config
-        elif isinstance(config, str):
-            cfg = load(config, overrides={"data.source": "memory"}, cli_overrides=cli)
-        else:
-            cfg = load(None, overrides={"data.source": "memory", **(config or {})}, cli_overrides=cli)
+        memory = {"data.source": "memory"}  # the data are the arguments, whatever a recipe or TOML file says
+        cfg = resolve_config(config, argv, defaults=memory, pinned=memory)
         splits = in_memory(train_data, eval_data, cfg.data.val_fraction)
         return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn)
     except (Reported, Stopped):

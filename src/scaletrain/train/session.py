@@ -257,24 +257,15 @@ class Session:
 
     def __init__(self, config: Config | Mapping[str, Any] | str | None = None, *,
                  argv: list[str] | None = None, opened: Opened | None = None) -> None:
-        from scaletrain.cli.options import parse_overrides
-
         self._opened = opened
         self.started = time.perf_counter() if opened is None else opened.started
-        cli = parse_overrides(argv or [])
-        if isinstance(config, Config):
-            cfg = load(None, overrides=flat(config), cli_overrides=cli) if cli else config
-        elif isinstance(config, str):
-            cfg = load(config, cli_overrides=cli)
-        else:
-            cfg = load(None, overrides={"run.name": "session", **(config or {})}, cli_overrides=cli)
+        cfg = resolve_config(config, argv, defaults={"run.name": "session"})
         self.rt: Runtime = runtime.init(cfg.dist) if opened is None else opened.rt
         if opened is None:
             # A stop (preemption, Ctrl-C) or one of our errors leaving the user's script ends it as the CLI
             # does; installed after init_process_group, which wraps the hook it finds in one that buffers stderr.
             install_excepthook()
         self._closed, self._in_step, self._training, self._timing = False, False, False, False
-        self._compiled = False  # a model was given as torch.compile(model) returned it
         self._models: list[_Model] = []
         self._stage: nn.Module | None = None  # parallel.pp > 1: this rank's pipeline stage (the model set up)
         self._noise: NoiseScaleLog | None = None  # log.grad_noise_scale: the model's gradient noise scale
@@ -301,6 +292,8 @@ class Session:
         # the trainer's own cross-entropy on a built-in model under tensor parallelism: logits kept split
         # (parallel/tensor.py loss_context); a loop of one's own sees ordinary logits
         self.loss_parallel = False
+        # train.compile, or a model was given as torch.compile(model) returned it: compiled the same way
+        self.compiled = cfg.train.compile
         self.skip: set[str] = cfg.debug.skipped()  # debug.skip_restore: parts a resume leaves as built
         if opened is not None:  # scaletrain train / fit(): the run resolved these before building its model
             self.layout: Layout | None = opened.layout
@@ -400,11 +393,6 @@ class Session:
         return self.rt.world_size
 
     @property
-    def compiled(self) -> bool:
-        """train.compile, or a model set up as torch.compile(model) returned it (compiled the same way)."""
-        return self.cfg.train.compile or self._compiled
-
-    @property
     def done(self) -> bool:
         """True once ``total_steps`` steps ran (train.max_steps; scaletrain train: the batch plan's steps);
         never when it is 0: the loop decides."""
@@ -422,7 +410,7 @@ class Session:
         # torch.compile(model) given: its own module, compiled as train.compile does it (before DDP or FSDP wrap
         # it, block by block under FSDP), so checkpoints and weights carry the model's own names, not _orig_mod.*
         model, compiled = uncompiled(model)
-        self._compiled = self._compiled or compiled
+        self.compiled = self.compiled or compiled
         if any(m.module is model for m in self._models):
             raise UserError(f"session.setup(): this {type(model).__name__} is set up already; fix: call setup() "
                             "once per model, with all of its optimizers")
@@ -1307,8 +1295,21 @@ def _check_optimizer(opt: Any, model: nn.Module) -> None:
         raise UserError("session.setup(): the optimizer has taken steps already; fix: set up before training")
 
 
-def flat(cfg: Config) -> dict[str, Any]:
-    """A Config as the dotted keys load() takes, so command-line overrides can go on top of it."""
+def resolve_config(config: Config | Mapping[str, Any] | str | None, argv: list[str] | None, *,
+                   defaults: Mapping[str, Any], pinned: Mapping[str, Any] | None = None) -> Config:
+    """What session() and fit() take: a Config, a mapping of dotted keys over ``defaults``, or a recipe/TOML path
+    with ``pinned`` over it; then ``argv``'s --section.key=value strings on top of any of them."""
+    from scaletrain.cli.options import parse_overrides
+
+    cli = parse_overrides(argv or [])
+    if isinstance(config, Config):
+        return load(None, overrides=_flat(config), cli_overrides=cli) if cli else config
+    if isinstance(config, str):
+        return load(config, overrides=pinned, cli_overrides=cli)
+    return load(None, overrides={**defaults, **(config or {})}, cli_overrides=cli)
+
+
+def _flat(cfg: Config) -> dict[str, Any]:
     return {f"{sec}.{k}": v for sec, values in cfg.to_dict().items() for k, v in values.items()}
 
 
