@@ -44,6 +44,9 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
         result = fn(rank, world, *args)
     finally:
         if dist.is_initialized():  # free DDP wrappers first: see scaletrain.runtime.close
+            from scaletrain.observe import flight
+
+            flight.stop_all()  # a session the test left open: its watcher holds it (and its DDP wrapper)
             gc.collect()
             dist.destroy_process_group()
             gc.collect()

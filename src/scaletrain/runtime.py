@@ -342,6 +342,7 @@ def close(rt: Runtime) -> None:
     wrappers first; collecting cycles here lets the group's destructor join its threads now.
     """
     if rt.owns_group and dist.is_initialized():
+        flight.stop_all()  # a watcher of a session left open holds the session, and its wrappers, alive
         gc.collect()
         dist.destroy_process_group()
         gc.collect()

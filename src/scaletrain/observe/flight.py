@@ -94,6 +94,7 @@ class Watcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="scaletrain-flight", daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def _watch(self) -> None:
         while not self._stop.wait(0.5):
@@ -115,6 +116,18 @@ class Watcher:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        _live.discard(self)
+
+
+_live: set[Watcher] = set()  # started and not stopped: a session closes its own; stop_all() the rest
+
+
+def stop_all() -> None:
+    """Stop every watcher still running, before the process group ends (runtime.close). A session left open
+    keeps its watcher, and through the watcher's step callback the session and its DDP wrapper, whose Gloo
+    threads then abort the process at exit (the SIGABRT runtime.close describes)."""
+    for watcher in list(_live):
+        watcher.stop()
 
 
 # -- diagnose --------------------------------------------------------------------------------------------------
