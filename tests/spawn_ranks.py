@@ -24,6 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# What every rank imports anyway (DDP's constructor imports torch._dynamo and DTensor itself).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+            "torch.nn.parallel", "torch.distributed.fsdp", "scaletrain.train.run", "scaletrain.parallel",
+            __name__]
+mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -37,8 +43,10 @@ def loopback_env(rank: int, world: int, port: int) -> dict[str, str]:
             "OMP_NUM_THREADS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: tuple) -> None:
-    os.environ.update(loopback_env(rank, world, port))
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: tuple,
+           environ: dict[str, str]) -> None:
+    os.environ.clear()  # the test's environment now, as spawn gives it (a forkserver's is from its own start)
+    os.environ.update(environ, **loopback_env(rank, world, port))
     torch.set_num_threads(1)
     try:
         result = fn(rank, world, *args)
@@ -53,12 +61,15 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
     torch.save(result, Path(out) / f"rank{rank}.pt")
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180) -> list[Any]:
-    """fn(rank, world, *args) on `world` processes; returns [result of rank 0, rank 1, ...]."""
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180,
+              start_method: str = "forkserver") -> list[Any]:
+    """fn(rank, world, *args) on `world` processes; returns [result of rank 0, rank 1, ...]. start_method
+    "spawn" gives each rank a fresh interpreter, for a test of what a process does from its start (its peak
+    RSS, the malloc settings it read from its environment)."""
     store = dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, args=(fn, world, store.port, out, args), nprocs=world, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(fn, world, store.port, out, args, dict(os.environ)), nprocs=world,
+                                 join=False, start_method=start_method)
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=1):
