@@ -248,6 +248,23 @@ def test_in_memory_dataset_is_used_as_is() -> None:
     assert in_memory(ds, ds).train is ds
 
 
+def test_a_list_of_samples_or_any_map_style_dataset_is_used_as_is() -> None:
+    samples = [{"input_ids": torch.arange(4), "labels": torch.arange(4)} for _ in range(3)]
+
+    class Rows:  # a Hugging Face datasets.Dataset's shape: len() and [i], not a torch Dataset
+        def __len__(self) -> int:
+            return 5
+
+        def __getitem__(self, i: int) -> tuple:
+            return torch.tensor([float(i)]), i
+
+    rows = Rows()
+    s = in_memory(samples, rows)
+    assert s.train is samples and s.eval is rows
+    pair = [torch.zeros(4, 2), torch.zeros(4)]  # a list of two arrays stays (inputs, targets), as before
+    assert len(in_memory(pair, pair).train) == 4
+
+
 def test_mismatched_lengths_is_a_one_line_user_error() -> None:
     with pytest.raises(UserError) as exc:
         in_memory((torch.zeros(10, 2), np.zeros(9)))
@@ -258,7 +275,9 @@ def test_mismatched_lengths_is_a_one_line_user_error() -> None:
 
 
 @pytest.mark.parametrize("bad, what", [
-    ([1, 2, 3], "train is a list"),
+    ([1, 2, 3], "train is a list of int"),
+    ([], "train has no samples"),
+    (torch.zeros(4, 2), "train is a Tensor"),
     ("data.csv", "train is a str"),
     (([1, 2], [3, 4]), "train inputs is a list"),
     ((torch.zeros(2), {"y": 1}), "train targets is a dict"),

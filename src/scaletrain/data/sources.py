@@ -11,6 +11,7 @@ import math
 import os
 import sysconfig
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -202,16 +203,29 @@ def _as_tensor(a: Any, what: str) -> torch.Tensor:
 
 
 def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task: Task = "classify") -> Splits:
-    """A torch Dataset, or (inputs, targets) as tensors or numpy arrays. Without eval data a fixed
+    """A torch Dataset, any other map-style dataset a DataLoader takes (a list of samples, a Hugging Face
+    datasets.Dataset: len() and [i]), or (inputs, targets) as tensors or numpy arrays. Without eval data a fixed
     val_fraction of the training data is held out: ceil(n x val_fraction) samples, at least 1, chosen by a
     permutation seeded with 0 (the same on every run and rank, whatever run.seed is)."""
+    arrays = (torch.Tensor, np.ndarray)
 
     def as_dataset(d: Any, what: str) -> Dataset:
         if isinstance(d, Dataset):
             return d
-        if isinstance(d, (tuple, list)) and len(d) == 2:
+        # A tuple of two is (inputs, targets); so is a list of two arrays (a list of two samples is not).
+        if (isinstance(d, tuple) and len(d) == 2) or (isinstance(d, list) and len(d) == 2
+                                                      and all(isinstance(a, arrays) for a in d)):
             return TensorPairs(_as_tensor(d[0], f"{what} inputs"), _as_tensor(d[1], f"{what} targets"))
-        raise UserError(f"data: {what} is a {type(d).__name__}; fix: pass a torch Dataset or (inputs, targets)")
+        if hasattr(d, "__len__") and hasattr(d, "__getitem__") and not isinstance(d, (*arrays, str, bytes, dict)):
+            if len(d) == 0:
+                raise UserError(f"data: {what} has no samples; fix: pass a dataset with at least one sample")
+            first = d[0]
+            if not isinstance(first, (*arrays, tuple, list, Mapping)):
+                raise UserError(f"data: {what} is a {type(d).__name__} of {type(first).__name__}; fix: samples are "
+                                "tensors, tuples (inputs..., target) or dicts; or pass (inputs, targets)")
+            return d  # map-style, as a DataLoader takes it
+        raise UserError(f"data: {what} is a {type(d).__name__}; fix: pass a torch Dataset, a list of samples, "
+                        "or (inputs, targets)")
 
     train_ds = as_dataset(train, "train")
     if eval_data is not None:

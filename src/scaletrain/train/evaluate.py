@@ -70,14 +70,15 @@ def _sums(out: Any, batch: Batch, loss: torch.Tensor) -> torch.Tensor:
     """(loss x count, correct, count, 1 if accuracy cannot be counted) of one batch, on the device.
 
     count: the targets the loss averages over (class targets other than -100, as cross-entropy counts them),
-    else the batch's samples. Accuracy needs integer class targets of the logits' shape, and logits the loss
-    was computed from here (a model that computes its own loss, a causal LM, may shift its labels).
+    else the batch's samples. Accuracy needs integer class targets of the logits' shape, and either logits the
+    loss was computed from here or one class per sample (a model that computes its own loss over a sequence, a
+    causal LM, may shift its labels; a sequence classifier's one label per sample has nothing to shift).
     """
     y, logits = batch.target, logits_of(out)
     if isinstance(logits, DTensor):  # split by vocabulary (loss parallel): whole for the argmax, at evaluation only
         logits = logits.full_tensor()
     classes = isinstance(y, torch.Tensor) and not y.is_floating_point() and logits is not None \
-        and logits.shape[:-1] == y.shape and loss_of(out) is None
+        and logits.shape[:-1] == y.shape and (loss_of(out) is None or y.dim() == 1)
     if isinstance(y, torch.Tensor) and not y.is_floating_point():
         valid = y != IGNORE_INDEX
         n = valid.sum().double()

@@ -404,7 +404,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
 
     ``model``: a module, or better its class (or any callable building it): it is then built after seeding
     from run.seed, so the same config gives the same initial weights on every run.
-    ``train_data``/``eval_data``: a torch Dataset or (inputs, targets) as tensors or numpy arrays; without
+    ``train_data``/``eval_data``: a torch Dataset, any map-style dataset a DataLoader takes (a list of samples,
+    a Hugging Face datasets.Dataset), or (inputs, targets) as tensors or numpy arrays; without
     eval_data, data.val_fraction of the training data is held out. A Dataset's samples may be tuples of any
     length (the last is the target), dicts (Hugging Face style: ``model(**batch)``, target ``labels``) or
     tensors; ``batch_fn(batch) -> (inputs, target)`` maps any other layout (scaletrain.batch).
