@@ -5,6 +5,11 @@ import pytest
 
 # Keep every test's traffic on loopback and each spawned rank on one thread (2 cores here).
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+# One intra-op thread per process, as torchrun gives its workers: `make test` runs 2 pytest workers on 2 cores,
+# and a single-process command (the docs tour's labs, plans and benches) taking both cores beside the other
+# worker's ranks oversubscribes them; OpenMP's spinning threads then made those commands 3-5x slower than alone
+# (a lab of 11.9 s alone took 39 s in the tour). Set before torch is imported, so the workers' own torch too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
