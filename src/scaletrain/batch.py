@@ -6,6 +6,9 @@ return a tensor, a tuple, a dict or a dataclass-like output (transformers' Model
 unless ``batch_fn`` maps a batch to ``(inputs, target)`` itself:
 
 - ``(x, y)``: ``model(x)``, target ``y``; ``(a, b, ..., y)``: ``model(a, b, ...)``, target ``y`` (the last);
+  the target also goes to the model by name when its ``forward`` has a parameter named as a dict's target
+  keys (below) that the inputs leave unfilled, as nanoGPT's ``forward(idx, targets=None)``: without its
+  targets that model returns the last position's logits only (its generation path), not a training output;
 - a tensor or ``(x,)``: ``model(x)``, no target (the model's output must then carry its own loss);
 - a dict: ``model(**batch)`` with the keys its ``forward`` accepts (all of them if it takes ``**kwargs``), as
   Hugging Face's Trainer does; the target is the first of ``labels``, ``label``, ``targets``, ``target``,
@@ -105,6 +108,10 @@ def default_loss(output: Any, target: Any) -> torch.Tensor:
         what = "no target" if target is None else f"a target of type {type(target).__name__}"
         raise UserError(f"loss: the model returned {describe(output)} with no loss, and the batch has {what}; "
                         "fix: pass loss_fn=..., or batches (inputs, target) with a tensor target, or a batch_fn")
+    if not target.is_floating_point() and logits.shape[:-1] != target.shape:  # shapes only: no sync
+        raise UserError(f"loss: the model returned logits of shape {tuple(logits.shape)} for class targets of "
+                        f"shape {tuple(target.shape)}; cross-entropy needs logits (*target's shape, classes); "
+                        "fix: return logits for every target position, or pass loss_fn=..., or a batch_fn")
     return F.cross_entropy(loss_logits(logits).reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
@@ -199,14 +206,23 @@ def tokens_per_sample(batch: Any) -> int:
     return _tokens(batch)
 
 
-def _accepted(module: nn.Module) -> tuple[frozenset[str], bool]:
-    """The keyword names ``module.forward`` accepts, and whether it takes ``**kwargs``."""
+def _accepted(module: nn.Module) -> tuple[frozenset[str], bool, dict[str, int]]:
+    """The keyword names ``module.forward`` accepts, whether it takes ``**kwargs``, and where each target
+    name it has (TARGET_KEYS) sits among its positional parameters (a keyword-only one: never filled by
+    position)."""
     try:
-        params = inspect.signature(module.forward).parameters.values()
+        params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):  # a builtin or C forward: no signature to read, pass everything
-        return frozenset(), True
+        return frozenset(), True, {}
     named = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-    return named, any(p.kind == p.VAR_KEYWORD for p in params)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        targets = {}  # *args would take a target given by position first: leave such a forward alone
+    else:
+        targets = {p.name: i for i, p in enumerate(positional) if p.name in TARGET_KEYS
+                   and p.kind == p.POSITIONAL_OR_KEYWORD}
+        targets |= {p.name: len(params) for p in params if p.kind == p.KEYWORD_ONLY and p.name in TARGET_KEYS}
+    return named, any(p.kind == p.VAR_KEYWORD for p in params), targets
 
 
 class Batcher:
@@ -217,7 +233,7 @@ class Batcher:
         in forward, as the built-in GPT with model.loss=fused does); the loss's target stays the same."""
         self.batch_fn = batch_fn
         self.target_kwarg = target_kwarg
-        self.names, self.any_name = _accepted(module)
+        self.names, self.any_name, self.target_params = _accepted(module)
 
     def _inputs(self, inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if isinstance(inputs, Mapping):
@@ -258,7 +274,10 @@ class Batcher:
         if isinstance(batch, (tuple, list)) and batch:
             if len(batch) == 1:
                 return Batch((batch[0],), {}, None)
-            return Batch(tuple(batch[:-1]), {}, batch[-1])
+            args = tuple(batch[:-1])
+            # The first target parameter of forward that the inputs leave unfilled, if any (nanoGPT's targets).
+            name = next((k for k in TARGET_KEYS if self.target_params.get(k, -1) >= len(args)), None)
+            return Batch(args, {} if name is None else {name: batch[-1]}, batch[-1])
         raise UserError(f"data: a batch of type {type(batch).__name__}; fix: have the Dataset return a tensor, "
                         "a tuple (inputs..., target) or a dict, or pass batch_fn=lambda b: (inputs, target)")
 

@@ -60,6 +60,54 @@ def test_tuple_batches_of_any_length_put_the_target_last() -> None:
     assert bare.args == (X,) and bare.target is None
 
 
+class NanoGPTLike(nn.Module):
+    """nanoGPT's convention: forward(idx, targets=None); without targets only the last position's logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(8, 8)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple:
+        logits = self.table(idx)
+        if targets is None:
+            return logits[:, [-1], :], None
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_a_tuple_target_goes_to_a_forward_parameter_named_for_it_that_the_inputs_leave_unfilled() -> None:
+    ids = torch.randint(0, 8, (3, 5))
+    nano = Batcher(NanoGPTLike())((ids[:, :-1], ids[:, 1:]))
+    assert nano.args[0] is not None and nano.kwargs["targets"] is nano.target
+    logits, _ = nano(NanoGPTLike())
+    assert logits.shape == (3, 4, 8)  # the training output, not generation's last position
+
+    class Filled(nn.Module):  # y is an input here: the tuple (x, y, target) fills it by position
+        def forward(self, x: torch.Tensor, y: torch.Tensor, label: torch.Tensor | None = None) -> torch.Tensor:
+            return x + y
+
+    three = Batcher(Filled())((X, X, Y))
+    assert len(three.args) == 2 and three.kwargs == {"label": Y}
+
+    class KeywordOnly(nn.Module):
+        def forward(self, x: torch.Tensor, *, labels: torch.Tensor | None = None) -> torch.Tensor:
+            return x
+
+    class Starred(nn.Module):  # *rest would take a target given by position: left alone
+        def forward(self, x: torch.Tensor, *rest: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+            return x
+
+    assert Batcher(KeywordOnly())((X, Y)).kwargs == {"labels": Y}
+    assert Batcher(Starred())((X, Y)).kwargs == {} and Batcher(Plain())((X, Y)).kwargs == {}
+
+
+def test_logits_that_do_not_match_the_class_targets_are_one_line() -> None:
+    with pytest.raises(UserError) as exc:
+        default_loss(torch.randn(3, 1, 8), torch.zeros(3, 4, dtype=torch.long))
+    msg = str(exc.value)
+    assert "\n" not in msg and "logits of shape (3, 1, 8) for class targets of shape (3, 4)" in msg and "fix:" in msg
+    assert default_loss(torch.randn(3, 4, 8), torch.zeros(3, 4, dtype=torch.long)).shape == ()
+
+
 def test_dict_batches_pass_the_keys_forward_takes_and_labels_are_the_target() -> None:
     batch = Batcher(Keywords())({"features": X, "labels": Y, "idx": torch.arange(5)})
     assert set(batch.kwargs) == {"features", "labels"}  # idx is not an argument of forward: left out
