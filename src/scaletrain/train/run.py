@@ -55,7 +55,7 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
                   f"{len(splits.train)} train / {n_eval} held-out samples")  # type: ignore[arg-type]
     layout = job.layout.describe() if rt.world_size > 1 or job.sharded else "single replica"
     units = units_line(job.module, cfg.parallel.fsdp_units, sharded=job.fsdp,
-                       blocks=cfg.memory.activation_checkpointing != "none" or cfg.train.compile)
+                       blocks=cfg.memory.activation_checkpointing != "none" or cfg.train.compile or job.compiled)
     extras = [units] if units else []
     extras += [f"activation checkpointing {cfg.memory.activation_checkpointing}"] \
         if cfg.memory.activation_checkpointing != "none" else []
