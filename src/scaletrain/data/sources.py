@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from scaletrain.errors import DataError, UserError
 
@@ -210,6 +210,10 @@ def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task
     arrays = (torch.Tensor, np.ndarray)
 
     def as_dataset(d: Any, what: str) -> Dataset:
+        if isinstance(d, IterableDataset):
+            raise UserError(f"data: {what} is an IterableDataset ({type(d).__name__}: a stream, no len() or [i]), "
+                            "and scaletrain shards and resumes data by sample index; fix: pass a map-style "
+                            "Dataset (a list of the samples, a TensorDataset, a datasets.Dataset not streamed)")
         if isinstance(d, Dataset):
             return d
         # A tuple of two is (inputs, targets); so is a list of two arrays (a list of two samples is not).

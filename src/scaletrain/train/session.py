@@ -483,8 +483,7 @@ class Session:
         from scaletrain.data import in_memory
 
         self._usable("loader")
-        data = in_memory(dataset, eval_data=dataset).train if not isinstance(dataset, torch.utils.data.Dataset) \
-            else dataset
+        data = in_memory(dataset, eval_data=dataset).train  # a Dataset as it is; a stream or a wrong type: one line
         b = batch_size or self.cfg.data.batch_size
         if len(data) < b * self.world_size * accum:  # type: ignore[arg-type]
             raise UserError(f"session.loader(): {len(data)} samples cannot give every one of {self.world_size} "  # type: ignore[arg-type]
