@@ -89,6 +89,18 @@ def test_the_verdict_is_judged_on_the_rank_the_others_wait_for():
     assert abs(fractions["comm"] - (0.45 / 0.97 + 0.01 / 0.97) / 2) < 1e-9  # median over 2 ranks = mean
 
 
+def test_collectives_timed_as_compute_are_named_not_shown_as_no_comm():
+    """Under FSDP (and tensor parallelism) the collectives wait inside forward and backward, where the timer
+    counts them as compute: the evidence names them instead of "comm 0%", and the fix says what to try."""
+    fsdp = bottleneck([_totals(0.01, 0.9, 0.0)] * 2, device="cpu", num_workers=0, bucket_mb=25,
+                      comm_in_compute="FSDP's all-gathers and reduce-scatters")
+    assert fsdp["verdict"] == "compute-bound"
+    assert "comm in compute (FSDP's all-gathers and reduce-scatters)" in fsdp["evidence"]
+    assert "comm 0%" not in fsdp["evidence"] and "--parallel.strategy=ddp" in fsdp["fix"]
+    ddp = bottleneck([_totals(0.01, 0.9, 0.0)] * 2, device="cpu", num_workers=0, bucket_mb=25)
+    assert "comm 0%" in ddp["evidence"] and "strategy" not in ddp["fix"]
+
+
 def test_a_gpu_that_waits_for_python_is_host_bound_not_compute_bound():
     """On a GPU the events count idle gaps as compute; the work still queued when the host caught up tells a
     GPU that waits for Python (next to nothing queued) from a busy one (a step or more queued)."""

@@ -134,17 +134,21 @@ HOST_LEAD = 0.1  # a GPU with less than this fraction of a step still queued whe
 
 def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int, bucket_mb: float,
                precision: str = "fp32", compiled: bool = False, gpu_lead: float | None = None,
-               pipeline: tuple[int, int, str] | None = None) -> dict[str, str]:
+               pipeline: tuple[int, int, str] | None = None, comm_in_compute: str = "") -> dict[str, str]:
     """The verdict, its evidence (fractions of step time) and the fix. Judged on the critical rank's phases
     (with a straggler, the others' time is mostly waiting for it, which is not what limits the job).
     ``gpu_lead``: on a GPU, the median over log intervals of the work still queued on the GPU when the host
     reached the log step, as a fraction of a step (StepTimer.lead_s); None where not measured. ``pipeline``:
-    (pp, micro-batches, schedule) of a pipelined run, whose comm is mostly its bubble."""
+    (pp, micro-batches, schedule) of a pipelined run, whose comm is mostly its bubble. ``comm_in_compute``: the
+    collectives that wait inside forward and backward, where the timer counts them as compute (FSDP's, tensor
+    parallelism's: observe/timing.py), named so that the evidence does not read "comm 0%"."""
     world_size = len(totals)
     rank = critical_rank(totals)
     fractions = shares(totals[rank]) if totals else {}
     evidence = " | ".join(f"{p} {100 * fractions.get(p, 0.0):.0f}%" for p in ("data", "h2d", "compute", "comm", "optim",
                                                                             "ckpt"))
+    if comm_in_compute:
+        evidence = evidence.replace("comm 0%", f"comm in compute ({comm_in_compute})")
     evidence += " of step time" + (f" on rank {rank}, the one the others wait for" if world_size > 1 else "")
     data, comm = fractions.get("data", 0.0), fractions.get("comm", 0.0)
     host = fractions.get("h2d", 0.0) + fractions.get("optim", 0.0)
@@ -186,6 +190,10 @@ def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int,
     else:
         fix = "the device is busy computing, with bf16 and torch.compile on already: add devices (data parallelism " \
               "scales it)"
+    if comm_in_compute:
+        fix += (f"; compute includes {comm_in_compute}, which this timing cannot separate: a larger per-rank batch "
+                "(--data.batch_size) spreads them over more samples, and where the model fits one device "
+                "--parallel.strategy=ddp overlaps one all-reduce per bucket instead (and times it)")
     return {"verdict": "compute-bound", "evidence": evidence, "fix": fix}
 
 

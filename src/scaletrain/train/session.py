@@ -547,6 +547,15 @@ class Session:
         parameters are DTensors; pipeline stages: each rank holds its stage's): the checkpoints are DCP."""
         return self._stage is not None or any(has_dtensors(m.wrapped) for m in self._models)
 
+    def _comm_in_compute(self) -> str:
+        """The collectives this run's timer counts in compute (they wait inside forward and backward), for the
+        verdict; '' where comm is timed (DDP's all-reduce, a pipeline's waiting) or there is none."""
+        if self._stage is not None or self.world_size == 1:
+            return ""
+        parts = ["FSDP's all-gathers and reduce-scatters"] if any(is_fsdp(m.wrapped) for m in self._models) else []
+        parts += ["tensor parallelism's collectives"] if self.cfg.parallel.tp > 1 else []
+        return " and ".join(parts)
+
     def _box(self, models: list[_Model] | None = None, *, bare: bool | None = None) -> nn.Module:
         """The models in one container, each under its name: one state dict for DCP (keys ``name.param``);
         ``bare`` (default: one model with one optimizer set up): the one model itself, keys as it names them."""
@@ -1148,7 +1157,7 @@ class Session:
                                      compiled=self.compiled,
                                      gpu_lead=statistics.median(self._lead_fracs) if self._lead_fracs else None,
                                      pipeline=(cfg.parallel.pp, check_pipeline(cfg.parallel), cfg.parallel.pp_schedule)
-                                     if self._stage is not None else None),
+                                     if self._stage is not None else None, comm_in_compute=self._comm_in_compute()),
             "stragglers": self.services.stragglers.summary(), "peak_mem_bytes": int(peak.item()),
             "mem": self.last_mem, "skipped_steps": int(self._skipped_seen), "models": [m.name for m in self._models],
             **({"strategy": self.layout.strategy} if self.layout is not None else {}),
