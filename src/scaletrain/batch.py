@@ -99,7 +99,7 @@ def loss_of(output: Any) -> torch.Tensor | None:
 def default_loss(output: Any, target: Any) -> torch.Tensor:
     """scaletrain's loss when the user gives none: the model's own loss when its output carries one (a
     transformers model given labels), else mean cross-entropy of the logits, (B, C) vs (B,) or (B, T, V) vs
-    (B, T), ignoring target -100."""
+    (B, T), ignoring target -100; float targets of the logits' shape are class probabilities (soft labels)."""
     own = loss_of(output)
     if own is not None:
         return own
@@ -108,11 +108,20 @@ def default_loss(output: Any, target: Any) -> torch.Tensor:
         what = "no target" if target is None else f"a target of type {type(target).__name__}"
         raise UserError(f"loss: the model returned {describe(output)} with no loss, and the batch has {what}; "
                         "fix: pass loss_fn=..., or batches (inputs, target) with a tensor target, or a batch_fn")
+    if target.is_floating_point() and (target.shape != logits.shape or logits.shape[-1] == 1):
+        # Class probabilities (soft labels) have the logits' shape; anything else is a regression target, and a
+        # cross-entropy over one class is 0 whatever the model does.
+        raise UserError(f"loss: the targets are {str(target.dtype).removeprefix('torch.')} of shape "
+                        f"{tuple(target.shape)} for logits of shape {tuple(logits.shape)}: not classes, and "
+                        "scaletrain's default loss is cross-entropy over classes; fix: pass the loss, e.g. "
+                        "loss_fn=torch.nn.functional.mse_loss for a regression")
     if not target.is_floating_point() and logits.shape[:-1] != target.shape:  # shapes only: no sync
         raise UserError(f"loss: the model returned logits of shape {tuple(logits.shape)} for class targets of "
                         f"shape {tuple(target.shape)}; cross-entropy needs logits (*target's shape, classes); "
                         "fix: return logits for every target position, or pass loss_fn=..., or a batch_fn")
-    return F.cross_entropy(loss_logits(logits).reshape(-1, logits.shape[-1]), target.reshape(-1))
+    classes = logits.shape[-1]
+    return F.cross_entropy(loss_logits(logits).reshape(-1, classes),
+                           target.reshape(-1, classes) if target.is_floating_point() else target.reshape(-1))
 
 
 def loss_logits(logits: torch.Tensor) -> torch.Tensor:

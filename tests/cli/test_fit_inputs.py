@@ -174,7 +174,7 @@ def test_a_refused_run_dir_is_one_line_and_exit_2_on_one_process(tmp_path: Path)
 def test_an_error_that_is_not_scaletrains_keeps_its_traceback(tmp_path: Path) -> None:
     script = tmp_path / "bug.py"
     script.write_text("import scaletrain, torch\n"
-                      "scaletrain.fit(lambda: torch.nn.Linear(8, 4), (torch.randn(64, 8), torch.zeros(64, 3)),\n"
+                      "scaletrain.fit(lambda: torch.nn.Linear(7, 4), (torch.randn(64, 8), torch.zeros(64).long()),\n"
                       f"               config={{'run.dir': {str(tmp_path / 'r')!r}, 'train.progress': False}})\n")
     proc = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120,
                           env=_env())

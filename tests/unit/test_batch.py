@@ -108,6 +108,16 @@ def test_logits_that_do_not_match_the_class_targets_are_one_line() -> None:
     assert default_loss(torch.randn(3, 4, 8), torch.zeros(3, 4, dtype=torch.long)).shape == ()
 
 
+@pytest.mark.parametrize("logits, target", [((5, 1), (5, 1)), ((5, 1), (5,)), ((5, 3), (5,))])
+def test_float_targets_that_are_not_class_probabilities_are_one_line(logits, target) -> None:
+    with pytest.raises(UserError) as exc:  # a regression given no loss: a cross-entropy over 1 class would be 0
+        default_loss(torch.randn(*logits), torch.randn(*target))
+    msg = str(exc.value)
+    assert "\n" not in msg and f"float32 of shape {target}" in msg and "loss_fn=torch.nn.functional.mse_loss" in msg
+    soft = torch.softmax(torch.randn(5, 3), dim=-1)  # class probabilities: the logits' shape, a real cross-entropy
+    assert default_loss(torch.randn(5, 3), soft) > 0
+
+
 def test_dict_batches_pass_the_keys_forward_takes_and_labels_are_the_target() -> None:
     batch = Batcher(Keywords())({"features": X, "labels": Y, "idx": torch.arange(5)})
     assert set(batch.kwargs) == {"features", "labels"}  # idx is not an argument of forward: left out
