@@ -291,8 +291,48 @@ class Batcher:
                         "a tuple (inputs..., target) or a dict, or pass batch_fn=lambda b: (inputs, target)")
 
 
-def collate_one(dataset: Any) -> Any:
-    """The data set's first sample as a batch of one, collated as the loader collates."""
+def _numbers(value: Any) -> bool:
+    """A list of Python numbers, or of such lists (a field as Hugging Face datasets give it unformatted)."""
+    while isinstance(value, list) and value:
+        value = value[0]
+    return isinstance(value, (int, float)) and not isinstance(value, list)
+
+
+def _as_tensors(sample: Any) -> Any:
+    """A sample with its number-list fields as tensors (a dict's values, a tuple's items)."""
+    if isinstance(sample, Mapping):
+        return {k: torch.tensor(v) if isinstance(v, list) and _numbers(v) else v for k, v in sample.items()}
+    if isinstance(sample, tuple):
+        return tuple(torch.tensor(v) if isinstance(v, list) and _numbers(v) else v for v in sample)
+    return sample
+
+
+def collate(samples: list[Any]) -> Any:
+    """The loaders' collate: torch's default_collate, after a field that holds a list of numbers per sample (a
+    Hugging Face dataset's ``input_ids`` without ``set_format("torch")``) is made a tensor, so the batch has it
+    as (B, n); default_collate would give a list of n tensors of (B,), which no model takes. Fields of unequal
+    lengths are one line naming the field (they need padding)."""
     from torch.utils.data import default_collate
 
-    return default_collate([dataset[0]])
+    samples = [_as_tensors(s) for s in samples]
+    try:
+        return default_collate(samples)
+    except RuntimeError as err:
+        if "equal size" not in str(err) or not isinstance(samples[0], (Mapping, tuple)):
+            raise
+        first = samples[0]
+        fields = first.items() if isinstance(first, Mapping) else enumerate(first)
+        for key, value in fields:
+            sizes = {tuple(s[key].shape) for s in samples if isinstance(s[key], torch.Tensor)}
+            if isinstance(value, torch.Tensor) and len(sizes) > 1:
+                a, b = sorted(sizes)[:2]
+                what = f"field {key!r}" if isinstance(first, Mapping) else f"item {key}"
+                raise UserError(f"data: the samples' {what} has different shapes in one batch ({a} and {b}); fix: "
+                                "pad or truncate every sample to one length in the dataset (a tokenizer's "
+                                "padding='max_length', truncation=True, max_length=N)") from None
+        raise
+
+
+def collate_one(dataset: Any) -> Any:
+    """The data set's first sample as a batch of one, collated as the loader collates."""
+    return collate([dataset[0]])

@@ -100,6 +100,14 @@ def test_dict_batches_train_a_model_that_computes_its_own_loss(tmp_path: Path) -
     assert summary["eval"]["loss"] < 0.5 * summary["train_loss"] + 0.5 and summary["eval"]["loss"] < 0.5
 
 
+def test_unformatted_hugging_face_rows_of_python_lists_train(tmp_path: Path) -> None:
+    """What a datasets.Dataset gives without set_format("torch"): lists and ints, not tensors."""
+    rows = [{"features": x.tolist(), "labels": int(y)} for x, y in zip(*_points(2048, 0))]
+    held_out = [{"features": x.tolist(), "labels": int(y)} for x, y in zip(*_points(512, 1))]
+    summary = scaletrain.fit(OwnLoss, rows, eval_data=held_out, config=_config(tmp_path, "rows"))
+    assert summary["eval"]["accuracy"] >= MIN_ACCURACY, summary["eval"]
+
+
 def test_tuple_batches_of_three_and_a_dataclass_output(tmp_path: Path) -> None:
     loss = lambda out, y: F.cross_entropy(out.logits, y)  # the output as returned
     summary = scaletrain.fit(TwoInputs, Triples(2048, 0), eval_data=Triples(512, 1), loss_fn=loss,

@@ -10,7 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.batch import Batch, Batcher, backward_scalar, collate_one, default_loss, logits_of, loss_of
+from scaletrain.batch import (
+    Batch,
+    Batcher,
+    backward_scalar,
+    collate,
+    collate_one,
+    default_loss,
+    logits_of,
+    loss_of,
+)
 from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingFailed, UserError
 from scaletrain.observe.throughput import flops_per_sample
 
@@ -232,3 +241,22 @@ def test_tied_weights_are_found_from_the_module() -> None:
     model = nn.ModuleDict({"emb": emb, "head": head})
     assert tied(model) == {"head.weight": "emb.weight"}
     assert tied(Plain()) == {}
+
+
+def test_number_lists_as_unformatted_hugging_face_datasets_give_them_collate_to_tensors() -> None:
+    rows = [{"input_ids": [1, 2, 3], "mask": [[1, 0], [0, 1]], "labels": 0, "text": "a"},
+            {"input_ids": [4, 5, 6], "mask": [[1, 1], [0, 0]], "labels": 1, "text": "b"}]
+    batch = collate(rows)
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 5, 6]] and batch["mask"].shape == (2, 2, 2)
+    assert batch["labels"].tolist() == [0, 1] and batch["text"] == ["a", "b"]
+    pairs = collate([([0.5, 1.5], 1), ([2.5, 3.5], 0)])  # a tuple sample's list of floats too
+    assert pairs[0].tolist() == [[0.5, 1.5], [2.5, 3.5]] and pairs[0].dtype == torch.float32
+    assert collate([(X[0], Y[0]), (X[1], Y[1])])[0].equal(X[:2])  # tensors as default_collate gives them
+
+
+def test_samples_of_unequal_length_in_one_batch_are_one_line_naming_the_field() -> None:
+    with pytest.raises(UserError) as exc:
+        collate([{"input_ids": [1, 2, 3], "labels": 0}, {"input_ids": [4, 5], "labels": 1}])
+    msg = str(exc.value)
+    assert "\n" not in msg and "field 'input_ids' has different shapes in one batch ((2,) and (3,))" in msg
+    assert "padding='max_length'" in msg

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from scaletrain.batch import collate
 from scaletrain.errors import UserError
 
 
@@ -83,7 +84,7 @@ class ShardedLoader:
         # global RNG, so resuming mid-epoch (a new iterator) leaves dropout and everything else unchanged.
         self.generator = torch.Generator()
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True,
-                                 num_workers=num_workers, pin_memory=pin_memory,
+                                 num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate,
                                  persistent_workers=num_workers > 0, generator=self.generator)
         self.track_indices = False  # set to make last_indices available (verify-resume's traces)
         self.last_indices: list[int] = []
@@ -159,4 +160,4 @@ def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num
     chosen = eval_indices(len(dataset), batch_size=batch_size, world=world,  # type: ignore[arg-type]
                           max_batches=max_batches)
     return DataLoader(dataset, batch_size=batch_size, sampler=chosen[rank::world], num_workers=num_workers,
-                      pin_memory=pin_memory, generator=torch.Generator().manual_seed(0))
+                      pin_memory=pin_memory, collate_fn=collate, generator=torch.Generator().manual_seed(0))
