@@ -334,5 +334,13 @@ def collate(samples: list[Any]) -> Any:
 
 
 def collate_one(dataset: Any) -> Any:
-    """The data set's first sample as a batch of one, collated as the loader collates."""
+    """The data set's first sample (a stream's first item) as a batch of one, collated as the loader collates."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        first = next(iter(dataset), None)
+        if first is None:
+            raise UserError(f"data: the training stream ({type(dataset).__name__}) gave no items; fix: pass a "
+                            "stream with data in it")
+        return collate([first])
     return collate([dataset[0]])

@@ -53,3 +53,27 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words, capsys, monkeyp
     assert main(["verify-resume", "digits", *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and "fix:" in lines[0], lines
+
+
+STREAM = """import sys, torch, scaletrain
+from torch.utils.data import IterableDataset
+class Stream(IterableDataset):
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(200):
+            x = torch.randn(8, generator=g)
+            yield x, int(x.sum() > 0)
+scaletrain.fit(lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2)),
+               Stream(), config={'train.progress': False, 'data.batch_size': 8}, argv=sys.argv[1:])
+"""
+
+
+def test_a_stream_resumes_bit_for_bit_across_the_end_of_a_pass(tmp_path):
+    """200 items at 8 x accumulation 2 a step: 12 steps a pass. Stopped after step 10 and resumed, the run reads
+    the pass again, skips what it had consumed, and crosses into the second pass as the straight run did."""
+    (tmp_path / "stream.py").write_text(STREAM)
+    proc = verify("stream.py", "--steps", "16", "--at", "10", "--train.max_steps=16", "--train.accum_steps=2",
+                  cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "identical: interrupted after step 10 and resumed, the run matches the uninterrupted one bit for bit " \
+           "at every one of 16 steps" in proc.stdout, proc.stdout

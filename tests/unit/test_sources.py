@@ -278,8 +278,6 @@ def test_mismatched_lengths_is_a_one_line_user_error() -> None:
     ([1, 2, 3], "train is a list of int"),
     ([], "train has no samples"),
     (torch.zeros(4, 2), "train is a Tensor"),
-    (type("Stream", (torch.utils.data.IterableDataset,), {"__iter__": lambda self: iter(range(3))})(),
-     "train is an IterableDataset (Stream"),
     ("data.csv", "train is a str"),
     (([1, 2], [3, 4]), "train inputs is a list"),
     ((torch.zeros(2), {"y": 1}), "train targets is a dict"),

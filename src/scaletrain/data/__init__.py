@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from scaletrain.config import DataConfig, ModelConfig
-from scaletrain.data.loader import ShardedLoader, ShardedSampler, epoch_permutation, eval_indices, eval_loader
+from scaletrain.data.loader import (
+    ShardedLoader,
+    ShardedSampler,
+    StreamLoader,
+    epoch_permutation,
+    eval_indices,
+    eval_loader,
+    train_size,
+)
 from scaletrain.data.sources import (
     Splits,
     TensorPairs,
@@ -15,8 +23,8 @@ from scaletrain.data.sources import (
 )
 from scaletrain.errors import ConfigError
 
-__all__ = ["ShardedLoader", "ShardedSampler", "Splits", "TensorPairs", "TokenWindows", "build_splits",
-           "epoch_permutation", "eval_indices", "eval_loader", "in_memory"]
+__all__ = ["ShardedLoader", "ShardedSampler", "Splits", "StreamLoader", "TensorPairs", "TokenWindows", "build_splits",
+           "epoch_permutation", "eval_indices", "eval_loader", "in_memory", "train_size"]
 
 
 def build_splits(data: DataConfig, model: ModelConfig) -> Splits:

@@ -18,11 +18,12 @@ size and the tail rule drops what is left over; later epochs follow the plain ru
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from scaletrain.batch import collate
 from scaletrain.errors import UserError
@@ -77,6 +78,7 @@ class ShardedLoader:
         self.steps_per_epoch = size // self.step_samples
         assert self.steps_per_epoch >= 1, "validated by the trainer before building the loader"
         self.micro_samples = batch_size * world
+        self.batch_size = batch_size
         self.seed = seed
         self.sampler = ShardedSampler(size, rank=rank, world=world, seed=seed, shuffle=shuffle,
                                       usable=self.steps_per_epoch * self.step_samples)
@@ -161,3 +163,126 @@ def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num
                           max_batches=max_batches)
     return DataLoader(dataset, batch_size=batch_size, sampler=chosen[rank::world], num_workers=num_workers,
                       pin_memory=pin_memory, collate_fn=collate, generator=torch.Generator().manual_seed(0))
+
+
+def train_size(dataset: Any) -> int | None:
+    """The samples of a training set, None for a stream (an IterableDataset: its length is unknown)."""
+    return None if isinstance(dataset, IterableDataset) else len(dataset)
+
+
+def _pinned(tree: Any) -> Any:
+    """A collated batch with its tensors in pinned memory (the copy to the GPU is then asynchronous)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.pin_memory()
+    if isinstance(tree, dict):
+        return {k: _pinned(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_pinned(v) for v in tree)
+    return tree
+
+
+class StreamLoader:
+    """Training batches for one rank from a stream (an IterableDataset: no len(), no [i]), with
+    ShardedLoader's interface and its mapping of positions to ranks.
+
+    Each pass over the stream (an epoch) is read in the stream's own order, one optimizer step's items at a time
+    (``batch_size x world x accum``): micro-step k covers the pass's positions [k b W, (k + 1) b W) and rank r
+    takes positions r, r + W, ... of them, as ShardedLoader does with a permutation. A step the stream cannot
+    fill ends the pass (the tail rule), on every rank alike with no collective, because every rank reads every
+    item and keeps its own (what Hugging Face's split_dataset_by_node does for a stream that is not sharded
+    into files: W times the reading, none of it decoded twice by one rank). A dataset with ``set_epoch`` (a
+    shuffled datasets.IterableDataset) is told each pass's number before it starts; the order is the
+    stream's: scaletrain cannot shuffle what it cannot index.
+
+    The state is the pass and its global position (items consumed), so a resume, at this or another world size
+    or batch, reads the pass again from its start, skips what was consumed, and continues with the next unseen
+    item: exact for a stream that gives the same items in the same order each time it is iterated.
+    Batches are made in this process (data.num_workers does not apply: workers would each read the stream).
+    """
+
+    steps_per_epoch = 0  # unknown: a stream's length is found only by reading it to the end
+
+    def __init__(self, dataset: Any, *, batch_size: int, rank: int, world: int, accum: int,
+                 pin_memory: bool = False) -> None:
+        self.dataset, self.batch_size, self.rank, self.world = dataset, batch_size, rank, world
+        self.accum, self.pin_memory = accum, pin_memory
+        self.micro_samples = batch_size * world
+        self.step_samples = self.micro_samples * accum
+        self._epoch, self.cursor = 0, 0  # the pass, and the items of it consumed (all ranks together)
+        self.track_indices = False  # set to make last_indices available (verify-resume's traces)
+        self.last_indices: list[int] = []
+        self._items: Iterator[Any] | None = None  # the current pass, read up to self._read
+        self._read = 0
+        self._pending: list[Any] = []  # this rank's micro-batches of the step read, not yet handed out
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _open_pass(self) -> Iterator[Any]:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self._epoch)
+        items = iter(self.dataset)
+        self._read = sum(1 for _ in itertools.islice(items, self.cursor))  # a resume: skip what was consumed
+        if self._read < self.cursor:
+            raise UserError(f"data: the training stream ended after {self._read} items of the {self.cursor} the "
+                            "checkpoint had consumed in this pass; fix: resume with the same stream (in the same "
+                            "order), or start a new run directory")
+        return items
+
+    def _next_step(self) -> bool:
+        """Read the next step's items of the pass into this rank's micro-batches; False at the pass's end."""
+        if self._items is None:
+            self._items = self._open_pass()
+        chunk = list(itertools.islice(self._items, self.step_samples))
+        self._read += len(chunk)
+        if len(chunk) < self.step_samples:  # the tail rule: only whole steps
+            self._items = None
+            return False
+        for m in range(self.accum):
+            mine = chunk[m * self.micro_samples + self.rank:(m + 1) * self.micro_samples:self.world]
+            batch = collate(mine)
+            self._pending.append(_pinned(batch) if self.pin_memory else batch)
+        return True
+
+    def _next_batch(self) -> Any | None:
+        """This rank's next micro-batch of the pass, None at its end (then the next pass begins)."""
+        if not self._pending and not self._next_step():
+            self._epoch, self.cursor = self._epoch + 1, 0
+            return None
+        if self.track_indices:
+            start = self.cursor + self.rank
+            self.last_indices = list(range(start, self.cursor + self.micro_samples, self.world))
+        self.cursor += self.micro_samples
+        return self._pending.pop(0)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Micro-batches forever, pass after pass."""
+        empty = 0
+        while True:
+            batch = self._next_batch()
+            if batch is not None:
+                empty = 0
+                yield batch
+                continue
+            empty += 1
+            if empty > 1:
+                raise UserError(f"data: the training stream has fewer than {self.step_samples} items (one step: "
+                                f"batch_size x world x accumulation); fix: a smaller --data.batch_size or more data")
+
+    def epoch_batches(self) -> Iterator[Any]:
+        """The rest of the current pass's micro-batches; then the next pass begins."""
+        while (batch := self._next_batch()) is not None:
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        # Saved between steps: the micro-batches of a step read ahead are all handed out by then.
+        return {"epoch": self._epoch, "cursor": self.cursor, "step_samples": self.step_samples, "stream": 1}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue where ``state`` was saved, at this loader's world size, batch size and accumulation."""
+        if "stream" not in state:
+            raise UserError("data: the checkpoint's loader read a data set by index, this run a stream; fix: "
+                            "resume with the same training data, or start a new run directory")
+        self._epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._items, self._pending = None, []

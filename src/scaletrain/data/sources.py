@@ -204,16 +204,19 @@ def _as_tensor(a: Any, what: str) -> torch.Tensor:
 
 def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task: Task = "classify") -> Splits:
     """A torch Dataset, any other map-style dataset a DataLoader takes (a list of samples, a Hugging Face
-    datasets.Dataset: len() and [i]), or (inputs, targets) as tensors or numpy arrays. Without eval data a fixed
-    val_fraction of the training data is held out: ceil(n x val_fraction) samples, at least 1, chosen by a
-    permutation seeded with 0 (the same on every run and rank, whatever run.seed is)."""
+    datasets.Dataset: len() and [i]), or (inputs, targets) as tensors or numpy arrays; for training also a
+    stream (an IterableDataset, data/loader.py StreamLoader). Without eval data a fixed val_fraction of the
+    training data is held out: ceil(n x val_fraction) samples, at least 1, chosen by a permutation seeded with
+    0 (the same on every run and rank, whatever run.seed is); a stream's is not (no evaluation then)."""
     arrays = (torch.Tensor, np.ndarray)
 
     def as_dataset(d: Any, what: str) -> Dataset:
         if isinstance(d, IterableDataset):
+            if what == "train":
+                return d  # a stream: read in its order by StreamLoader, with train.max_steps
             raise UserError(f"data: {what} is an IterableDataset ({type(d).__name__}: a stream, no len() or [i]), "
-                            "and scaletrain shards and resumes data by sample index; fix: pass a map-style "
-                            "Dataset (a list of the samples, a TensorDataset, a datasets.Dataset not streamed)")
+                            "and an evaluation counts every held-out sample once on some rank; fix: pass the "
+                            "held-out samples as a list (list(itertools.islice(stream, n))) or a map-style Dataset")
         if isinstance(d, Dataset):
             return d
         # A tuple of two is (inputs, targets); so is a list of two arrays (a list of two samples is not).
@@ -234,6 +237,8 @@ def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task
     train_ds = as_dataset(train, "train")
     if eval_data is not None:
         return Splits(train_ds, as_dataset(eval_data, "eval"), task)
+    if isinstance(train_ds, IterableDataset):
+        return Splits(train_ds, None, task)  # nothing to hold out of a stream: no evaluation without eval_data
     n = len(train_ds)  # type: ignore[arg-type]
     # ceil, as scikit-learn does for digits; rounding first keeps 100 x 0.07 = 7.000000000000001 at 7.
     n_val = max(1, math.ceil(round(n * val_fraction, 6)))

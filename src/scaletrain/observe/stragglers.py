@@ -134,14 +134,16 @@ HOST_LEAD = 0.1  # a GPU with less than this fraction of a step still queued whe
 
 def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int, bucket_mb: float,
                precision: str = "fp32", compiled: bool = False, gpu_lead: float | None = None,
-               pipeline: tuple[int, int, str] | None = None, comm_in_compute: str = "") -> dict[str, str]:
+               pipeline: tuple[int, int, str] | None = None, comm_in_compute: str = "",
+               stream: bool = False) -> dict[str, str]:
     """The verdict, its evidence (fractions of step time) and the fix. Judged on the critical rank's phases
     (with a straggler, the others' time is mostly waiting for it, which is not what limits the job).
     ``gpu_lead``: on a GPU, the median over log intervals of the work still queued on the GPU when the host
     reached the log step, as a fraction of a step (StepTimer.lead_s); None where not measured. ``pipeline``:
     (pp, micro-batches, schedule) of a pipelined run, whose comm is mostly its bubble. ``comm_in_compute``: the
     collectives that wait inside forward and backward, where the timer counts them as compute (FSDP's, tensor
-    parallelism's: observe/timing.py), named so that the evidence does not read "comm 0%"."""
+    parallelism's: observe/timing.py), named so that the evidence does not read "comm 0%". ``stream``: the
+    training data is a stream, read in the training process (loader workers do not apply)."""
     world_size = len(totals)
     rank = critical_rank(totals)
     fractions = shares(totals[rank]) if totals else {}
@@ -152,6 +154,11 @@ def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int,
     evidence += " of step time" + (f" on rank {rank}, the one the others wait for" if world_size > 1 else "")
     data, comm = fractions.get("data", 0.0), fractions.get("comm", 0.0)
     host = fractions.get("h2d", 0.0) + fractions.get("optim", 0.0)
+    if data >= 0.25 and data >= comm and stream:
+        fix = ("a faster stream: it is read and collated in the training process (loader workers cannot split a "
+               "stream), so preprocess or tokenize it once ahead of training, or give a map-style dataset, which "
+               "--data.num_workers reads in parallel")
+        return {"verdict": "input-bound", "evidence": evidence, "fix": fix}
     if data >= 0.25 and data >= comm:
         fix = (f"more loader workers (--data.num_workers={max(2, 2 * num_workers)})"
                + (", pin_memory is on" if device == "cuda" else "")

@@ -97,9 +97,12 @@ def _total_steps(cfg: Config, steps_per_epoch: int, step_samples: int, train_siz
     return int(resume["step"]) + left + max(0, cfg.train.epochs - epoch - 1) * steps_per_epoch
 
 
-def plan_batches(cfg: Config, world_size: int, train_size: int, resume: dict[str, Any] | None = None) -> BatchPlan:
+def plan_batches(cfg: Config, world_size: int, train_size: int | None,
+                 resume: dict[str, Any] | None = None) -> BatchPlan:
     """Resolve accumulation (from train.global_batch, or from a resumed checkpoint's global batch), the steps
     to run and the peak lr. ``resume``: the checkpoint's world_size, global_batch, step and loader state.
+    ``train_size`` None: a stream, whose length is unknown: train.max_steps says how long to train, and
+    steps_per_epoch is 0.
     ``world_size``: every rank; the batch arithmetic counts the data-parallel ones (the ranks of a
     tensor-parallel group or a pipeline read one batch together)."""
     world_size = dp_world_size(cfg.parallel, world_size)
@@ -111,8 +114,14 @@ def plan_batches(cfg: Config, world_size: int, train_size: int, resume: dict[str
     step_samples = b * world_size * accum
     if resume is not None and not note and int(resume["global_batch"]) != step_samples:
         note = f"the global batch changes {resume['global_batch']} -> {step_samples} (the configuration changed)"
-    steps_per_epoch = train_size // step_samples
-    if steps_per_epoch < 1:
+    if train_size is None:
+        if not cfg.train.max_steps:
+            raise ConfigError("train.max_steps", 0, "a number of steps for a training stream (an IterableDataset "
+                              "has no length, so there are no epochs to count)", "--train.max_steps=1000")
+        steps_per_epoch = 0
+    else:
+        steps_per_epoch = train_size // step_samples
+    if train_size is not None and steps_per_epoch < 1:
         raise ConfigError("data.batch_size", b,
                           f"a global batch ({b} x {world_size} x {accum} = {step_samples}) no larger than the "
                           f"{train_size} training samples", "a smaller --data.batch_size or fewer ranks")

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from scaletrain.batch import Batcher, BatchFn, collate_one, default_loss
 from scaletrain.config import Config, OptimConfig
-from scaletrain.data import Splits
+from scaletrain.data import Splits, train_size
 from scaletrain.errors import UserError
 from scaletrain.layout import check_pipeline
 from scaletrain.models import GPT, build_model
@@ -243,7 +243,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     # refuses fp16).
     check_precision(cfg.train.precision, rt.device, cfg.parallel.strategy)
     set_tf32(cfg.train.tf32, rt.device)
-    plan = plan_batches(cfg, rt.world_size, len(splits.train), resume)  # type: ignore[arg-type]
+    plan = plan_batches(cfg, rt.world_size, train_size(splits.train), resume)
     check_pipeline(cfg.parallel, plan.batch_size)  # fit() too: its micro-batches split the batch evenly
     set_deterministic(cfg.train.deterministic)
     seed_all(cfg.run.seed)  # the same initial weights on every rank

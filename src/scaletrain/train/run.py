@@ -15,7 +15,7 @@ from torch import nn
 from scaletrain import __version__, runtime
 from scaletrain.batch import BatchFn
 from scaletrain.config import Config
-from scaletrain.data import Splits, build_splits, eval_indices, in_memory
+from scaletrain.data import Splits, build_splits, eval_indices, in_memory, train_size
 from scaletrain.errors import DiskFull, Reported, Stopped, TrainingFailed, install_excepthook
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import describe
@@ -43,6 +43,11 @@ from scaletrain.train.session import Opened, Session, resolve_config
 PREEMPTED, INTERRUPTED = "preempted", "interrupted"
 
 
+def _count(dataset: Any) -> str:
+    size = train_size(dataset)
+    return "a training stream" if size is None else f"{size} train"
+
+
 def _header(job: Job, splits: Splits, console: Console) -> None:
     cfg, rt, plan = job.cfg, job.rt, job.plan
     params = job.params or sum(p.numel() for p in job.module.parameters())
@@ -52,7 +57,7 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
                   f"run dir {cfg.run_dir}")
     name = job.model_name or type(job.module).__name__.removeprefix("FSDP")  # fully_shard renames the class
     console.print(f"model {name}: {params / 1e6:.3f}M parameters | data {cfg.data.source}: "
-                  f"{len(splits.train)} train / {n_eval} held-out samples")  # type: ignore[arg-type]
+                  f"{_count(splits.train)} / {n_eval} held-out samples")
     layout = job.layout.describe() if rt.world_size > 1 or job.sharded else "single replica"
     units = units_line(job.module, cfg.parallel.fsdp_units, sharded=job.fsdp,
                        blocks=cfg.memory.activation_checkpointing != "none" or cfg.train.compile or job.compiled)
@@ -68,7 +73,8 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
                       f"{100 * runner.planned_bubble:.1f}%")
     console.print(f"parallel: {layout}" + (f" ({job.strategy_reason})" if cfg.parallel.strategy == "auto" else "")
                   + "".join(f" | {e}" for e in extras))
-    console.print(f"{plan.describe()} | {plan.steps_per_epoch} steps/epoch, {plan.total_steps} steps")
+    per_epoch = f"{plan.steps_per_epoch} steps/epoch" if plan.steps_per_epoch else "a stream, read in its order"
+    console.print(f"{plan.describe()} | {per_epoch}, {plan.total_steps} steps")
     lr = f"peak lr {plan.peak_lr:.4g}"
     if cfg.optim.scale_lr:
         lr += f" = {cfg.optim.lr:g} x {plan.global_batch}/{cfg.optim.base_batch} (linear scaling rule)"
@@ -113,7 +119,9 @@ def _summarize(job: Job, splits: Splits, model_given: bool) -> Callable[[dict[st
     def add(summary: dict[str, Any]) -> dict[str, Any]:
         plan, st = job.plan, job.st
         assert st is not None
-        summary.update({"samples": st.steps * plan.global_batch, "epochs": st.steps / plan.steps_per_epoch,
+        # a stream's: the passes completed (its length is known only once a pass ended)
+        epochs = st.steps / plan.steps_per_epoch if plan.steps_per_epoch else float(job.loader.epoch)
+        summary.update({"samples": st.steps * plan.global_batch, "epochs": epochs,
                         "global_batch": plan.global_batch, "accum_steps": plan.accum_steps, "peak_lr": plan.peak_lr,
                         "train_loss": st.last_metrics.get("loss", math.nan), "eval": job.last_eval,
                         "params": job.params, "strategy": job.strategy})
@@ -212,7 +220,8 @@ def _resumed(job: Job, st: Session, resume: Resume, console: Console) -> None:
     assert job.loader is not None
     loader = job.loader.inner.state_dict()
     console.print(f"resumed from {resume.path}: step {st.steps} of {job.plan.total_steps}, epoch "
-                  f"{loader['epoch'] + 1}, {loader['cursor']:,} of {loader['size']:,} samples of the epoch done")
+                  f"{loader['epoch'] + 1}, {loader['cursor']:,} of " + (f"{loader['size']:,} samples of the epoch done"
+                                                                      if "size" in loader else "the stream's pass read"))
     if job.plan.note:
         console.print(f"resume: {job.plan.note}")
     if int(resume.meta["world_size"]) < rt.world_size and "rng" not in cfg.debug.skipped():
@@ -228,7 +237,7 @@ def _resumed(job: Job, st: Session, resume: Resume, console: Console) -> None:
                      "global_batch_was": resume.meta["global_batch"], "global_batch": job.plan.global_batch})
 
 
-def _job_and_resume(cfg: Config, rt: Runtime, build: Callable[..., Job], train_size: int,
+def _job_and_resume(cfg: Config, rt: Runtime, build: Callable[..., Job], size: int | None,
                     console: Console) -> tuple[Job, Resume | None]:
     """The checkpoint to continue from (its hashes and contents checked by rank 0), the job built for it
     (``build(resume=its metadata)``), and the checkpoint checked against the job's model (train/resume.py
@@ -242,7 +251,7 @@ def _job_and_resume(cfg: Config, rt: Runtime, build: Callable[..., Job], train_s
     if resume is None:
         return job, None
     fits = fitting(job, resume, cfg.checkpoint, warn, cfg.debug.skipped())
-    if fits.path != resume.path and plan_batches(cfg, rt.world_size, train_size, fits.meta) != job.plan:
+    if fits.path != resume.path and plan_batches(cfg, rt.world_size, size, fits.meta) != job.plan:
         job = build(resume=fits.meta)
     return job, fits
 
@@ -295,7 +304,7 @@ def _train(job: Job, console: Console) -> None:
     and at the end."""
     st, plan = job.st, job.plan
     assert st is not None and job.model is not None
-    every = job.cfg.train.eval_every or plan.steps_per_epoch
+    every = job.cfg.train.eval_every or plan.steps_per_epoch or plan.total_steps  # a stream: at the end
     job.model.train()
     if job.eval_data is not None and st.steps == 0:
         _evaluate(job, console)  # the untrained baseline, so every curve has its starting point
@@ -317,7 +326,7 @@ def open_job(cfg: Config, rt: Runtime, splits: Splits, *, console: Console, pree
     is agreed already."""
     cfg = cfg.for_device(rt.device.type)  # once: the job, its session and the run dir's config see what runs
     build = functools.partial(build_job, cfg, rt, splits, model, loss_fn, batch_fn=batch_fn)
-    job, resume = _job_and_resume(cfg, rt, build, len(splits.train), console)  # type: ignore[arg-type]
+    job, resume = _job_and_resume(cfg, rt, build, train_size(splits.train), console)
     st = Session(cfg, opened=Opened(rt, console, resume, preempt, job.layout,
                                     time.perf_counter() if started is None else started))
     try:

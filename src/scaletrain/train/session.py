@@ -78,12 +78,13 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 from torch.optim import Optimizer
+from torch.utils.data import IterableDataset
 
 from scaletrain import __version__, runtime
 from scaletrain.batch import to_device, tokens_per_sample
 from scaletrain.checkpoint import rng
 from scaletrain.config import Config, load, step_window
-from scaletrain.data import ShardedLoader
+from scaletrain.data import ShardedLoader, StreamLoader, train_size
 from scaletrain.errors import (
     CheckpointError,
     DiskFull,
@@ -211,7 +212,7 @@ class Loader:
     current epoch (then the next epoch begins), every batch on the session's device. Resumable: its position is
     in the session's checkpoints, and a resumed run continues mid-epoch with the next unseen batch."""
 
-    def __init__(self, session: Session, inner: ShardedLoader) -> None:
+    def __init__(self, session: Session, inner: ShardedLoader | StreamLoader) -> None:
         self._session, self.inner = session, inner
         self.waited = 0.0  # seconds this rank waited for batches since the last step began
         self.drawn = 0  # batches handed out since the last step began
@@ -223,6 +224,10 @@ class Loader:
         return self.inner.epoch
 
     def __len__(self) -> int:
+        if isinstance(self.inner, StreamLoader):
+            # TypeError, as a DataLoader over an IterableDataset raises: what tqdm and others catch for "no length"
+            raise TypeError("len(loader): a stream's length is unknown until a pass of it ends; train for "
+                            "train.max_steps steps (session.total_steps) rather than epochs")
         return self.inner.steps_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
@@ -483,16 +488,25 @@ class Session:
         from scaletrain.data import in_memory
 
         self._usable("loader")
-        data = in_memory(dataset, eval_data=dataset).train  # a Dataset as it is; a stream or a wrong type: one line
+        # a Dataset or a stream as it is; (inputs, targets) made one; a wrong type: one line
+        data = dataset if isinstance(dataset, IterableDataset) else in_memory(dataset, eval_data=dataset).train
         b = batch_size or self.cfg.data.batch_size
+        dp_rank, dp_size = (self.layout.dp_rank(self.rank), self.layout.dp_size) if self.layout else \
+            (self.rank, self.world_size)
+        if train_size(data) is None:  # a stream: read in its order (data/loader.py StreamLoader)
+            return self._add_loader(StreamLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=accum,
+                                                 pin_memory=self.device.type == "cuda"))
         if len(data) < b * self.world_size * accum:  # type: ignore[arg-type]
             raise UserError(f"session.loader(): {len(data)} samples cannot give every one of {self.world_size} "  # type: ignore[arg-type]
                             f"rank(s) {accum} batch(es) of {b}; fix: a smaller batch_size or more data")
-        dp_rank, dp_size = (self.layout.dp_rank(self.rank), self.layout.dp_size) if self.layout else \
-            (self.rank, self.world_size)
-        inner = ShardedLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=accum,
-                              seed=self.cfg.run.seed, shuffle=self.cfg.data.shuffle if shuffle is None else shuffle,
-                              num_workers=self.cfg.data.num_workers, pin_memory=self.device.type == "cuda")
+        return self._add_loader(ShardedLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=accum,
+                                              seed=self.cfg.run.seed,
+                                              shuffle=self.cfg.data.shuffle if shuffle is None else shuffle,
+                                              num_workers=self.cfg.data.num_workers,
+                                              pin_memory=self.device.type == "cuda"))
+
+    def _add_loader(self, inner: ShardedLoader | StreamLoader) -> Loader:
+        """``inner`` restored from the checkpoint (the loaders in the order they were made) and kept."""
         saved = self._trainer.get("loaders", [])
         if len(saved) > len(self._loaders) and "data" not in self.skip:
             inner.load_state_dict(saved[len(self._loaders)])
@@ -633,7 +647,7 @@ class Session:
 
     def _count_drawn(self) -> None:
         for loader in self._loaders:  # this rank's batches (the ranks of a TP group or a pipeline share one)
-            drawn = loader.drawn * loader.inner.loader.batch_size
+            drawn = loader.drawn * loader.inner.batch_size
             self._samples += drawn
             self._tokens += drawn * max(loader.tokens_per_sample, 0)
             loader.waited, loader.drawn = 0.0, 0
@@ -961,7 +975,7 @@ class Session:
                 "world_size": self.world_size,
                 # the first loader's batch: a resume at another world size keeps this global batch if it can
                 "global_batch": first.step_samples if first else 0,
-                "batch_size": first.loader.batch_size if first else 0,
+                "batch_size": first.batch_size if first else 0,
                 "accum_steps": first.step_samples // first.micro_samples if first else 1,
                 "epoch": first.epoch + 1 if first else 0,
                 **({"layout": self.layout.as_dict()} if self.layout is not None else {}),
@@ -1153,6 +1167,7 @@ class Session:
             "samples_per_s": rate, **rates, "samples_per_s_overall": overall, "steady_state": steady, "goodput": good,
             "metrics": self.last_metrics, "phase_frac": phase_fractions(totals),
             "bottleneck": bottleneck(totals, device=self.device.type, num_workers=cfg.data.num_workers,
+                                     stream=bool(self._loaders) and isinstance(self._loaders[0].inner, StreamLoader),
                                      bucket_mb=cfg.parallel.bucket_mb, precision=cfg.train.precision,
                                      compiled=self.compiled,
                                      gpu_lead=statistics.median(self._lead_fracs) if self._lead_fracs else None,
