@@ -333,8 +333,10 @@ def collate(samples: list[Any]) -> Any:
         raise
 
 
-def collate_one(dataset: Any) -> Any:
-    """The data set's first sample (a stream's first item) as a batch of one, collated as the loader collates."""
+def collate_one(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
+    """The data set's first sample (a stream's first item) as a batch of one, collated as the loader collates
+    (``collate_fn``: the user's, else scaletrain's collate)."""
+    collate_fn = collate_fn or collate
     from torch.utils.data import IterableDataset
 
     if isinstance(dataset, IterableDataset):
@@ -342,5 +344,5 @@ def collate_one(dataset: Any) -> Any:
         if first is None:
             raise UserError(f"data: the training stream ({type(dataset).__name__}) gave no items; fix: pass a "
                             "stream with data in it")
-        return collate([first])
-    return collate([dataset[0]])
+        return collate_fn([first])
+    return collate_fn([dataset[0]])

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import scaletrain
+from scaletrain.errors import UserError
 
 BIN = Path(sys.executable).parent
 SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
@@ -362,3 +363,44 @@ def test_a_model_of_ones_own_on_the_meta_device_is_one_line_and_exit_2(tmp_path:
     said = ("scaletrain: error: this Linear's parameters are on the meta device (no values), and scaletrain fills "
             "only its built-in models' weights; fix: build the model on the CPU (or load its weights) before training it")
     assert proc.stderr.splitlines() == [said]
+
+
+class Ragged(Dataset):
+    """Token sequences of 3 to 9 ids, the label their first id's parity: they need padding to make a batch."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.rows = [torch.randint(0, 16, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.rows[i].tolist(), "labels": int(self.rows[i][0]) % 2}
+
+
+class FirstToken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(16, 2)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        assert attention_mask is None or attention_mask.shape == input_ids.shape  # the collator's, passed on
+        return self.table(input_ids[:, 0])
+
+
+def pad(samples: list[dict]) -> dict:
+    """What a padding collator does (transformers' DataCollatorWithPadding): pad to the batch's longest."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.tensor([s["input_ids"] + [0] * (longest - len(s["input_ids"])) for s in samples])
+    mask = torch.tensor([[1] * len(s["input_ids"]) + [0] * (longest - len(s["input_ids"])) for s in samples])
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([s["labels"] for s in samples])}
+
+
+def test_a_collate_fn_pads_sequences_of_unequal_length(tmp_path: Path) -> None:
+    config = {**_config(tmp_path, "pad"), "train.epochs": 3, "optim.lr": 0.1}
+    with pytest.raises(UserError, match="field 'input_ids' has different shapes in one batch"):
+        scaletrain.fit(FirstToken, Ragged(512, 0), eval_data=Ragged(128, 1), config=config)
+    summary = scaletrain.fit(FirstToken, Ragged(512, 0), eval_data=Ragged(128, 1), collate_fn=pad,
+                             config={**config, "run.dir": str(tmp_path / "padded")})
+    assert summary["eval"]["count"] == 128.0 and summary["eval"]["accuracy"] == 1.0, summary["eval"]

@@ -19,7 +19,7 @@ size and the tail rule drops what is left over; later epochs follow the plain ru
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -70,7 +70,8 @@ class ShardedLoader:
     """
 
     def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world: int, accum: int, seed: int,
-                 shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False) -> None:
+                 shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False,
+                 collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         size = len(dataset)  # type: ignore[arg-type]
         self.size = size
         self.accum = accum
@@ -86,7 +87,7 @@ class ShardedLoader:
         # global RNG, so resuming mid-epoch (a new iterator) leaves dropout and everything else unchanged.
         self.generator = torch.Generator()
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True,
-                                 num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate,
+                                 num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn or collate,
                                  persistent_workers=num_workers > 0, generator=self.generator)
         self.track_indices = False  # set to make last_indices available (verify-resume's traces)
         self.last_indices: list[int] = []
@@ -155,14 +156,16 @@ def eval_indices(size: int, *, batch_size: int, world: int, max_batches: int = 0
 
 
 def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num_workers: int = 0,
-                pin_memory: bool = False, max_batches: int = 0) -> DataLoader:
+                pin_memory: bool = False, max_batches: int = 0,
+                collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
     """Rank r evaluates samples r, r + W, ... of eval_indices: every one exactly once across ranks, none
     padded. Its own generator: an evaluation draws nothing from the global RNG, so evaluating (or not) between
     two steps leaves training, and a resume, exactly as they were."""
     chosen = eval_indices(len(dataset), batch_size=batch_size, world=world,  # type: ignore[arg-type]
                           max_batches=max_batches)
     return DataLoader(dataset, batch_size=batch_size, sampler=chosen[rank::world], num_workers=num_workers,
-                      pin_memory=pin_memory, collate_fn=collate, generator=torch.Generator().manual_seed(0))
+                      pin_memory=pin_memory, collate_fn=collate_fn or collate,
+                      generator=torch.Generator().manual_seed(0))
 
 
 def train_size(dataset: Any) -> int | None:
@@ -203,8 +206,9 @@ class StreamLoader:
     steps_per_epoch = 0  # unknown: a stream's length is found only by reading it to the end
 
     def __init__(self, dataset: Any, *, batch_size: int, rank: int, world: int, accum: int,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         self.dataset, self.batch_size, self.rank, self.world = dataset, batch_size, rank, world
+        self.collate = collate_fn or collate
         self.accum, self.pin_memory = accum, pin_memory
         self.micro_samples = batch_size * world
         self.step_samples = self.micro_samples * accum
@@ -241,7 +245,7 @@ class StreamLoader:
             return False
         for m in range(self.accum):
             mine = chunk[m * self.micro_samples + self.rank:(m + 1) * self.micro_samples:self.world]
-            batch = collate(mine)
+            batch = self.collate(mine)
             self._pending.append(_pinned(batch) if self.pin_memory else batch)
         return True
 

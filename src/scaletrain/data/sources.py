@@ -11,7 +11,7 @@ import math
 import os
 import sysconfig
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +33,7 @@ class Splits:
     eval: Dataset | None
     task: Task
     info: dict[str, Any] = field(default_factory=dict)  # num_classes/input_shape, or vocab_size/seq_len
+    collate_fn: Callable[[list[Any]], Any] | None = None  # a list of samples -> a batch (None: scaletrain's)
 
 
 class TensorPairs(Dataset):
@@ -202,12 +203,14 @@ def _as_tensor(a: Any, what: str) -> torch.Tensor:
     raise UserError(f"data: {what} is a {type(a).__name__}; fix: pass a torch.Tensor or a numpy array")
 
 
-def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task: Task = "classify") -> Splits:
+def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task: Task = "classify",
+              collate_fn: Callable[[list[Any]], Any] | None = None) -> Splits:
     """A torch Dataset, any other map-style dataset a DataLoader takes (a list of samples, a Hugging Face
     datasets.Dataset: len() and [i]), or (inputs, targets) as tensors or numpy arrays; for training also a
     stream (an IterableDataset, data/loader.py StreamLoader). Without eval data a fixed val_fraction of the
     training data is held out: ceil(n x val_fraction) samples, at least 1, chosen by a permutation seeded with
-    0 (the same on every run and rank, whatever run.seed is); a stream's is not (no evaluation then)."""
+    0 (the same on every run and rank, whatever run.seed is); a stream's is not (no evaluation then).
+    ``collate_fn``: how the loaders make a batch of samples (a padding collator), as a DataLoader's."""
     arrays = (torch.Tensor, np.ndarray)
 
     def as_dataset(d: Any, what: str) -> Dataset:
@@ -234,11 +237,14 @@ def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task
         raise UserError(f"data: {what} is a {type(d).__name__}; fix: pass a torch Dataset, a list of samples, "
                         "or (inputs, targets)")
 
+    if collate_fn is not None and not callable(collate_fn):
+        raise UserError(f"collate_fn: a {type(collate_fn).__name__} is not callable; fix: pass a function of a list "
+                        "of samples, as a DataLoader takes (transformers' DataCollatorWithPadding(tokenizer))")
     train_ds = as_dataset(train, "train")
     if eval_data is not None:
-        return Splits(train_ds, as_dataset(eval_data, "eval"), task)
-    if isinstance(train_ds, IterableDataset):
-        return Splits(train_ds, None, task)  # nothing to hold out of a stream: no evaluation without eval_data
+        return Splits(train_ds, as_dataset(eval_data, "eval"), task, collate_fn=collate_fn)
+    if isinstance(train_ds, IterableDataset):  # nothing to hold out of a stream: no evaluation without eval_data
+        return Splits(train_ds, None, task, collate_fn=collate_fn)
     n = len(train_ds)  # type: ignore[arg-type]
     # ceil, as scikit-learn does for digits; rounding first keeps 100 x 0.07 = 7.000000000000001 at 7.
     n_val = max(1, math.ceil(round(n * val_fraction, 6)))
@@ -247,4 +253,4 @@ def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task
                         f"data.val_fraction = {val_fraction}; fix: pass eval_data, or more training data")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
     subset = torch.utils.data.Subset
-    return Splits(subset(train_ds, perm[n_val:]), subset(train_ds, perm[:n_val]), task)
+    return Splits(subset(train_ds, perm[n_val:]), subset(train_ds, perm[:n_val]), task, collate_fn=collate_fn)

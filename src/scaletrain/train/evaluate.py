@@ -34,7 +34,7 @@ def evaluate(job: Job) -> dict[str, float]:
     rank, world = layout.dp_rank(rt.rank), layout.dp_size  # the data-parallel readers
     loader = eval_loader(job.eval_data, batch_size=batch_size, rank=rank, world=world,
                          num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
-                         max_batches=cfg.train.eval_batches)
+                         max_batches=cfg.train.eval_batches, collate_fn=job.collate_fn)
     module.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=rt.device)  # loss x count, correct, count, no-accuracy
     forwards = len(loader)
@@ -46,7 +46,7 @@ def evaluate(job: Job) -> dict[str, float]:
         forwards = -(-len(chosen[::world]) // batch_size)  # rank 0's share is the largest
     for raw in _padded(loader, forwards):
         # None: this rank is out of samples; keep FSDP's collectives in step, count nothing
-        batch = job.batcher(collate_one(job.eval_data) if raw is None else raw).to(rt.device)
+        batch = job.batcher(collate_one(job.eval_data, job.collate_fn) if raw is None else raw).to(rt.device)
         with autocast(cfg.train.precision, rt.device, sharded=job.fsdp), loss_context(module):
             out = batch(module) if job.pipeline is None else job.pipeline.forward(batch.args[0])
             if raw is None or out is None:  # padding, or a pipeline stage before the last

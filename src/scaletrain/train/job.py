@@ -67,6 +67,7 @@ class Job:
     params: int = 0  # the whole model's parameters (counted before a pipeline keeps one stage per rank)
     model_name: str = ""  # its class
     compiled: bool = False  # the model was given as torch.compile(model) returned it: compiled as train.compile does
+    collate_fn: Callable[[list[Any]], Any] | None = None  # the user's (fit's collate_fn), else scaletrain's
     model: nn.Module | None = None  # what forward and backward go through (DDP-wrapped when world > 1)
     pipeline: PipelineRunner | None = None  # parallel.pp > 1: runs this rank's stage of every step
     scheduler: LambdaLR | None = None
@@ -121,7 +122,8 @@ class Job:
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, plan.total_steps)
         st.track(Schedule(self.scheduler, self.optimizer, skip="scheduler" in st.skip, step=st.steps),
                  name="scheduler")
-        self.loader = st.loader(self.train_data, batch_size=plan.batch_size, accum=plan.accum_steps)
+        self.loader = st.loader(self.train_data, batch_size=plan.batch_size, accum=plan.accum_steps,
+                                collate_fn=self.collate_fn)
 
 
 class Schedule:
@@ -260,7 +262,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         module.to(rt.device)
     # The built-in GPT with model.loss=fused computes its loss in forward: it is given the targets too.
     batcher = Batcher(module, batch_fn, target_kwarg="targets" if isinstance(module, GPT) and module.fused_loss else None)
-    one = batcher(collate_one(splits.train))  # a batch of one sample, as the loader collates it
+    one = batcher(collate_one(splits.train, splits.collate_fn))  # a batch of one sample, as the loader collates it
     # counted once, before any wrapping (on the meta device for a model built there: shapes are all it needs)
     flops = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device))
     strategy, reason = resolve_strategy(module, cfg.parallel, world_size=rt.world_size, nnodes=nnodes,
@@ -273,4 +275,4 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     return Job(cfg, rt, plan, module, build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), splits.train,
                splits.eval, loss_fn or _default_loss(cfg.train.compile), batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
-               model_name=type(module).__name__, compiled=compiled)
+               model_name=type(module).__name__, compiled=compiled, collate_fn=splits.collate_fn)

@@ -408,16 +408,20 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
 
 def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_data: Any = None,
         loss_fn: LossFn | None = None, config: Config | Mapping[str, Any] | str | None = None,
-        batch_fn: BatchFn | None = None, argv: list[str] | None = None) -> dict[str, Any]:
+        batch_fn: BatchFn | None = None, argv: list[str] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None) -> dict[str, Any]:
     """Train your own model on your own data, on one process or every rank of a torchrun job.
 
     ``model``: a module, or better its class (or any callable building it): it is then built after seeding
     from run.seed, so the same config gives the same initial weights on every run.
     ``train_data``/``eval_data``: a torch Dataset, any map-style dataset a DataLoader takes (a list of samples,
-    a Hugging Face datasets.Dataset), or (inputs, targets) as tensors or numpy arrays; without
-    eval_data, data.val_fraction of the training data is held out. A Dataset's samples may be tuples of any
+    a Hugging Face datasets.Dataset), or (inputs, targets) as tensors or numpy arrays; train_data may be a
+    stream (an IterableDataset: train.max_steps, no held-out split); without eval_data, data.val_fraction of the
+    training data is held out. A Dataset's samples may be tuples of any
     length (the last is the target), dicts (Hugging Face style: ``model(**batch)``, target ``labels``) or
     tensors; ``batch_fn(batch) -> (inputs, target)`` maps any other layout (scaletrain.batch).
+    ``collate_fn(samples) -> batch``: how a list of samples becomes a batch, as a DataLoader takes it (a padding
+    collator such as transformers' DataCollatorWithPadding); by default scaletrain.batch.collate.
     ``loss_fn(output, target)`` receives the model's output as it returned it (a tensor, tuple, dict or
     ModelOutput); by default the model's own ``loss`` if it computed one, else cross-entropy of its logits.
     ``config``: a Config, a mapping of dotted keys ({"optim.lr": 0.1}), or a recipe/TOML path.
@@ -430,7 +434,7 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     try:
         memory = {"data.source": "memory"}  # the data are the arguments, whatever a recipe or TOML file says
         cfg = resolve_config(config, argv, defaults=memory, pinned=memory)
-        splits = in_memory(train_data, eval_data, cfg.data.val_fraction)
+        splits = in_memory(train_data, eval_data, cfg.data.val_fraction, collate_fn=collate_fn)
         return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn)
     except (Reported, Stopped):
         install_excepthook()

@@ -479,23 +479,27 @@ class Session:
         self._models.append(entry)
         return (wrapped, *built)
 
-    def loader(self, dataset: Any, *, batch_size: int = 0, shuffle: bool | None = None, accum: int = 1) -> Loader:
+    def loader(self, dataset: Any, *, batch_size: int = 0, shuffle: bool | None = None, accum: int = 1,
+               collate_fn: Callable[[list[Any]], Any] | None = None) -> Loader:
         """This rank's shard of ``dataset`` (a torch Dataset, or (inputs, targets) tensors), ``batch_size`` per
         rank (0 = data.batch_size), reshuffled every epoch from run.seed, in the same order at any world size.
         ``accum``: batches per optimizer step (gradient accumulation): the epoch ends on a whole step, and a
         checkpoint's loader position is kept in steps, so a resume at another world size can keep the global
-        batch by accumulating more (scaletrain train does)."""
+        batch by accumulating more (scaletrain train does). A stream (an IterableDataset) is read in its order
+        (data/loader.py StreamLoader). ``collate_fn``: a list of samples -> a batch, as a DataLoader takes it (a
+        padding collator); default scaletrain.batch.collate."""
         from scaletrain.data import in_memory
 
         self._usable("loader")
         # a Dataset or a stream as it is; (inputs, targets) made one; a wrong type: one line
-        data = dataset if isinstance(dataset, IterableDataset) else in_memory(dataset, eval_data=dataset).train
+        data = dataset if isinstance(dataset, IterableDataset) else \
+            in_memory(dataset, eval_data=dataset, collate_fn=collate_fn).train
         b = batch_size or self.cfg.data.batch_size
         dp_rank, dp_size = (self.layout.dp_rank(self.rank), self.layout.dp_size) if self.layout else \
             (self.rank, self.world_size)
         if train_size(data) is None:  # a stream: read in its order (data/loader.py StreamLoader)
             return self._add_loader(StreamLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=accum,
-                                                 pin_memory=self.device.type == "cuda"))
+                                                 pin_memory=self.device.type == "cuda", collate_fn=collate_fn))
         if len(data) < b * self.world_size * accum:  # type: ignore[arg-type]
             raise UserError(f"session.loader(): {len(data)} samples cannot give every one of {self.world_size} "  # type: ignore[arg-type]
                             f"rank(s) {accum} batch(es) of {b}; fix: a smaller batch_size or more data")
@@ -503,7 +507,7 @@ class Session:
                                               seed=self.cfg.run.seed,
                                               shuffle=self.cfg.data.shuffle if shuffle is None else shuffle,
                                               num_workers=self.cfg.data.num_workers,
-                                              pin_memory=self.device.type == "cuda"))
+                                              pin_memory=self.device.type == "cuda", collate_fn=collate_fn))
 
     def _add_loader(self, inner: ShardedLoader | StreamLoader) -> Loader:
         """``inner`` restored from the checkpoint (the loaders in the order they were made) and kept."""
