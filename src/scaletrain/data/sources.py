@@ -229,7 +229,12 @@ def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task
         if hasattr(d, "__len__") and hasattr(d, "__getitem__") and not isinstance(d, (*arrays, str, bytes, dict)):
             if len(d) == 0:
                 raise UserError(f"data: {what} has no samples; fix: pass a dataset with at least one sample")
-            first = d[0]
+            try:
+                first = d[0]
+            except (KeyError, IndexError, TypeError) as err:  # a table's [0] is a column: a pandas DataFrame
+                raise UserError(f"data: {what} is a {type(d).__name__} whose [0] is not a sample ({type(err).__name__}"
+                                f": {err}); fix: pass (inputs, targets) as arrays (a DataFrame's "
+                                "df[columns].to_numpy() and df[target].to_numpy()) or a Dataset") from None
             if not isinstance(first, (*arrays, tuple, list, Mapping)):
                 raise UserError(f"data: {what} is a {type(d).__name__} of {type(first).__name__}; fix: samples are "
                                 "tensors, tuples (inputs..., target) or dicts; or pass (inputs, targets)")
