@@ -903,7 +903,9 @@ class Session:
         parts += [f"lr {lr:.3e}"] if lr is not None else []
         parts += [f"B_noise {noise['b_simple']:,.0f}"] if noise is not None and math.isfinite(noise["b_simple"]) \
             else []
-        parts += [f"{rate:,.0f} samples/s", f"{record['step_time_s']:.4f} s/step"]
+        # samples are counted as a session's loaders hand them out: a loop reading its own DataLoader shows none
+        parts += [f"{rate:,.0f} samples/s"] if samples or self._loaders else []
+        parts += [f"{record['step_time_s']:.4f} s/step"]
         self.console.print(" | ".join(parts))
         self.last_metrics = means
         for value in self._sums.values():
