@@ -56,17 +56,22 @@ def leaves(tree: Any) -> Iterator[torch.Tensor]:
             yield from leaves(getattr(tree, f.name))
 
 
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """The same structure (a tensor, mapping, list or tuple, nested) with ``fn`` applied to every tensor."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, Mapping):
+        return {k: map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [map_tensors(v, fn) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(map_tensors(v, fn) for v in tree)
+    return tree
+
+
 def to_device(tree: Any, device: torch.device) -> Any:
     """The same structure with every tensor moved to ``device`` (non-blocking; pinned memory makes it async)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device, non_blocking=True)
-    if isinstance(tree, Mapping):
-        return {k: to_device(v, device) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [to_device(v, device) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(to_device(v, device) for v in tree)
-    return tree
+    return map_tensors(tree, lambda t: t.to(device, non_blocking=True))
 
 
 def _field(output: Any, name: str) -> Any:
@@ -108,20 +113,21 @@ def default_loss(output: Any, target: Any) -> torch.Tensor:
         what = "no target" if target is None else f"a target of type {type(target).__name__}"
         raise UserError(f"loss: the model returned {describe(output)} with no loss, and the batch has {what}; "
                         "fix: pass loss_fn=..., or batches (inputs, target) with a tensor target, or a batch_fn")
-    if target.is_floating_point() and (target.shape != logits.shape or logits.shape[-1] == 1):
+    soft = target.is_floating_point()
+    if soft and (target.shape != logits.shape or logits.shape[-1] == 1):
         # Class probabilities (soft labels) have the logits' shape; anything else is a regression target, and a
         # cross-entropy over one class is 0 whatever the model does.
         raise UserError(f"loss: the targets are {str(target.dtype).removeprefix('torch.')} of shape "
                         f"{tuple(target.shape)} for logits of shape {tuple(logits.shape)}: not classes, and "
                         "scaletrain's default loss is cross-entropy over classes; fix: pass the loss, e.g. "
                         "loss_fn=torch.nn.functional.mse_loss for a regression")
-    if not target.is_floating_point() and logits.shape[:-1] != target.shape:  # shapes only: no sync
+    if not soft and logits.shape[:-1] != target.shape:  # shapes only: no sync
         raise UserError(f"loss: the model returned logits of shape {tuple(logits.shape)} for class targets of "
                         f"shape {tuple(target.shape)}; cross-entropy needs logits (*target's shape, classes); "
                         "fix: return logits for every target position, or pass loss_fn=..., or a batch_fn")
     classes = logits.shape[-1]
     return F.cross_entropy(loss_logits(logits).reshape(-1, classes),
-                           target.reshape(-1, classes) if target.is_floating_point() else target.reshape(-1))
+                           target.reshape(-1, classes) if soft else target.reshape(-1))
 
 
 def loss_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -291,19 +297,21 @@ class Batcher:
                         "a tuple (inputs..., target) or a dict, or pass batch_fn=lambda b: (inputs, target)")
 
 
-def _numbers(value: Any) -> bool:
-    """A list of Python numbers, or of such lists (a field as Hugging Face datasets give it unformatted)."""
-    while isinstance(value, list) and value:
-        value = value[0]
-    return isinstance(value, (int, float)) and not isinstance(value, list)
+def _as_tensor(field: Any) -> Any:
+    """A field that is a list of Python numbers, or of such lists (as Hugging Face datasets give it
+    unformatted), as a tensor; any other field as it is."""
+    first = field
+    while isinstance(first, list) and first:
+        first = first[0]
+    return torch.tensor(field) if isinstance(field, list) and isinstance(first, (int, float)) else field
 
 
 def _as_tensors(sample: Any) -> Any:
     """A sample with its number-list fields as tensors (a dict's values, a tuple's items)."""
     if isinstance(sample, Mapping):
-        return {k: torch.tensor(v) if isinstance(v, list) and _numbers(v) else v for k, v in sample.items()}
+        return {k: _as_tensor(v) for k, v in sample.items()}
     if isinstance(sample, tuple):
-        return tuple(torch.tensor(v) if isinstance(v, list) and _numbers(v) else v for v in sample)
+        return tuple(_as_tensor(v) for v in sample)
     return sample
 
 

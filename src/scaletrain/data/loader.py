@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-from scaletrain.batch import collate
+from scaletrain.batch import collate, map_tensors
 from scaletrain.errors import UserError
 
 
@@ -173,17 +173,6 @@ def train_size(dataset: Any) -> int | None:
     return None if isinstance(dataset, IterableDataset) else len(dataset)
 
 
-def _pinned(tree: Any) -> Any:
-    """A collated batch with its tensors in pinned memory (the copy to the GPU is then asynchronous)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.pin_memory()
-    if isinstance(tree, dict):
-        return {k: _pinned(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_pinned(v) for v in tree)
-    return tree
-
-
 class StreamLoader:
     """Training batches for one rank from a stream (an IterableDataset: no len(), no [i]), with
     ShardedLoader's interface and its mapping of positions to ranks.
@@ -212,24 +201,19 @@ class StreamLoader:
         self.accum, self.pin_memory = accum, pin_memory
         self.micro_samples = batch_size * world
         self.step_samples = self.micro_samples * accum
-        self._epoch, self.cursor = 0, 0  # the pass, and the items of it consumed (all ranks together)
+        self.epoch, self.cursor = 0, 0  # the pass, and the items of it consumed (all ranks together)
         self.track_indices = False  # set to make last_indices available (verify-resume's traces)
         self.last_indices: list[int] = []
-        self._items: Iterator[Any] | None = None  # the current pass, read up to self._read
-        self._read = 0
+        self._items: Iterator[Any] | None = None  # the current pass, read up to the cursor and the pending step
         self._pending: list[Any] = []  # this rank's micro-batches of the step read, not yet handed out
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
 
     def _open_pass(self) -> Iterator[Any]:
         if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(self._epoch)
+            self.dataset.set_epoch(self.epoch)
         items = iter(self.dataset)
-        self._read = sum(1 for _ in itertools.islice(items, self.cursor))  # a resume: skip what was consumed
-        if self._read < self.cursor:
-            raise UserError(f"data: the training stream ended after {self._read} items of the {self.cursor} the "
+        skipped = sum(1 for _ in itertools.islice(items, self.cursor))  # a resume: skip what was consumed
+        if skipped < self.cursor:
+            raise UserError(f"data: the training stream ended after {skipped} items of the {self.cursor} the "
                             "checkpoint had consumed in this pass; fix: resume with the same stream (in the same "
                             "order), or start a new run directory")
         return items
@@ -239,20 +223,20 @@ class StreamLoader:
         if self._items is None:
             self._items = self._open_pass()
         chunk = list(itertools.islice(self._items, self.step_samples))
-        self._read += len(chunk)
         if len(chunk) < self.step_samples:  # the tail rule: only whole steps
             self._items = None
             return False
         for m in range(self.accum):
             mine = chunk[m * self.micro_samples + self.rank:(m + 1) * self.micro_samples:self.world]
             batch = self.collate(mine)
-            self._pending.append(_pinned(batch) if self.pin_memory else batch)
+            # in pinned memory, the copy to the GPU is asynchronous (as a DataLoader's pin_memory=True gives)
+            self._pending.append(map_tensors(batch, torch.Tensor.pin_memory) if self.pin_memory else batch)
         return True
 
     def _next_batch(self) -> Any | None:
         """This rank's next micro-batch of the pass, None at its end (then the next pass begins)."""
         if not self._pending and not self._next_step():
-            self._epoch, self.cursor = self._epoch + 1, 0
+            self.epoch, self.cursor = self.epoch + 1, 0
             return None
         if self.track_indices:
             start = self.cursor + self.rank
@@ -281,12 +265,12 @@ class StreamLoader:
 
     def state_dict(self) -> dict[str, int]:
         # Saved between steps: the micro-batches of a step read ahead are all handed out by then.
-        return {"epoch": self._epoch, "cursor": self.cursor, "step_samples": self.step_samples, "stream": 1}
+        return {"epoch": self.epoch, "cursor": self.cursor, "step_samples": self.step_samples, "stream": 1}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue where ``state`` was saved, at this loader's world size, batch size and accumulation."""
         if "stream" not in state:
             raise UserError("data: the checkpoint's loader read a data set by index, this run a stream; fix: "
                             "resume with the same training data, or start a new run directory")
-        self._epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self._items, self._pending = None, []

@@ -154,15 +154,15 @@ def bottleneck(totals: list[dict[str, float]], *, device: str, num_workers: int,
     evidence += " of step time" + (f" on rank {rank}, the one the others wait for" if world_size > 1 else "")
     data, comm = fractions.get("data", 0.0), fractions.get("comm", 0.0)
     host = fractions.get("h2d", 0.0) + fractions.get("optim", 0.0)
-    if data >= 0.25 and data >= comm and stream:
-        fix = ("a faster stream: it is read and collated in the training process (loader workers cannot split a "
-               "stream), so preprocess or tokenize it once ahead of training, or give a map-style dataset, which "
-               "--data.num_workers reads in parallel")
-        return {"verdict": "input-bound", "evidence": evidence, "fix": fix}
     if data >= 0.25 and data >= comm:
-        fix = (f"more loader workers (--data.num_workers={max(2, 2 * num_workers)})"
-               + (", pin_memory is on" if device == "cuda" else "")
-               + ", data on faster local storage, or preprocessing done once ahead of training")
+        if stream:
+            fix = ("a faster stream: it is read and collated in the training process (loader workers cannot split "
+                   "a stream), so preprocess or tokenize it once ahead of training, or give a map-style dataset, "
+                   "which --data.num_workers reads in parallel")
+        else:
+            fix = (f"more loader workers (--data.num_workers={max(2, 2 * num_workers)})"
+                   + (", pin_memory is on" if device == "cuda" else "")
+                   + ", data on faster local storage, or preprocessing done once ahead of training")
         return {"verdict": "input-bound", "evidence": evidence, "fix": fix}
     if comm >= 0.25 and pipeline is not None:
         pp, m, schedule = pipeline

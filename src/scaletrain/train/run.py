@@ -49,7 +49,8 @@ def _count(dataset: Any) -> str:
 
 
 def _header(job: Job, splits: Splits, console: Console) -> None:
-    cfg, rt, plan = job.cfg, job.rt, job.plan
+    cfg, rt, plan, st = job.cfg, job.rt, job.plan, job.st
+    assert st is not None  # attached: the session knows what is compiled (train.compile, or a model given so)
     params = job.params or sum(p.numel() for p in job.module.parameters())
     n_eval = len(splits.eval) if splits.eval is not None else 0  # type: ignore[arg-type]
     where = f"{rt.backend} on {rt.device}" if rt.distributed else f"single process on {rt.device}"
@@ -60,7 +61,7 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
                   f"{_count(splits.train)} / {n_eval} held-out samples")
     layout = job.layout.describe() if rt.world_size > 1 or job.sharded else "single replica"
     units = units_line(job.module, cfg.parallel.fsdp_units, sharded=job.fsdp,
-                       blocks=cfg.memory.activation_checkpointing != "none" or cfg.train.compile or job.compiled)
+                       blocks=cfg.memory.activation_checkpointing != "none" or st.compiled)
     extras = [units] if units else []
     extras += [f"activation checkpointing {cfg.memory.activation_checkpointing}"] \
         if cfg.memory.activation_checkpointing != "none" else []
@@ -219,9 +220,9 @@ def _resumed(job: Job, st: Session, resume: Resume, console: Console) -> None:
     cfg, rt = job.cfg, job.rt
     assert job.loader is not None
     loader = job.loader.inner.state_dict()
+    done = f"{loader['size']:,} samples of the epoch done" if "size" in loader else "the stream's pass read"
     console.print(f"resumed from {resume.path}: step {st.steps} of {job.plan.total_steps}, epoch "
-                  f"{loader['epoch'] + 1}, {loader['cursor']:,} of " + (f"{loader['size']:,} samples of the epoch done"
-                                                                      if "size" in loader else "the stream's pass read"))
+                  f"{loader['epoch'] + 1}, {loader['cursor']:,} of {done}")
     if job.plan.note:
         console.print(f"resume: {job.plan.note}")
     if int(resume.meta["world_size"]) < rt.world_size and "rng" not in cfg.debug.skipped():

@@ -84,7 +84,7 @@ from scaletrain import __version__, runtime
 from scaletrain.batch import to_device, tokens_per_sample
 from scaletrain.checkpoint import rng
 from scaletrain.config import Config, load, step_window
-from scaletrain.data import ShardedLoader, StreamLoader, train_size
+from scaletrain.data import ShardedLoader, StreamLoader
 from scaletrain.errors import (
     CheckpointError,
     DiskFull,
@@ -492,12 +492,12 @@ class Session:
 
         self._usable("loader")
         # a Dataset or a stream as it is; (inputs, targets) made one; a wrong type: one line
-        data = dataset if isinstance(dataset, IterableDataset) else \
-            in_memory(dataset, eval_data=dataset, collate_fn=collate_fn).train
+        stream = isinstance(dataset, IterableDataset)
+        data = dataset if stream else in_memory(dataset, eval_data=dataset, collate_fn=collate_fn).train
         b = batch_size or self.cfg.data.batch_size
         dp_rank, dp_size = (self.layout.dp_rank(self.rank), self.layout.dp_size) if self.layout else \
             (self.rank, self.world_size)
-        if train_size(data) is None:  # a stream: read in its order (data/loader.py StreamLoader)
+        if stream:  # read in its order (data/loader.py StreamLoader)
             return self._add_loader(StreamLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=accum,
                                                  pin_memory=self.device.type == "cuda", collate_fn=collate_fn))
         if len(data) < b * self.world_size * accum:  # type: ignore[arg-type]
