@@ -93,19 +93,30 @@ def logits_of(output: Any) -> torch.Tensor | None:
     return None
 
 
-def loss_of(output: Any) -> torch.Tensor | None:
-    """The loss a model computed itself (``output.loss`` / ``output["loss"]``, a scalar tensor), or None."""
+def loss_of(output: Any, *, in_tuple: bool = False) -> torch.Tensor | None:
+    """The loss a model computed itself (``output.loss`` / ``output["loss"]``, a scalar tensor), or None.
+
+    ``in_tuple``: the model was given the targets (a ``targets``/``labels`` parameter of its forward), so a
+    tuple it returns carries its loss as its first scalar (0-dim floating) item: nanoGPT's ``(logits, loss)``,
+    transformers' ``(loss, logits, ...)`` under ``return_dict=False``. Without the targets a tuple's scalar is
+    not the loss (an auxiliary loss beside the logits), so it is never taken for one."""
     if isinstance(output, torch.Tensor):
         return None
+    if isinstance(output, (tuple, list)):
+        if not in_tuple:
+            return None
+        return next((t for t in output if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()),
+                    None)
     found = _field(output, "loss")
     return found if isinstance(found, torch.Tensor) and found.numel() == 1 else None
 
 
-def default_loss(output: Any, target: Any) -> torch.Tensor:
+def default_loss(output: Any, target: Any, *, own_in_tuple: bool = False) -> torch.Tensor:
     """scaletrain's loss when the user gives none: the model's own loss when its output carries one (a
-    transformers model given labels), else mean cross-entropy of the logits, (B, C) vs (B,) or (B, T, V) vs
-    (B, T), ignoring target -100; float targets of the logits' shape are class probabilities (soft labels)."""
-    own = loss_of(output)
+    transformers model given labels; with ``own_in_tuple``, a tuple's scalar: loss_of), else mean
+    cross-entropy of the logits, (B, C) vs (B,) or (B, T, V) vs (B, T), ignoring target -100; float targets of
+    the logits' shape are class probabilities (soft labels)."""
+    own = loss_of(output, in_tuple=own_in_tuple)
     if own is not None:
         return own
     logits = logits_of(output)
@@ -172,6 +183,11 @@ class Batch:
 
     def __call__(self, model: nn.Module) -> Any:
         return model(*self.args, **self.kwargs)
+
+    def target_given(self) -> bool:
+        """Whether the model is given the target too (by name: nanoGPT's ``targets``, transformers' ``labels``),
+        so it can compute its own loss."""
+        return self.target is not None and any(v is self.target for v in self.kwargs.values())
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor of the batch, inputs then target (for fingerprints)."""

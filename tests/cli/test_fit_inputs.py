@@ -5,6 +5,7 @@ not tensors, token ids; and the library path failing like the CLI (one line, exi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -115,6 +116,29 @@ def test_tuple_batches_of_three_and_a_dataclass_output(tmp_path: Path) -> None:
                              config=_config(tmp_path, "t"))
     assert summary["eval"]["count"] == 512.0
     assert summary["eval"]["accuracy"] >= MIN_ACCURACY, summary["eval"]
+
+
+class SmoothedTuple(nn.Module):
+    """nanoGPT's convention: forward(x, targets=None) -> (logits, loss), here a loss with label smoothing 0.5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple:
+        logits = self.head(x)
+        return logits, None if targets is None else F.cross_entropy(logits, targets, label_smoothing=0.5)
+
+
+def test_a_model_returning_logits_and_its_own_loss_trains_on_its_own_loss(tmp_path: Path) -> None:
+    """The loss of a (logits, loss) tuple is the one trained and reported, not scaletrain's cross-entropy: with
+    label smoothing 0.5 over 4 classes no prediction gets it below the smoothed targets' entropy, 1.07 nats
+    (plain cross-entropy of the same run falls to about 0.1)."""
+    floor = -(0.625 * math.log(0.625) + 3 * 0.125 * math.log(0.125))  # 1.0735: entropy of the smoothed target
+    summary = scaletrain.fit(SmoothedTuple, _points(2048, 0), eval_data=_points(512, 1), config=_config(tmp_path, "s"))
+    assert floor < summary["train_loss"] < floor + 0.15, summary["train_loss"]
+    assert floor < summary["eval"]["loss"] < floor + 0.15, summary["eval"]
+    assert summary["eval"]["accuracy"] >= MIN_ACCURACY, summary["eval"]  # the logits still learn the classes
 
 
 def test_batch_fn_maps_a_layout_the_convention_does_not(tmp_path: Path) -> None:

@@ -167,6 +167,27 @@ def test_default_loss_takes_the_models_own_loss_else_cross_entropy_of_its_logits
         default_loss(logits, None)
 
 
+def test_a_tuples_scalar_is_the_models_own_loss_only_when_it_was_given_the_targets() -> None:
+    """nanoGPT's (logits, loss) and transformers' (loss, logits) with return_dict=False: the model's loss
+    (its label smoothing, its ignore_index) when it was given the targets; a scalar beside the logits of a model
+    given none is an auxiliary loss, and the cross-entropy of the logits stays the loss."""
+    logits, own = torch.randn(5, 3), torch.tensor(0.25)
+    want = F.cross_entropy(logits, Y)
+    assert default_loss((logits, own), Y, own_in_tuple=True) is own
+    assert default_loss((own, logits), Y, own_in_tuple=True) is own
+    assert default_loss((logits, own), Y).item() == want.item()
+    assert default_loss((logits, None), Y, own_in_tuple=True).item() == want.item()  # no scalar: none computed
+
+    class NanoGPTLike(nn.Module):
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple:
+            return idx.float(), None
+
+    given = Batcher(NanoGPTLike())((torch.zeros(2, 3), torch.ones(2, 3)))
+    assert given.target_given()
+    assert not Batcher(Plain())((torch.zeros(2, 3), torch.ones(2))).target_given()
+    assert not Batcher(Plain())(torch.zeros(2, 3)).target_given()
+
+
 def test_backward_scalar_reaches_every_differentiable_output() -> None:
     a = torch.ones(2, requires_grad=True)
     b = torch.ones(3, requires_grad=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -196,11 +197,13 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig, lr: float)
 ModelArg = nn.Module | Callable[[], nn.Module] | None
 
 
-def _default_loss(compile: bool) -> LossFn:
+def _default_loss(compile: bool, own_in_tuple: bool) -> LossFn:
     """The built-in loss, compiled with the model when train.compile is on: eager, the cross-entropy upcasts
     the bf16 logits to an fp32 copy and writes an fp32 log-softmax beside it; compiled, one fused pass. A
-    loss the user gives is left as given."""
-    return torch.compile(default_loss) if compile else default_loss
+    loss the user gives is left as given. ``own_in_tuple``: the model is given its targets, so the loss it
+    returns in a tuple is its own (batch.loss_of): nanoGPT's label smoothing or ignore_index=-1 is kept."""
+    loss = functools.partial(default_loss, own_in_tuple=True) if own_in_tuple else default_loss
+    return torch.compile(loss) if compile else loss
 
 
 def _split_before_filled(cfg: Config, world_size: int, nnodes: int) -> bool:
@@ -265,6 +268,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     one = batcher(collate_one(splits.train, splits.collate_fn))  # a batch of one sample, as the loader collates it
     # counted once, before any wrapping (on the meta device for a model built there: shapes are all it needs)
     flops = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device))
+    own_in_tuple = one.target_given() and batcher.target_kwarg is None  # a user's model given its targets
     strategy, reason = resolve_strategy(module, cfg.parallel, world_size=rt.world_size, nnodes=nnodes,
                                         precision=cfg.train.precision, optimizer=cfg.optim.name,
                                         sample=one if cfg.parallel.strategy == "auto" else None,
@@ -273,6 +277,6 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         check_precision(cfg.train.precision, rt.device, strategy)
     layout = resolve_layout(cfg.parallel, cfg.memory, rt.world_size, nnodes, strategy=strategy)  # once, read below
     return Job(cfg, rt, plan, module, build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), splits.train,
-               splits.eval, loss_fn or _default_loss(cfg.train.compile), batcher, layout, reason, flops=flops,
+               splits.eval, loss_fn or _default_loss(cfg.train.compile, own_in_tuple), batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
                model_name=type(module).__name__, compiled=compiled, collate_fn=splits.collate_fn)
