@@ -18,6 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import scaletrain
 from scaletrain.errors import CheckpointError, ConfigError, TrainingFailed, UserError
@@ -184,8 +185,8 @@ class Net(nn.Module):
 
 
 def _train(run_dir: Path, steps: int, *, track: bool = True) -> dict[str, torch.Tensor]:
-    """Two models, two optimizers, an LR scheduler (in the checkpoints when ``track``), a loop of one's own,
-    on one process."""
+    """Two models, two optimizers, an LR scheduler and an EMA of a model's weights (torch's AveragedModel, whose
+    state is tensors; both in the checkpoints when ``track``), a loop of one's own, on one process."""
     x = torch.randn(96, 4, generator=torch.Generator().manual_seed(0))
     y = (x[:, 0] > 0).long()
     cfg = {"run.dir": str(run_dir), "train.max_steps": steps, "checkpoint.every": 5, "log.every": 5,
@@ -194,8 +195,10 @@ def _train(run_dir: Path, steps: int, *, track: bool = True) -> dict[str, torch.
         a, opt_a = st.setup(Net(), lambda p: torch.optim.AdamW(p, lr=0.01), name="a")
         b, opt_b = st.setup(Net(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), name="b")
         sched = torch.optim.lr_scheduler.LambdaLR(opt_b, lambda s: 1.0 / (1 + s))
+        ema = AveragedModel(a, multi_avg_fn=get_ema_multi_avg_fn(0.9))
         if track:
             st.track(sched)
+            st.track(ema, name="ema")
         loader = st.loader((x, y))
         while not st.done:
             for xb, yb in loader:
@@ -206,19 +209,24 @@ def _train(run_dir: Path, steps: int, *, track: bool = True) -> dict[str, torch.
                         st.backward(loss)
                         opt.step()
                     sched.step()
+                    ema.update_parameters(a)
                     st.log(loss=loss)
                 if st.done:
                     break
         return {"lr": torch.tensor(sched.get_last_lr()),
-                **{k: v.clone() for m in (a, b) for k, v in m.state_dict().items()}}
+                **{k: v.clone() for m in (a, b) for k, v in m.state_dict().items()},
+                **{f"ema.{k}": v.clone() for k, v in ema.state_dict().items()}}
 
 
 def test_a_stopped_loop_resumes_mid_epoch_bit_identical(tmp_path: Path) -> None:
-    """12 steps are 1 epoch (96 / 8) and then some: stop at 17 (the last checkpoint), resume, go on to 23."""
+    """12 steps are 1 epoch (96 / 8) and then some: stop at 17 (the last checkpoint), resume, go on to 23. The
+    EMA's weights resume too (tracked.safetensors: its state is tensors, which trainer.json could not hold)."""
     straight = _train(tmp_path / "straight", 23)
     _train(tmp_path / "parts", 17)
+    assert (tmp_path / "parts" / "checkpoints" / "step-00000017" / "tracked.safetensors").is_file()
     (tmp_path / "parts" / "summary.json").unlink()  # finished at 17; a longer run may go on from its checkpoint
     resumed = _train(tmp_path / "parts", 23)
+    assert straight.keys() == resumed.keys() and any(k.startswith("ema.") for k in straight)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     records = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "resume"] == [17]

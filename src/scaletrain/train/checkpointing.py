@@ -6,6 +6,7 @@ everything is safetensors or JSON, so loading never unpickles anything):
     model.safetensors          the bare model's weights by name (tied weights once; aliases in its metadata)
     optimizer.safetensors      the optimizer state by parameter name (checkpoint/tree.py)
     trainer.json               step, loader position (global sample cursor), LR schedule, grad scaler
+    tracked.safetensors        a session's tracked objects (st.track: an EMA, a scheduler), tensors and all
     rank-NNNNN.safetensors     per rank: every RNG, the log interval's running loss, the non-finite counters
     manifest.json              written last: every file's size and SHA-256, and the run's metadata
 
@@ -55,6 +56,7 @@ from scaletrain.train.state import dedupe, differing, plain_digests
 
 FORMAT_FULL, FORMAT_DCP = "full", "dcp"
 MODEL, OPTIMIZER, TRAINER = "model.safetensors", "optimizer.safetensors", "trainer.json"
+TRACKED = "tracked.safetensors"  # the trainer's "tracked" states, as a tree: they may hold tensors (an EMA's)
 OPTIMIZER_GROUPS = "optimizer-groups.safetensors"  # dcp format: the param groups (the shards hold tensors only)
 RANK_BUFFERS = "rank_buffers"  # dcp format: each rank's own buffers (their names in the manifest's meta)
 
@@ -373,6 +375,10 @@ class Checkpointer:
         Returns (the checkpoint, its bytes as the manifest counts them, other ranks' shards included)."""
         with self._cleaning(stage, step, needed):
             records = write(stage)
+            tracked = trainer.get("tracked")
+            if tracked:  # st.track()'s objects: state_dict()s may hold tensors (an EMA's weights), not JSON
+                trainer = {k: v for k, v in trainer.items() if k != "tracked"}
+                records[TRACKED] = commit.write_bytes(stage / TRACKED, tree.encode(tracked))
             records[TRAINER] = commit.write_bytes(stage / TRAINER, json.dumps(trainer, indent=1).encode())
             for rank, state in enumerate(ranks):
                 records[rank_file(rank)] = commit.write_bytes(stage / rank_file(rank), tree.encode(state))
@@ -613,10 +619,14 @@ def read_tree(resume: Resume, name: str) -> Any:
 
 
 def read_trainer(resume: Resume) -> dict[str, Any]:
+    """trainer.json, with a session's tracked states (tracked.safetensors) under "tracked"."""
     try:
-        return json.loads(resume.read(TRAINER))
+        trainer = json.loads(resume.read(TRAINER))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(resume.path / TRAINER, f"not JSON ({err})", "the file is damaged") from None
+    if isinstance(trainer, dict) and TRACKED in resume.manifest["files"]:
+        trainer["tracked"] = read_tree(resume, TRACKED)
+    return trainer
 
 
 def _require(where: Path, obj: Any, keys: dict[str, type]) -> None:

@@ -77,11 +77,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.data import IterableDataset
 
 from scaletrain import __version__, runtime
-from scaletrain.batch import to_device, tokens_per_sample
+from scaletrain.batch import map_tensors, to_device, tokens_per_sample
 from scaletrain.checkpoint import rng
 from scaletrain.config import Config, load, step_window
 from scaletrain.data import ShardedLoader, StreamLoader
@@ -536,10 +537,15 @@ class Session:
             raise UserError(f"session.track(name={name!r}): tracked already; fix: track each object once, each "
                             "name once")
         try:
-            split(obj.state_dict())
+            tensors, _ = split(obj.state_dict())
         except TypeError as err:
             raise UserError(f"session.track(): the state of a {type(obj).__name__} cannot be checkpointed ({err}); "
                             "fix: keep tensors, numbers, strings, lists and dicts in its state_dict()") from None
+        sharded = next((k for k, t in tensors.items() if isinstance(t, DTensor)), None)
+        if sharded is not None:
+            raise UserError(f"session.track(): the state of a {type(obj).__name__} holds a sharded tensor (a DTensor "
+                            f"at {sharded}), which rank 0 alone cannot save; fix: keep plain (unsharded) tensors in its "
+                            "state_dict()")
         if self.resume is not None:
             saved = self._trainer.get("tracked", {})
             if name not in saved:
@@ -970,7 +976,7 @@ class Session:
         partial = time.perf_counter() - self._interval_started if self._ran else 0.0  # since the last log step
         trainer = {"step": self.steps, "loaders": [loader.inner.state_dict() for loader in self._loaders],
                    "train_time_s": self.train_time + partial, "models": [m.name for m in self._models],
-                   "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()},
+                   "tracked": {name: _held(obj.state_dict()) for name, obj in self._tracked.items()},
                    "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
                    **({"noise_scale": self._noise.state_dict()} if self._noise is not None else {})}
         rank_state = {"rng": rng.capture(self.device), "since": self._since, "guard": self.guard.state_dict(),
@@ -1310,6 +1316,12 @@ def _stage_groups(groups: list[dict[str, Any]], mine: set[str], held_as: dict[st
     a weight the stage holds a copy of under the copy's name (``held_as``: {the name stored: the copy})."""
     cut = [{**g, "params": [held_as.get(n, n) for n in g["params"] if held_as.get(n, n) in mine]} for g in groups]
     return [g for g in cut if g["params"]]
+
+
+def _held(state: Any) -> Any:
+    """A tracked object's state as of now: its tensors copied to the host (an EMA's state_dict() holds its live
+    weights, which the next step changes while a background save is still writing them)."""
+    return map_tensors(state, lambda t: t.detach().to("cpu", copy=True))
 
 
 def _check_optimizer(opt: Any, model: nn.Module) -> None:
