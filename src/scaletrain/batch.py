@@ -125,8 +125,9 @@ def default_loss(output: Any, target: Any, *, own_in_tuple: bool = False) -> tor
         raise UserError(f"loss: the model returned {describe(output)} with no loss, and the batch has {what}; "
                         "fix: pass loss_fn=..., or batches (inputs, target) with a tensor target, or a batch_fn")
     soft = target.is_floating_point()
-    if soft and (target.shape != logits.shape or logits.shape[-1] == 1):
-        # Class probabilities (soft labels) have the logits' shape; anything else is a regression target, and a
+    if soft and (target.shape != logits.shape or logits.dim() < 2 or logits.shape[-1] == 1):
+        # Class probabilities (soft labels) have the logits' shape, (B, classes); anything else is a regression
+        # target (a model returning (B,) would make the whole batch one row of B "classes"), and a
         # cross-entropy over one class is 0 whatever the model does.
         raise UserError(f"loss: the targets are {str(target.dtype).removeprefix('torch.')} of shape "
                         f"{tuple(target.shape)} for logits of shape {tuple(logits.shape)}: not classes, and "
@@ -137,8 +138,52 @@ def default_loss(output: Any, target: Any, *, own_in_tuple: bool = False) -> tor
                         f"shape {tuple(target.shape)}; cross-entropy needs logits (*target's shape, classes); "
                         "fix: return logits for every target position, or pass loss_fn=..., or a batch_fn")
     classes = logits.shape[-1]
-    return F.cross_entropy(loss_logits(logits).reshape(-1, classes),
-                           target.reshape(-1, classes) if soft else target.reshape(-1))
+    if not soft and target.dtype != torch.long:
+        target = target.long()  # int32 or uint8 class ids (numpy's int32, a pandas column): cross_entropy takes int64
+    try:
+        return F.cross_entropy(loss_logits(logits).reshape(-1, classes),
+                               target.reshape(-1, classes) if soft else target.reshape(-1))
+    except IndexError as err:  # a class id outside the logits (on a CPU: on a GPU it is a device-side assert)
+        raise UserError(f"loss: {err} ({classes} logits: class targets are 0..{classes - 1}, or {IGNORE_INDEX} to "
+                        f"ignore a position); fix: a model with one output per class, or targets in "
+                        f"0..{classes - 1}") from None
+
+
+def check_targets(output: Any, target: Any, *, own_in_tuple: bool = False,
+                  targets: torch.Tensor | None = None) -> None:
+    """Before the first step, on the first training sample's output and target (host values: one look, no
+    sync in the loop), what default_loss cannot see from shapes: float targets of the logits' shape must be
+    class probabilities (multi-hot labels want a binary cross-entropy), and class ids must fit the logits.
+    ``targets``: every training target, where the data are tensors in memory (checked whole, once)."""
+    logits = logits_of(output)
+    if loss_of(output, in_tuple=own_in_tuple) is not None or logits is None or not isinstance(target, torch.Tensor) \
+            or logits.device.type == "meta" or logits.dim() < 2:
+        return
+    if target.is_floating_point():
+        rows = target.detach().float().cpu().reshape(-1, target.shape[-1]) if target.dim() else None
+        if rows is None or rows.shape[-1] != logits.shape[-1]:
+            return  # not soft labels: default_loss names the shapes
+        if (rows < 0).any() or not torch.allclose(rows.sum(-1), torch.ones(len(rows)), atol=1e-3):
+            raise UserError(f"loss: the float targets are not class probabilities (the first sample's are "
+                            f"{_short(rows[0])}: they sum to {rows[0].sum().item():.4g}), and scaletrain's default loss "
+                            "is cross-entropy over classes; fix: pass the loss, e.g. loss_fn=torch.nn.functional."
+                            "binary_cross_entropy_with_logits for multi-label targets, mse_loss for a regression")
+        return
+    if target.dtype == torch.bool or target.is_complex():
+        return
+    classes = logits.shape[-1]
+    ids = (targets if targets is not None and not targets.is_floating_point() else target).detach().cpu()
+    bad = ids[(ids != IGNORE_INDEX) & ((ids < 0) | (ids >= classes))]
+    if bad.numel():
+        top = int(ids.max())
+        raise UserError(f"loss: class target {int(bad[0])} for logits of {classes} classes (targets are "
+                        f"0..{classes - 1}, or {IGNORE_INDEX} to ignore a position); fix: a model with one output per "
+                        f"class ({max(top + 1, classes)} here), or targets in 0..{classes - 1}")
+
+
+def _short(row: torch.Tensor) -> str:
+    values = ", ".join(f"{v:.3g}" for v in row[:6].tolist())
+    return f"[{values}{', ...' if len(row) > 6 else ''}]"
 
 
 def loss_logits(logits: torch.Tensor) -> torch.Tensor:

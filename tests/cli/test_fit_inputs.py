@@ -337,6 +337,50 @@ def test_float64_data_for_a_float32_model_is_one_line_naming_the_data(tmp_path: 
     assert done["steps"] > 0
 
 
+class NeedsWidth(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+@pytest.mark.parametrize("mistake, said", [
+    ("class needs arguments", (r"model: NeedsWidth\(\) is called with no arguments to build the model, and missing a "
+                              r"required argument: 'width'; fix: pass an instance \(NeedsWidth\(...\)\)")),
+    ("loss of one argument", r"loss_fn: scaletrain calls loss_fn\(output, target\), and <lambda> cannot take that"),
+    ("loss per sample", r"loss_fn: <lambda> returned a tensor of shape \(32,\), not one number; fix: reduce it"),
+    ("loss as a float", r"loss_fn: <lambda> returned a float, not a tensor; .* fix: return the loss as a tensor"),
+    ("integer features", (r"data: the model's first forward failed \(mat1 and mat2 must have the same dtype.*the "
+                         r"inputs hold int64 tensors and the model's parameters are float32; fix: make the features")),
+    ("multi-hot targets", r"loss: the float targets are not class probabilities .*binary_cross_entropy_with_logits"),
+    ("a label too many", r"loss: class target 4 for logits of 4 classes .* \(5 here\)"),
+])
+def test_first_mistakes_with_fit_are_one_line(tmp_path: Path, mistake: str, said: str) -> None:
+    """What users get wrong in the first minutes, before or at the first step: one line naming it, with the fix
+    (a script exits 2 with it), not a traceback from inside scaletrain or torch."""
+    x, y = _points(256, 0)
+    model, data, loss_fn = (lambda: nn.Linear(8, 4)), (x, y), None
+    if mistake == "class needs arguments":
+        model = NeedsWidth
+    elif mistake == "loss of one argument":
+        loss_fn = lambda out: out.mean()
+    elif mistake == "loss per sample":
+        loss_fn = lambda out, t: F.cross_entropy(out, t, reduction="none")
+    elif mistake == "loss as a float":
+        loss_fn = lambda out, t: float(F.cross_entropy(out, t))
+    elif mistake == "integer features":
+        data = ((x * 10).long(), y)
+    elif mistake == "multi-hot targets":
+        data = (x, (x[:, :4] > 0).float())
+    elif mistake == "a label too many":
+        data = (x, torch.where(torch.arange(256) == 200, 4, y))  # one sample of 256, not the first
+    with pytest.raises(UserError, match=said) as err:
+        scaletrain.fit(model, data, loss_fn=loss_fn, config=_config(tmp_path, "m"))
+    assert "\n" not in str(err.value)
+
+
 def test_a_model_given_compiled_trains_compiled_and_saves_its_own_names(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.compile(model) given to fit(): its module is set up and compiled as train.compile does it (before

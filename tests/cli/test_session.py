@@ -308,6 +308,11 @@ def test_bad_use_is_one_clear_error(tmp_path: Path) -> None:
         st.track(net)
         with pytest.raises(UserError, match="tracked already"):
             st.track(net, name="other")
+        with pytest.raises(UserError, match=r"session.log\(loss=...\): a tensor of shape \(16,\); the log shows one "
+                                            r"number per name; fix: log its mean \(loss=loss.mean\(\)\)"):
+            st.log(loss=torch.zeros(16))
+        with pytest.raises(UserError, match=r"session.log\(tag=...\): a str \('a'\); the log shows numbers"):
+            st.log(tag="a")
     with pytest.raises(UserError, match=r"session.step\(\) after the session closed"), st.step():
         pass
     with scaletrain.session({"run.dir": str(tmp_path / "b"), "train.max_steps": 1, "checkpoint.every": 1}) as st:

@@ -14,6 +14,7 @@ from scaletrain.batch import (
     Batch,
     Batcher,
     backward_scalar,
+    check_targets,
     collate,
     collate_one,
     default_loss,
@@ -117,7 +118,7 @@ def test_logits_that_do_not_match_the_class_targets_are_one_line() -> None:
     assert default_loss(torch.randn(3, 4, 8), torch.zeros(3, 4, dtype=torch.long)).shape == ()
 
 
-@pytest.mark.parametrize("logits, target", [((5, 1), (5, 1)), ((5, 1), (5,)), ((5, 3), (5,))])
+@pytest.mark.parametrize("logits, target", [((5, 1), (5, 1)), ((5, 1), (5,)), ((5, 3), (5,)), ((5,), (5,))])
 def test_float_targets_that_are_not_class_probabilities_are_one_line(logits, target) -> None:
     with pytest.raises(UserError) as exc:  # a regression given no loss: a cross-entropy over 1 class would be 0
         default_loss(torch.randn(*logits), torch.randn(*target))
@@ -125,6 +126,31 @@ def test_float_targets_that_are_not_class_probabilities_are_one_line(logits, tar
     assert "\n" not in msg and f"float32 of shape {target}" in msg and "loss_fn=torch.nn.functional.mse_loss" in msg
     soft = torch.softmax(torch.randn(5, 3), dim=-1)  # class probabilities: the logits' shape, a real cross-entropy
     assert default_loss(torch.randn(5, 3), soft) > 0
+
+
+def test_targets_the_default_loss_cannot_take_are_one_line_before_training() -> None:
+    """check_targets, on the first sample's output: multi-hot rows are not class probabilities (they want a
+    binary cross-entropy), class ids must fit the logits (every id, where the data are in memory); int32 ids
+    (numpy's on Windows, a pandas column) are taken as int64."""
+    logits = torch.randn(2, 4)
+    with pytest.raises(UserError, match=r"not class probabilities \(the first sample's are \[1, 0, 1, 0\]: they sum "
+                                        r"to 2\).*binary_cross_entropy_with_logits"):
+        check_targets(logits, torch.tensor([[1.0, 0.0, 1.0, 0.0]]))
+    check_targets(logits, torch.tensor([[0.7, 0.1, 0.1, 0.1]]))  # soft labels
+    own = (logits, torch.tensor(1.0))  # nanoGPT's (logits, loss), given its targets: its loss, its targets
+    check_targets(own, torch.tensor([[1.0, 0.0, 1.0, 0.0]]), own_in_tuple=True)
+    check_targets({"logits": logits, "loss": torch.tensor(1.0)}, torch.tensor([[1.0, 0.0, 1.0, 0.0]]))  # its own loss
+    with pytest.raises(UserError, match=r"class target 4 for logits of 4 classes \(targets are 0..3, or -100 to "
+                                        r"ignore a position\); fix: a model with one output per class \(5 here\)"):
+        check_targets(logits, torch.tensor([1]), targets=torch.tensor([0, 3, 4, -100]))
+    check_targets(logits, torch.tensor([1]), targets=torch.tensor([0, 3, -100]))
+    with pytest.raises(UserError, match=r"class target -1 for logits of 4 classes"):
+        check_targets(logits, torch.tensor([-1]))
+    ids = torch.tensor([0, 3, 1], dtype=torch.int32)
+    three = logits.repeat(2, 1)[:3]
+    assert default_loss(three, ids).item() == F.cross_entropy(three, ids.long()).item()
+    with pytest.raises(UserError, match=r"loss: Target 7 is out of bounds. \(4 logits: class targets are 0..3"):
+        default_loss(logits, torch.tensor([0, 7]))
 
 
 def test_dict_batches_pass_the_keys_forward_takes_and_labels_are_the_target() -> None:

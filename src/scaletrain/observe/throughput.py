@@ -13,6 +13,7 @@ matmuls use TF32 tensor cores, else the fp32 rate. On a CPU no peak is claimed: 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,11 +34,13 @@ def device_peak(device: torch.device, precision: str, *, tf32: bool) -> tuple[st
     return name, peak_flops(name, precision, tf32=tf32)
 
 
-def flops_per_sample(model: nn.Module, one: Batch | torch.Tensor) -> float:
+def flops_per_sample(model: nn.Module, one: Batch | torch.Tensor,
+                     seen: Callable[[Any], None] | None = None) -> float:
     """Training FLOPs (forward + backward) of one sample: the model's own count if it states one, else
     counted once with torch.utils.flop_counter on ``one``, a batch of one sample (or one input tensor without
     its batch dimension), run as two. The model may return a tensor, a tuple, a dict or a ModelOutput: backward runs from
-    its own loss if it computed one, else from the sum of every differentiable tensor it returned."""
+    its own loss if it computed one, else from the sum of every differentiable tensor it returned. ``seen``: shown
+    the output of that forward (a check of the targets against it, before training), when there is one."""
     stated = getattr(model, "flops_per_sample", None)
     if callable(stated):
         return float(stated())
@@ -50,12 +53,15 @@ def flops_per_sample(model: nn.Module, one: Batch | torch.Tensor) -> float:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         counter = FlopCounterMode(display=False)
         with counter:
-            backward_scalar(batch(model)).backward()
+            output = batch(model)
+            backward_scalar(output).backward()
     for p in model.parameters():
         p.grad = None
     with torch.no_grad():
         for b, saved in zip(model.buffers(), buffers):
             b.copy_(saved)
+    if seen is not None:
+        seen(output)
     return counter.get_total_flops() / 2
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,9 +17,9 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
-from scaletrain.batch import Batcher, BatchFn, collate_one, default_loss
+from scaletrain.batch import Batch, Batcher, BatchFn, check_targets, collate_one, default_loss, leaves
 from scaletrain.config import Config, OptimConfig
-from scaletrain.data import Splits, train_size
+from scaletrain.data import Splits, TensorPairs, train_size
 from scaletrain.errors import UserError
 from scaletrain.layout import check_pipeline
 from scaletrain.models import GPT, build_model
@@ -218,23 +219,90 @@ def _split_before_filled(cfg: Config, world_size: int, nnodes: int) -> bool:
     return layout.sharded or layout.tp > 1 or layout.pp > 1
 
 
-def _first_forward(module: nn.Module, one: Any) -> float:
-    """flops_per_sample(): the model's first forward and backward, on a batch of one training sample. Data in
-    float64 (numpy's default) meeting float32 parameters fails there with torch's dtype error from deep inside
-    the model: said in one line as what it is, a property of the data, with the fix. Any other error is the
-    user's code's own, traceback and all."""
+def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any], None] | None = None) -> float:
+    """flops_per_sample(): the model's first forward and backward, on a batch of one training sample (its output
+    shown to ``seen``). Data in float64 (numpy's default) meeting float32 parameters fails there with torch's
+    dtype error from deep inside the model, as do integer features meeting a first Linear: said in one line as
+    what it is, a property of the data, with the fix. Any other error is the user's code's own, traceback and
+    all."""
     try:
-        return flops_per_sample(module, one)
+        return flops_per_sample(module, one, seen)
     except RuntimeError as err:
-        doubles = any(t.dtype == torch.float64 for t in one.tensors())
         params = {p.dtype for p in module.parameters() if p.is_floating_point()}
-        if not doubles or not params or torch.float64 in params:
-            raise
+        inputs = list(leaves((one.args, one.kwargs)))
+        doubles = any(t.dtype == torch.float64 for t in inputs) and torch.float64 not in params
+        ints = next((t.dtype for t in inputs if not t.is_floating_point() and t.dtype != torch.bool), None)
         said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        mismatch = "same dtype" in said or "scalar type" in said or "dtype" in said.lower()
+        if not params or not (doubles or (ints is not None and mismatch)):
+            raise
         dtype = str(min(params, key=str)).removeprefix("torch.")
-        raise UserError(f"data: the model's first forward failed ({said}): the samples hold float64 tensors "
-                        f"(numpy's default) and the model's parameters are {dtype}; fix: make the data {dtype} "
-                        f"(x.astype(np.float32), or .float() in the Dataset's __getitem__)") from err
+        if doubles:
+            raise UserError(f"data: the model's first forward failed ({said}): the samples hold float64 tensors "
+                            f"(numpy's default) and the model's parameters are {dtype}; fix: make the data {dtype} "
+                            f"(x.astype(np.float32), or .float() in the Dataset's __getitem__)") from err
+        held = str(ints).removeprefix("torch.")
+        raise UserError(f"data: the model's first forward failed ({said}): the inputs hold {held} tensors and the "
+                        f"model's parameters are {dtype}; fix: make the features {dtype} (x.astype(np.float32), or "
+                        ".float() in the Dataset's __getitem__); token ids go through an nn.Embedding first") from err
+
+
+def _built(model: Callable[[], nn.Module]) -> nn.Module:
+    """fit()'s model given as a class or a function: called with no arguments, as its docs say. One that needs
+    some is one line (a class whose __init__ takes sizes, passed instead of an instance)."""
+    name = getattr(model, "__name__", type(model).__name__)
+    if not callable(model):
+        raise UserError(f"model: a {type(model).__name__} is neither a torch.nn.Module nor a function that builds one; "
+                        "fix: pass the model, its class, or a function of no arguments that returns it")
+    try:
+        inspect.signature(model).bind()
+    except TypeError as err:
+        raise UserError(f"model: {name}() is called with no arguments to build the model, and {err}; fix: pass an "
+                        f"instance ({name}(...)) or a function that builds one (lambda: {name}(...))") from None
+    except ValueError:  # no signature to read (a builtin): call it and see
+        pass
+    built = model()
+    if not isinstance(built, nn.Module):
+        raise UserError(f"model: {name}() returned a {type(built).__name__}, not a torch.nn.Module; fix: pass the "
+                        "model, its class, or a function that returns it")
+    return built
+
+
+def _checked(loss_fn: LossFn) -> LossFn:
+    """The user's loss, called as loss_fn(output, target): a function that cannot take two arguments is said at
+    once, and what it returns must be one number the step can backpropagate (a tensor of shape (), checked on
+    the host: no sync)."""
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    if not callable(loss_fn):
+        raise UserError(f"loss_fn: a {type(loss_fn).__name__} is not callable; fix: pass a function "
+                        "loss_fn(output, target) -> a scalar tensor")
+    try:
+        inspect.signature(loss_fn).bind(None, None)
+    except TypeError as err:
+        raise UserError(f"loss_fn: scaletrain calls loss_fn(output, target), and {name} cannot take that ({err}); "
+                        "fix: def loss_fn(output, target): ... (the target is None when the batch has none)") from None
+    except ValueError:
+        pass
+
+    @functools.wraps(loss_fn)
+    def checked(output: Any, target: Any) -> torch.Tensor:
+        loss = loss_fn(output, target)
+        if not isinstance(loss, torch.Tensor):
+            raise UserError(f"loss_fn: {name} returned a {type(loss).__name__}, not a tensor; the step backpropagates "
+                            "from it; fix: return the loss as a tensor (no float(), .item() or .tolist())")
+        if loss.numel() != 1:
+            raise UserError(f"loss_fn: {name} returned a tensor of shape {tuple(loss.shape)}, not one number; fix: "
+                            "reduce it to its mean (reduction='mean', the default, or .mean())")
+        return loss
+
+    return checked
+
+
+def _targets_in_memory(data: Any) -> torch.Tensor | None:
+    """Every target of training data given as tensors ((inputs, targets) to fit(), held-out split or not)."""
+    while isinstance(data, torch.utils.data.Subset):
+        data = data.dataset
+    return data.targets if isinstance(data, TensorPairs) else None
 
 
 def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
@@ -259,7 +327,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         with torch.device("meta") if deferred else contextlib.nullcontext():
             module = build_model(cfg.model, splits.task, splits.info)
     else:
-        module, compiled = uncompiled(model if isinstance(model, nn.Module) else model())
+        module, compiled = uncompiled(model if isinstance(model, nn.Module) else _built(model))
     if not deferred:
         refuse_unfilled(module)
         module.to(rt.device)
@@ -267,8 +335,10 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     batcher = Batcher(module, batch_fn, target_kwarg="targets" if isinstance(module, GPT) and module.fused_loss else None)
     one = batcher(collate_one(splits.train, splits.collate_fn))  # a batch of one sample, as the loader collates it
     # counted once, before any wrapping (on the meta device for a model built there: shapes are all it needs)
-    flops = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device))
     own_in_tuple = one.target_given() and batcher.target_kwarg is None  # a user's model given its targets
+    seen = None if loss_fn is not None else functools.partial(  # the default loss: are these its kind of targets?
+        check_targets, target=one.target, own_in_tuple=own_in_tuple, targets=_targets_in_memory(splits.train))
+    flops = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device), seen)
     strategy, reason = resolve_strategy(module, cfg.parallel, world_size=rt.world_size, nnodes=nnodes,
                                         precision=cfg.train.precision, optimizer=cfg.optim.name,
                                         sample=one if cfg.parallel.strategy == "auto" else None,
@@ -277,6 +347,6 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         check_precision(cfg.train.precision, rt.device, strategy)
     layout = resolve_layout(cfg.parallel, cfg.memory, rt.world_size, nnodes, strategy=strategy)  # once, read below
     return Job(cfg, rt, plan, module, build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), splits.train,
-               splits.eval, loss_fn or _default_loss(cfg.train.compile, own_in_tuple), batcher, layout, reason, flops=flops,
+               splits.eval, _checked(loss_fn) if loss_fn else _default_loss(cfg.train.compile, own_in_tuple), batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
                model_name=type(module).__name__, compiled=compiled, collate_fn=splits.collate_fn)

@@ -64,6 +64,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import numbers
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -770,6 +771,12 @@ class Session:
         names."""
         self._usable("log")
         for key, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() != 1:  # shape only: no sync
+                raise UserError(f"session.log({key}=...): a tensor of shape {tuple(value.shape)}; the log shows one "
+                                f"number per name; fix: log its mean ({key}={key}.mean()) or one value")
+            if not isinstance(value, (torch.Tensor, numbers.Real)):  # numpy's scalars are Real too
+                raise UserError(f"session.log({key}=...): a {type(value).__name__} ({value!r:.40}); the log shows "
+                                "numbers; fix: log a number or a one-element tensor")
             v = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else \
                 torch.tensor(float(value), device=self.device)
             v = v.to(self.device)
