@@ -89,8 +89,8 @@ def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
 
 
 def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> UserError | None:
-    """DDP's error about parameters that got no gradient (raised in the step after, a page of text) as one
-    line naming them, or None for any other error. DDP numbers the parameters that require a gradient in the
+    """DDP's error about parameters that got no gradient in a backward of ``step`` (raised at the next forward, a
+    page of text) as one line naming them, or None for any other error. DDP numbers the parameters that require a gradient in the
     module's order, each once; with several DDP models (a GAN) the error does not say which one, so the
     names of each candidate are given."""
     text = str(err)
@@ -104,7 +104,7 @@ def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> 
             params = [name for name, p in model.module.named_parameters() if p.requires_grad]
             named.append(", ".join(params[i] for i in indices if i < len(params)))
     which = " or ".join(f"({n})" for n in named if n) or "(TORCH_DISTRIBUTED_DEBUG=DETAIL names them)"
-    return UserError(f"parallel.find_unused = false: parameters of the model got no gradient in step {step - 1} "
+    return UserError(f"parallel.find_unused = false: parameters of the model got no gradient in step {step} "
                      f"{which}, and DDP averages every parameter's gradient each step; fix: "
                      "--parallel.find_unused=true (DDP then looks for them every step, at a cost), or freeze them "
                      "(requires_grad_(False)) or take them out of the model")

@@ -79,6 +79,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 from torch.utils.data import IterableDataset
 
@@ -166,6 +167,7 @@ class _Model:
     module: nn.Module  # the bare model: saving and restoring
     wrapped: nn.Module  # what the user calls: DDP-wrapped when the world is larger than 1
     optimizers: list[Optimizer]
+    forwards: int = 0  # DDP: calls of ``wrapped`` since the last step ended (Session._through_ddp)
 
 
 @dataclasses.dataclass
@@ -476,6 +478,10 @@ class Session:
         if units and self._opened is None:  # scaletrain train / fit() name the units in their header
             self.console.print(f"{name} ({type(model).__name__.removeprefix('FSDP')}): {units}")
         entry = _Model(name, model, wrapped, built)
+        if isinstance(wrapped, DDP):
+            wrapped.register_forward_pre_hook(lambda *_: setattr(entry, "forwards", entry.forwards + 1))
+            for opt in built:
+                opt.register_step_pre_hook(lambda *_, entry=entry: self._through_ddp(entry))
         if self.resume is not None:
             self._restore(entry)
         self._models.append(entry)
@@ -641,6 +647,8 @@ class Session:
             if self._profiler is not None:
                 self._profiler.after(step)
             self._count_drawn()  # batches drawn inside the step (accumulation)
+            for m in self._models:  # forwards before the next step's block count for it (accumulation outside)
+                m.forwards = 0
             self.steps = step
             self._since += 1
             self._ran += 1
@@ -648,7 +656,10 @@ class Session:
             self.console.advance()
             self._after_step()
         except RuntimeError as err:  # a peer died or hung in a collective: one line naming it
-            unused = unused_parameters(err, [m.wrapped for m in self._models], step)
+            # DDP says so at the forward after the backward that left parameters without a gradient: this step's
+            # if the model ran more than once in it (a GAN's critic), else the step before
+            again = any(m.forwards > 1 for m in self._models) or step == 1
+            unused = unused_parameters(err, [m.wrapped for m in self._models], step if again else step - 1)
             if unused is not None:
                 raise unused from err
             raise runtime.collective_failure(err, self.rt, step, self.cfg.dist.timeout_s, self.cfg.run_dir) from err
@@ -758,6 +769,17 @@ class Session:
             now = self._model_state()  # several optimizers: each part's largest over the step's optimizer steps
             self._state_bytes = now if self._state_bytes is None else self._state_bytes.largest(now)
         return norm
+
+    def _through_ddp(self, entry: _Model) -> None:
+        """A step pre-hook of a DDP model's optimizers: the model setup() returned must have run since the last
+        step. Calling the model given to setup(), or its parts (gan.D(x)), computes gradients DDP never sees: they
+        are not averaged, and the ranks' weights drift apart without a word. A host-side count, no sync."""
+        if entry.forwards == 0:
+            raise UserError(f"session.setup(name={entry.name!r}): its optimizer is stepping, but the model setup() "
+                            "returned was not called since the last step: calling the model given to setup(), or "
+                            "its parts (gan.D(x)), skips DDP's gradient all-reduce, and the ranks' weights drift "
+                            "apart; fix: call the model setup() returned (model, opt = st.setup(net, ...); "
+                            "model(x)), or set up each part you call as a model of its own (st.setup(gan.D, opt_d))")
 
     def _unscaled_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         """A step pre-hook under fp16-mixed: refuses optimizer.step() on scaled gradients."""
