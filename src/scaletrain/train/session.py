@@ -1273,7 +1273,13 @@ class _Trace(TraceFile):
         # The whole state by the models' names, the same under DDP and FSDP (gathered: collective there), so
         # that a resume across layouts can be checked against the checkpoint's step.
         full = StateDictOptions(full_state_dict=True)
-        weights = get_model_state_dict(st._box(), options=full)
+        box = st._box()
+        weights = get_model_state_dict(box, options=full)
+        if st.rank > 0 and any(isinstance(m.wrapped, DDP) and m.wrapped.broadcast_buffers for m in st._models):
+            # DDP gives every rank rank 0's buffers at each forward: the statistics a rank's own BatchNorm kept
+            # between steps are never used, and a checkpoint (rank 0's) gives it rank 0's: not a difference
+            params = {name for name, _ in box.named_parameters()}
+            weights = {k: v for k, v in weights.items() if k in params}
         optims = {}
         for m in st._models:
             if not all(opt.state for opt in m.optimizers):  # reading it would initialize it (a zero step)
