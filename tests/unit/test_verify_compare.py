@@ -58,3 +58,20 @@ def test_a_job_that_differs_before_any_interruption_is_not_reproducible():
     verdict = compare(straight, first, resumed, steps=10, at=4)
     assert verdict.phase == "before the interruption" and verdict.step == 2
     assert "not reproducible" in verdict.text()
+
+
+def test_a_loop_that_reads_no_session_loader_is_told_why_its_data_differ():
+    """A loop of one's own reading its own DataLoader: no batch comes through st.loader, so the traces hold no
+    indices, and a difference after the resume names the likely cause (its DataLoader started its epoch again)."""
+    straight, first, resumed = _runs()
+    for run in (straight, first, resumed):
+        for records in run.values():
+            for record in records:
+                record["indices"] = []
+    resumed[0][3]["weights"] = "other"  # step 7
+    said = compare(straight, first, resumed, steps=10, at=4).text()
+    assert said.startswith("diverged at step 7 on rank 0: weights differs; the likely cause: this loop reads no "
+                           "st.loader") and said.endswith("fix: read them through st.loader(dataset)")
+    straight, first, resumed = _runs()
+    resumed[0][3]["weights"] = "other"
+    assert "st.loader" not in compare(straight, first, resumed, steps=10, at=4).text()

@@ -846,6 +846,10 @@ class Session:
             torch.manual_seed(self.cfg.run.seed + self.rank)
         if self._trace is not None and self.resume is not None:
             self._trace.resumed(self)
+        if self.resume is not None and not self._loaders:  # the console prints on rank 0
+            self.console.print(f"warning: resumed at step {self.steps}, but this loop reads no st.loader: a DataLoader "
+                               "of its own starts its epoch again, so the batches after the resume are not the ones "
+                               "the run would have seen; for an exact resume read the data through st.loader(dataset)")
         if self.total_steps:
             self.console.start_progress(self.total_steps, self.steps)
         if self._noise is not None and self._loaders:  # one process: each micro-batch's loss was divided by this

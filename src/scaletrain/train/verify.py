@@ -45,6 +45,7 @@ class Verdict:
     rank: int = 0
     parts: list[str] = field(default_factory=list)
     fields: list[str] = field(default_factory=list)
+    unread: bool = False  # no batch came through st.loader: the data order was neither traced nor restored
 
     def text(self) -> str:
         if self.identical:
@@ -56,7 +57,12 @@ class Verdict:
                                             "reproducible run to run, so resuming cannot be judged; on a GPU, "
                                             "--train.deterministic=true makes the kernels repeatable)",
                  "after resume": f"at step {self.step}"}[self.phase]
-        return f"diverged {where} on rank {self.rank}: {', '.join(self.parts)} differ{'s' if len(self.parts) == 1 else ''}"
+        said = f"diverged {where} on rank {self.rank}: {', '.join(self.parts)} differ{'s' if len(self.parts) == 1 else ''}"
+        if self.unread and self.phase == "after resume":
+            said += ("; the likely cause: this loop reads no st.loader, so its data were neither traced nor restored (a "
+                     "DataLoader of its own starts its epoch again after a resume); fix: read them through "
+                     "st.loader(dataset)")
+        return said
 
 
 def _parts(fields: list[str]) -> list[str]:
@@ -82,6 +88,7 @@ def compare(straight: dict[int, list[dict[str, Any]]], first: dict[int, list[dic
     """Compare the three runs' traces (see the module docstring)."""
     step_fields = ("indices", "data", "lr", "rng", "weights", "optimizer", "scheduler", "loader", "loss")
     verdict = Verdict(True, steps, at, len(straight))
+    verdict.unread = not any(r.get("indices") for records in straight.values() for r in records)
     found: list[tuple[int, int, int, list[str]]] = []  # (phase order, step, rank, fields)
     for rank in sorted(straight):
         a = {r["step"]: r for r in straight[rank] if "event" not in r}
