@@ -18,6 +18,7 @@ Checkpointing wraps each block's ``forward`` in place with ``torch.utils.checkpo
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -60,11 +61,35 @@ def _selective_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(policy)
 
 
-def _checkpointed(forward: Callable[..., Any], selective: bool) -> Callable[..., Any]:
+# Keyword arguments through which a Hugging Face block fills a key/value cache: a forward that updates a cache is
+# not the same forward when recomputed (checkpoint's "A different number of tensors was saved"), and training
+# reads no cache. transformers' own GradientCheckpointingLayer drops them the same way (transformers 5 names the
+# cache ``cache``, 4.x ``past_key_value(s)``, GPT-2 of old ``layer_past``); a block that only reads its cache
+# says so (_can_checkpoint_with_cache) and keeps it.
+_CACHE_KWARGS = {"use_cache": False, "cache": None, "past_key_value": None, "past_key_values": None,
+                 "layer_past": None}
+
+
+def _checkpointed(block: nn.Module, selective: bool) -> Callable[..., Any]:
+    forward = block.forward
     extra = {"context_fn": _selective_context} if selective else {}
+    caches = () if getattr(block, "_can_checkpoint_with_cache", False) else \
+        tuple(k for k, off in _CACHE_KWARGS.items() if off is None)
+    try:  # where a cache comes by position (GPT-2 passes its cache second)
+        names = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        names = []
+    at = [i for i, name in enumerate(names) if name in caches]
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # evaluation or generation: nothing to recompute, caches welcome
+            return forward(*args, **kwargs)
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        kwargs.update({k: None for k in caches if kwargs.get(k) is not None})
+        if any(i < len(args) and args[i] is not None for i in at):
+            args = tuple(None if i in at else a for i, a in enumerate(args))
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     return run
@@ -82,5 +107,5 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, units: Units | N
         blocks = [model]
     for block in blocks:
         # An instance attribute: __call__, and the FSDP and compile hooks around it, stay the module's own.
-        block.forward = _checkpointed(block.forward, mode == "selective")  # type: ignore[method-assign]
+        block.forward = _checkpointed(block, mode == "selective")  # type: ignore[method-assign]
     log.info("activation checkpointing: %s, %d blocks", mode, len(blocks))
