@@ -13,6 +13,8 @@ Everything goes through parallelize(), the one place the trainer composes the te
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from unittest import mock
 
 import torch
@@ -91,9 +93,48 @@ def _auto(rank: int, world: int, capacity: int) -> tuple[bool, str]:
     return is_fsdp(wrapped), reason
 
 
+class _ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def _batchnorm_bf16(rank: int, world: int) -> dict:
+    """A BatchNorm model under FSDP with bf16 parameters: batch_norm refused bf16 weights beside its fp32
+    running statistics. What the norm and the layer after it are given, and 3 steps' losses."""
+    torch.manual_seed(0)
+    model = _ConvBN()
+    wrapped = parallelize(model, torch.device("cpu"), world, ParallelConfig(strategy="fsdp"), compile=False,
+                          precision="bf16-mixed", memory=MemoryConfig())
+    seen: dict[str, tuple] = {}
+
+    def look(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple) -> None:
+            seen.setdefault(name, (module.weight.dtype, args[0].dtype))
+        return hook
+
+    model.bn.register_forward_pre_hook(look("bn"))
+    model.head.register_forward_pre_hook(look("head"))
+    g = torch.Generator().manual_seed(0)  # the same batch on both ranks: its loss falls step by step
+    x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        loss = F.cross_entropy(wrapped(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"seen": seen, "losses": losses}
+
+
 def _two_ranks(rank: int, world: int) -> dict:
     runtime.init(DistConfig(device="cpu"))
-    return {"auto_fits": _auto(rank, world, 10**10), "auto_tight": _auto(rank, world, 1_200_000),
+    return {"batchnorm_bf16": _batchnorm_bf16(rank, world),
+            "auto_fits": _auto(rank, world, 10**10), "auto_tight": _auto(rank, world, 1_200_000),
             "ddp": _run(rank, world, "ddp"),
             "fsdp": _run(rank, world, "fsdp"),
             "fsdp_accum": _run(rank, world, "fsdp", accum=2),
@@ -139,6 +180,10 @@ def test_fsdp_and_ddp_on_two_ranks_equal_one_process():
             norms = torch.tensor(r[name]["norms"])
             torch.testing.assert_close(norms, torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
     assert ranks[0]["fsdp"]["placements"] == "(Shard(dim=0),)"
+    for r in ranks:  # BatchNorm computes in fp32 in a unit of its own; the layers around it in bf16
+        bn = r["batchnorm_bf16"]
+        assert bn["seen"] == {"bn": (torch.float32, torch.float32), "head": (torch.bfloat16, torch.bfloat16)}, bn
+        assert all(math.isfinite(v) for v in bn["losses"]) and bn["losses"][-1] < bn["losses"][0], bn["losses"]
     # model state per rank from the live tensors: 1/2 of a replica up to padding and AdamW's step scalars
     # (measured: 228,464 bytes per rank under FSDP vs 456,816 for DDP's replica)
     ddp, replica = ranks[0]["ddp"]["state"], ref["state"]

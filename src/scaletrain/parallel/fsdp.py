@@ -67,17 +67,34 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     units = units if units is not None else find_units(model)
+    norms = _batch_norms(model) if param_dtype is not None else []
+    for norm in norms:  # first: a unit's fully_shard leaves what a sharded submodule holds to it
+        # BatchNorm keeps fp32 running statistics, and batch_norm refuses bf16 weights beside them ("expected
+        # scalar type BFloat16 but found Float"): its own unit computes in fp32 and hands the compute dtype on,
+        # as FSDP1 did for BatchNorm and Lightning and timm keep norms in fp32
+        fully_shard(norm, mesh=mesh, offload_policy=offload, reshard_after_forward=reshard_after_forward,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype,
+                                                   output_dtype=param_dtype))
     for unit in units:
+        if any(unit is norm for norm in norms):  # a BatchNorm found as a unit: its own already, in fp32
+            continue
         fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward, shard_placement_fn=fsdp_placement)
     root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                    output_dtype=torch.float32 if param_dtype is not None else None)
     fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload, shard_placement_fn=fsdp_placement)
     dims = "x".join(str(s) for s in mesh.shape)
-    log.info("FSDP: %s + root on mesh %s (%s), params %s, reduce %s, reshard_after_forward=%s%s",
+    log.info("FSDP: %s + root on mesh %s (%s), params %s, reduce %s, reshard_after_forward=%s%s%s",
              units.describe() or "no units", dims, "HSDP" if mesh.ndim == 2 else "FSDP", param_dtype or "fp32",
-             reduce_dtype or "fp32", reshard_after_forward, ", CPU offload" if cpu_offload else "")
+             reduce_dtype or "fp32", reshard_after_forward, ", CPU offload" if cpu_offload else "",
+             f", {len(norms)} BatchNorm units in fp32" if norms else "")
     return model
+
+
+def _batch_norms(model: nn.Module) -> list[nn.Module]:
+    """The BatchNorm layers with weights (affine) of ``model``."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and any(True for _ in m.parameters(recurse=False))]
 
 
 def is_fsdp(model: nn.Module) -> bool:
