@@ -82,14 +82,15 @@ def _field(output: Any, name: str) -> Any:
 
 
 def logits_of(output: Any) -> torch.Tensor | None:
-    """The prediction tensor of a model output: the tensor itself, ``logits``, or a tuple's first tensor."""
+    """The prediction tensor of a model output: the tensor itself, ``logits``, or a tuple's first tensor that is
+    not a scalar (a scalar is a loss)."""
     if isinstance(output, torch.Tensor):
         return output
     found = _field(output, "logits")
     if isinstance(found, torch.Tensor):
         return found
-    if isinstance(output, (tuple, list)) and output:
-        return logits_of(output[0])
+    if isinstance(output, (tuple, list)):  # the first that is not a scalar: (loss, logits) under return_dict=False
+        return next((t for t in map(logits_of, output) if t is not None and t.dim() > 0), None)
     return None
 
 
@@ -397,8 +398,10 @@ def collate(samples: list[Any]) -> Any:
                 a, b = sorted(sizes)[:2]
                 what = f"field {key!r}" if isinstance(first, Mapping) else f"item {key}"
                 raise UserError(f"data: the samples' {what} has different shapes in one batch ({a} and {b}); fix: "
-                                "pad or truncate every sample to one length in the dataset (a tokenizer's "
-                                "padding='max_length', truncation=True, max_length=N)") from None
+                                "pad each batch with collate_fn= (transformers' DataCollatorWithPadding(tokenizer), "
+                                "or any function of a list of samples), or pad or truncate every sample to one "
+                                "length in the dataset (a tokenizer's padding='max_length', truncation=True, "
+                                "max_length=N)") from None
         raise
 
 

@@ -192,6 +192,13 @@ def test_a_model_that_shifts_its_own_sequence_labels_gets_no_accuracy(tmp_path: 
     # against label t would say ~0% on a model that predicts every next token. No accuracy rather than a wrong one.
     assert "accuracy" not in summary["eval"], summary["eval"]
     assert summary["eval"]["loss"] < 0.5, summary["eval"]  # it learnt next token = id + 1
+    # The same shift in a loss_fn of one's own (the ids as the target of their own logits): no accuracy either.
+    # It said 93% for an untrained GPT-2, whose tied embedding predicts the current token, and fell as it learnt.
+    shifted = lambda out, ids: F.cross_entropy(out[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    summary = scaletrain.fit(Bigram, (ids[:48], ids[:48]), eval_data=(ids[48:], ids[48:]), loss_fn=shifted,
+                             config={**_config(tmp_path, "own"), "train.epochs": 20, "data.batch_size": 8,
+                                     "optim.lr": 0.1})
+    assert "accuracy" not in summary["eval"] and summary["eval"]["loss"] < 0.5, summary["eval"]
 
 
 def test_a_refused_run_dir_is_one_line_and_exit_2_on_one_process(tmp_path: Path) -> None:

@@ -200,6 +200,7 @@ def test_a_tuples_scalar_is_the_models_own_loss_only_when_it_was_given_the_targe
     logits, own = torch.randn(5, 3), torch.tensor(0.25)
     want = F.cross_entropy(logits, Y)
     assert default_loss((logits, own), Y, own_in_tuple=True) is own
+    assert logits_of((own, logits)) is logits  # transformers' (loss, logits): the scalar is not the prediction
     assert default_loss((own, logits), Y, own_in_tuple=True) is own
     assert default_loss((logits, own), Y).item() == want.item()
     assert default_loss((logits, None), Y, own_in_tuple=True).item() == want.item()  # no scalar: none computed
@@ -306,4 +307,4 @@ def test_samples_of_unequal_length_in_one_batch_are_one_line_naming_the_field() 
         collate([{"input_ids": [1, 2, 3], "labels": 0}, {"input_ids": [4, 5], "labels": 1}])
     msg = str(exc.value)
     assert "\n" not in msg and "field 'input_ids' has different shapes in one batch ((2,) and (3,))" in msg
-    assert "padding='max_length'" in msg
+    assert "fix: pad each batch with collate_fn=" in msg and "padding='max_length'" in msg

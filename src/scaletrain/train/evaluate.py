@@ -52,7 +52,7 @@ def evaluate(job: Job) -> dict[str, float]:
             if raw is None or out is None:  # padding, or a pipeline stage before the last
                 continue
             loss = plain(job.loss_fn(out, batch.target))
-        totals += _sums(out, batch, loss)
+        totals += _sums(out, batch, loss, aligned=not job.user_loss)
     module.train()
     if not layout.counts_eval(rt.rank):
         totals.zero_()  # counted by its group's first rank
@@ -66,19 +66,20 @@ def evaluate(job: Job) -> dict[str, float]:
     return metrics
 
 
-def _sums(out: Any, batch: Batch, loss: torch.Tensor) -> torch.Tensor:
+def _sums(out: Any, batch: Batch, loss: torch.Tensor, *, aligned: bool = True) -> torch.Tensor:
     """(loss x count, correct, count, 1 if accuracy cannot be counted) of one batch, on the device.
 
     count: the targets the loss averages over (class targets other than -100, as cross-entropy counts them),
     else the batch's samples. Accuracy needs integer class targets of the logits' shape, and either logits the
-    loss was computed from here or one class per sample (a model that computes its own loss over a sequence, a
-    causal LM, may shift its labels; a sequence classifier's one label per sample has nothing to shift).
+    loss was computed from here, position for position (scaletrain's cross-entropy: ``aligned``), or one class
+    per sample (a model that computes its own loss over a sequence, a causal LM, may shift its labels, and so
+    may a loss_fn of the user's; a sequence classifier's one label per sample has nothing to shift).
     """
     y, logits = batch.target, logits_of(out)
     if isinstance(logits, DTensor):  # split by vocabulary (loss parallel): whole for the argmax, at evaluation only
         logits = logits.full_tensor()
     classes = isinstance(y, torch.Tensor) and not y.is_floating_point() and logits is not None \
-        and logits.shape[:-1] == y.shape and (loss_of(out) is None or y.dim() == 1)
+        and logits.shape[:-1] == y.shape and ((aligned and loss_of(out) is None) or y.dim() == 1)
     if isinstance(y, torch.Tensor) and not y.is_floating_point():
         valid = y != IGNORE_INDEX
         n = valid.sum().double()

@@ -70,6 +70,7 @@ class Job:
     model_name: str = ""  # its class
     compiled: bool = False  # the model was given as torch.compile(model) returned it: compiled as train.compile does
     collate_fn: Callable[[list[Any]], Any] | None = None  # the user's (fit's collate_fn), else scaletrain's
+    user_loss: bool = False  # loss_fn was given: how it lines logits up with targets is its own (a shift, a mask)
     model: nn.Module | None = None  # what forward and backward go through (DDP-wrapped when world > 1)
     pipeline: PipelineRunner | None = None  # parallel.pp > 1: runs this rank's stage of every step
     scheduler: LambdaLR | None = None
@@ -349,4 +350,5 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     return Job(cfg, rt, plan, module, build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), splits.train,
                splits.eval, _checked(loss_fn) if loss_fn else _default_loss(cfg.train.compile, own_in_tuple), batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
-               model_name=type(module).__name__, compiled=compiled, collate_fn=splits.collate_fn)
+               model_name=type(module).__name__, compiled=compiled, collate_fn=splits.collate_fn,
+               user_loss=loss_fn is not None)
