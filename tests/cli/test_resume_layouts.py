@@ -15,6 +15,7 @@ momentum within 6e-8), so its final state is compared within SGD_TOLERANCE.
 from __future__ import annotations
 
 import json
+import runpy
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import torch.nn.functional as F
 from test_resume import ENV, losses, train, weights_digest
 
 from scaletrain.checkpoint import commit
@@ -180,9 +182,10 @@ class Net(nn.Module):
 
 x = torch.randn(512, 4, 4, 4, generator=torch.Generator().manual_seed(0))
 y = (x.flatten(1) @ torch.randn(64, 4, generator=torch.Generator().manual_seed(1))).argmax(dim=1)
-config = {"run.dir": sys.argv[1], "parallel.strategy": "fsdp", "train.max_steps": 8, "data.batch_size": 16,
-          "log.every": 2, "checkpoint.every": 100, "train.progress": False, "debug.trace": True}
-scaletrain.fit(Net, (x, y), config={**config, **dict(arg.split("=", 1) for arg in sys.argv[2:])})
+if __name__ == "__main__":
+    config = {"run.dir": sys.argv[1], "parallel.strategy": "fsdp", "train.max_steps": 8, "data.batch_size": 16,
+              "log.every": 2, "checkpoint.every": 100, "train.progress": False, "debug.trace": True}
+    scaletrain.fit(Net, (x, y), config={**config, **dict(arg.split("=", 1) for arg in sys.argv[2:])})
 '''
 
 
@@ -210,6 +213,16 @@ def test_a_batchnorm_model_resumes_bit_identically_under_fsdp(tmp_path):
     exported = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))
     final = safetensors.torch.load_file(str(run / "model.safetensors"))
     assert set(exported) == set(final) and all(torch.equal(exported[k], final[k]) for k in final)
+    # The summary's held-out loss is that model's: every rank evaluates with rank 0's running statistics (each
+    # rank's own, after its own batches, gave another loss than the saved model's).
+    space = runpy.run_path(str(tmp_path / "bn.py"))  # its model and data, without training
+    net, x, y = space["Net"](), space["x"], space["y"]
+    net.load_state_dict(final)
+    held_out = torch.randperm(512, generator=torch.Generator().manual_seed(0))[:103]  # fit()'s 20%, ceil
+    with torch.no_grad():
+        loss = F.cross_entropy(net.eval()(x[held_out]), y[held_out]).item()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval"]["count"] == 103 and summary["eval"]["loss"] == pytest.approx(loss, rel=1e-5)
 
 
 @pytest.mark.parametrize(("rank", "reads_own"), [(0, False), (1, True), (2, False)])

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from scaletrain.batch import IGNORE_INDEX, Batch, collate_one, logits_of, loss_of
@@ -36,6 +39,53 @@ def evaluate(job: Job) -> dict[str, float]:
                          num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
                          max_batches=cfg.train.eval_batches, collate_fn=job.collate_fn)
     module.eval()
+    with _rank0_buffers(job):
+        totals = _evaluated(job, loader, batch_size)
+    module.train()
+    if not layout.counts_eval(rt.rank):
+        totals.zero_()  # counted by its group's first rank
+    if rt.distributed:
+        dist.all_reduce(totals)  # one collective: every rank gets the same sums, so the same metrics
+    loss_sum, correct, count, other = totals.tolist()  # host-device sync: once per evaluation
+    metrics = {"loss": loss_sum / max(count, 1.0), "count": count}
+    if not other:  # accuracy only where every batch of every rank had class targets for the logits
+        metrics["accuracy"] = correct / max(count, 1.0)
+        metrics["correct"] = correct
+    return metrics
+
+
+@contextlib.contextmanager
+def _rank0_buffers(job: Job) -> Iterator[None]:
+    """Within: every data-parallel rank holds rank 0's running statistics (BatchNorm's, InstanceNorm's), its own
+    back after. Between steps a rank's are those of its own batches (DDP hands out rank 0's only at the next
+    forward; FSDP never), so each rank evaluated its share with other statistics than model.safetensors has
+    (rank 0's), and the summary's held-out loss was not the saved model's. One broadcast per dtype."""
+    rt, layout = job.rt, job.layout
+    buffers = [b for m in job.module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+               for b in m.buffers(recurse=False) if b.is_floating_point() and not isinstance(b, DTensor)]
+    if not rt.distributed or not buffers or layout.tp > 1 or layout.pp > 1:
+        yield
+        return
+    saved = [b.detach().clone() for b in buffers]
+    for dtype in sorted({b.dtype for b in buffers}, key=str):  # the same order on every rank
+        same = [b for b in buffers if b.dtype == dtype]
+        flat = torch.cat([b.detach().reshape(-1) for b in same])
+        dist.broadcast(flat, src=0)
+        with torch.no_grad():
+            for b, part in zip(same, flat.split([b.numel() for b in same])):
+                b.copy_(part.view_as(b))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, own in zip(buffers, saved):
+                b.copy_(own)
+
+
+def _evaluated(job: Job, loader: Any, batch_size: int) -> torch.Tensor:
+    """This rank's (loss x count, correct, count, no-accuracy) sums over its share of the held-out split."""
+    cfg, rt, module, layout = job.cfg, job.rt, job.module, job.layout
+    world = layout.dp_size
     totals = torch.zeros(4, dtype=torch.float64, device=rt.device)  # loss x count, correct, count, no-accuracy
     forwards = len(loader)
     if job.sharded:
@@ -53,17 +103,7 @@ def evaluate(job: Job) -> dict[str, float]:
                 continue
             loss = plain(job.loss_fn(out, batch.target))
         totals += _sums(out, batch, loss, aligned=not job.user_loss)
-    module.train()
-    if not layout.counts_eval(rt.rank):
-        totals.zero_()  # counted by its group's first rank
-    if rt.distributed:
-        dist.all_reduce(totals)  # one collective: every rank gets the same sums, so the same metrics
-    loss_sum, correct, count, other = totals.tolist()  # host-device sync: once per evaluation
-    metrics = {"loss": loss_sum / max(count, 1.0), "count": count}
-    if not other:  # accuracy only where every batch of every rank had class targets for the logits
-        metrics["accuracy"] = correct / max(count, 1.0)
-        metrics["correct"] = correct
-    return metrics
+    return totals
 
 
 def _sums(out: Any, batch: Batch, loss: torch.Tensor, *, aligned: bool = True) -> torch.Tensor:
