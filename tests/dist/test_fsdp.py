@@ -13,21 +13,27 @@ Everything goes through parallelize(), the one place the trainer composes the te
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from spawn_ranks import run_ranks
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from scaletrain import runtime
-from scaletrain.config import DistConfig, MemoryConfig, ParallelConfig
+from scaletrain.cli import main
+from scaletrain.config import CheckpointConfig, DistConfig, MemoryConfig, ParallelConfig
 from scaletrain.models import GPT
 from scaletrain.observe.memory import MemoryBreakdown, model_state_bytes
 from scaletrain.parallel import gradient_sync, is_fsdp, parallelize, resolve_strategy
+from scaletrain.train.checkpointing import Checkpointer
 
 V, T, GLOBAL, STEPS, CLIP = 64, 32, 8, 5, 0.3
 
@@ -131,8 +137,19 @@ def _batchnorm_bf16(rank: int, world: int) -> dict:
     return {"seen": seen, "losses": losses}
 
 
-def _two_ranks(rank: int, world: int) -> dict:
-    runtime.init(DistConfig(device="cpu"))
+def _tied_checkpoint(rt: runtime.Runtime, where: str) -> None:
+    """A DCP checkpoint of a model whose head is tied to its embedding (the GPT's), sharded over the ranks."""
+    model = _model()
+    wrapped = parallelize(model, torch.device("cpu"), rt.world_size, ParallelConfig(strategy="fsdp"),
+                          compile=False, memory=MemoryConfig())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ck = Checkpointer(CheckpointConfig(every=1, async_save=False), Path(where), rt)
+    ck.save_sharded(1, wrapped, opt, {"step": 1}, {}, {"format": "dcp", "step": 1})
+    ck.close()
+
+
+def _two_ranks(rank: int, world: int, where: str) -> dict:
+    _tied_checkpoint(runtime.init(DistConfig(device="cpu")), where)
     return {"batchnorm_bf16": _batchnorm_bf16(rank, world),
             "auto_fits": _auto(rank, world, 10**10), "auto_tight": _auto(rank, world, 1_200_000),
             "ddp": _run(rank, world, "ddp"),
@@ -165,10 +182,18 @@ def _slack_bytes(model: nn.Module, world: int) -> int:
     return sum(4 * 4 * (-p.shape[0] % world) * p[0].numel() + 4 for p in model.parameters())
 
 
-def test_fsdp_and_ddp_on_two_ranks_equal_one_process():
+def test_fsdp_and_ddp_on_two_ranks_equal_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ref = _one_process()
     assert min(ref["norms"]) > CLIP  # clipping was active on every step, so its global norm is tested too
-    ranks = run_ranks(_two_ranks, 2)
+    ranks = run_ranks(_two_ranks, 2, str(tmp_path))
+    # The DCP checkpoint's export stores the tied weight once, as model.safetensors does (its shards hold a copy
+    # per name: it wrote 3 copies of T5's embedding and counted them as parameters)
+    assert main(["checkpoint", "export", str(tmp_path), str(tmp_path / "w.safetensors")]) == 0
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+        names, aliases = set(f.keys()), json.loads(f.metadata()["aliases"])
+    assert aliases == {"head.weight": "tok_emb.weight"} and "head.weight" not in names
+    assert names | set(aliases) == set(_model().state_dict())
+    assert f"{sum(p.numel() for p in _model().parameters()) / 1e6:.3f}M parameters" in capsys.readouterr().out
     for r in ranks:
         # auto: a replica, 457 kB of model state + 598 kB of activations measured at batch 4, fits 80% of
         # 10 GB but not 80% of 1.2 MB (960 kB); sharded over 2 ranks (228 + 598 kB) it does

@@ -122,7 +122,7 @@ def _export(args: argparse.Namespace) -> int:
 
     from scaletrain.checkpoint import commit, dcp
     from scaletrain.observe.metrics import write_whole
-    from scaletrain.train.checkpointing import FORMAT_DCP, Resume, read_model
+    from scaletrain.train.checkpointing import FORMAT_DCP, TIED, Resume, read_model
 
     out = Path(args.out)
     if out.exists():
@@ -134,6 +134,9 @@ def _export(args: argparse.Namespace) -> int:
     meta = resume.meta
     if meta.get("format") == FORMAT_DCP:  # shards of an FSDP run, consolidated here in one process
         tensors, aliases = dcp.full_tensors(path / dcp.DCP_DIR, "model."), dict(meta.get("aliases", {}))
+        tied = {a: b for a, b in dict(meta.get(TIED, {})).items() if a in tensors and b in tensors}
+        tensors = {k: v for k, v in tensors.items() if k not in tied}  # a tied weight once, as model.safetensors
+        aliases.update(tied)
     else:
         tensors, aliases = read_model(resume)
     header = {"format": "pt", "step": str(resume.step), "config_digest": str(meta.get("config_digest", "")),

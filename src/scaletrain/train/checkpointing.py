@@ -52,13 +52,16 @@ from scaletrain.config import CheckpointConfig
 from scaletrain.errors import CheckpointError, ConfigError, DiskFull, TrainingFailed, is_disk_full
 from scaletrain.observe.memory import local_shard
 from scaletrain.runtime import Runtime, rank0_decides
-from scaletrain.train.state import dedupe, differing, plain_digests
+from scaletrain.train.state import dedupe, differing, plain_digests, tied
 
 FORMAT_FULL, FORMAT_DCP = "full", "dcp"
 MODEL, OPTIMIZER, TRAINER = "model.safetensors", "optimizer.safetensors", "trainer.json"
 TRACKED = "tracked.safetensors"  # the trainer's "tracked" states, as a tree: they may hold tensors (an EMA's)
 OPTIMIZER_GROUPS = "optimizer-groups.safetensors"  # dcp format: the param groups (the shards hold tensors only)
 RANK_BUFFERS = "rank_buffers"  # dcp format: each rank's own buffers (their names in the manifest's meta)
+# dcp format: {alias: name} of tied weights, which DCP's shards hold once per name (a gathered state dict
+# cannot tell them apart): checkpoint export stores each once, as the consolidated format does
+TIED = "tied"
 
 
 class NonFiniteState(TrainingFailed):
@@ -287,7 +290,7 @@ class Checkpointer:
                                  "--train.nonfinite=skip, a lower --optim.lr, or --optim.grad_clip=1.0")
         own, mine_only = _rank_buffers(model, ranks, self.rt.rank)
         rest = _ShardedRest(step, stage, groups, trainer, ranks,
-                            {**meta, "aliases": aliases, RANK_BUFFERS: own}, started, needed)
+                            {**meta, "aliases": aliases, RANK_BUFFERS: own, TIED: tied(module)}, started, needed)
         state = {"model": dcp.addressable(model), "optim": dcp.addressable(optim["state"]), **mine_only}
         if self._pool is not None and background:
             staged = self._stage("dcp/", state)
