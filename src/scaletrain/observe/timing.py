@@ -75,18 +75,43 @@ class StepTimer:
         self._entered = None
         self._bucket = None
 
-    def host(self, phase: str, seconds: float) -> None:
-        """A phase timed on the host (the data wait); the device time marks continue after it."""
+    def host(self, phase: str, seconds: float, *, before: str = "") -> None:
+        """A phase timed on the host (the data wait); the device time marks continue after it. ``before``: the
+        phase of what ran since the previous mark besides that wait (a loop's forward and backward written before
+        its `with st.step():`, as accumulation often is: compute), else that time is in no phase."""
+        if before:
+            now = self._now()
+            # on a CPU the wait is taken out of the span; a GPU's events see the device, idle while the host waits
+            self._marks.append((before, (self._last, now if self.cuda else max(self._last, now - seconds))))
         self.totals[phase] += seconds
         if self.timeline is not None and seconds > 0:
             self._host_spans.append((phase, time.perf_counter() - seconds, seconds))
         self._last = self._now()
 
     def mark(self, phase: str) -> None:
-        """The phase that started at the previous mark ends now."""
+        """The phase that started at the previous mark ends now (one span with the previous mark's, when that is
+        the same phase and ends where this one starts: the optimizer's pre- and post-hook marks and the step's)."""
         now = self._now()
-        self._marks.append((phase, (self._last, now)))
+        if self._marks and self._marks[-1][0] == phase and self._marks[-1][1][1] is self._last:
+            self._marks[-1] = (phase, (self._marks[-1][1][0], now))
+        else:
+            self._marks.append((phase, (self._last, now)))
         self._last = now
+
+    def optimizer_starting(self) -> None:
+        """An optimizer's step begins (a step pre-hook): what ran since the previous mark was forward and backward
+        when no backward was marked since then (a loop calling loss.backward() itself, not st.backward(): it
+        read compute 0%, its forward and backward counted as optim), else what followed backward (clipping, the
+        guard): optim. The optimizer's own step is optim too (optimizer_done)."""
+        last = self._marks[-1][0] if self._marks else ""
+        if last in ("compute", "comm", "pre_comm", "pipeline"):
+            self.mark("optim")
+        else:
+            self.backward_done()
+
+    def optimizer_done(self) -> None:
+        """An optimizer's step returned (a step post-hook)."""
+        self.mark("optim")
 
     def bucket_ready(self) -> None:
         """From the DDP comm hook: a gradient bucket goes to the all-reduce now (the last call of a
@@ -203,8 +228,10 @@ class NullTimer(StepTimer):
     """Phase timing off (log.phase_times=false): every mark is a no-op."""
 
     def start(self) -> None: ...
-    def host(self, phase: str, seconds: float) -> None: ...
+    def host(self, phase: str, seconds: float, *, before: str = "") -> None: ...
     def mark(self, phase: str) -> None: ...
+    def optimizer_starting(self) -> None: ...
+    def optimizer_done(self) -> None: ...
     def bucket_ready(self) -> None: ...
     def collective_entered(self) -> None: ...
     def pipeline_done(self, busy: Any) -> None: ...

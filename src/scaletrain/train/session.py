@@ -478,6 +478,9 @@ class Session:
         if units and self._opened is None:  # scaletrain train / fit() name the units in their header
             self.console.print(f"{name} ({type(model).__name__.removeprefix('FSDP')}): {units}")
         entry = _Model(name, model, wrapped, built)
+        for opt in built:  # forward and backward end where an optimizer steps, whether or not st.backward() ran
+            opt.register_step_pre_hook(self._optimizer_starting)
+            opt.register_step_post_hook(self._optimizer_done)
         if isinstance(wrapped, DDP):
             wrapped.register_forward_pre_hook(lambda *_: setattr(entry, "forwards", entry.forwards + 1))
             for opt in built:
@@ -633,7 +636,10 @@ class Session:
         if not self._timing:  # later steps start where the previous one ended: the batch wait is in them
             self.timer.start()
             self._timing = True
-        self.timer.host("data", sum(loader.waited for loader in self._loaders))
+        # gradients held as the step begins: the loop ran forward and backward before it (accumulation written
+        # around `with st.step():` only at the optimizer's step), which is compute, not time in no phase
+        ahead = any(p.grad is not None for m in self._models for p in m.module.parameters() if p.requires_grad)
+        self.timer.host("data", sum(loader.waited for loader in self._loaders), before="compute" if ahead else "")
         self._count_drawn()
         if self._trace is not None:
             self._trace.started(self)
@@ -770,11 +776,19 @@ class Session:
             self._state_bytes = now if self._state_bytes is None else self._state_bytes.largest(now)
         return norm
 
+    def _optimizer_starting(self, *_: Any) -> None:
+        if self._in_step:  # not an optimizer state's initialization by DCP on resume, say
+            self.timer.optimizer_starting()
+
+    def _optimizer_done(self, *_: Any) -> None:
+        if self._in_step:
+            self.timer.optimizer_done()
+
     def _through_ddp(self, entry: _Model) -> None:
         """A step pre-hook of a DDP model's optimizers: the model setup() returned must have run since the last
         step. Calling the model given to setup(), or its parts (gan.D(x)), computes gradients DDP never sees: they
         are not averaged, and the ranks' weights drift apart without a word. A host-side count, no sync."""
-        if entry.forwards == 0:
+        if entry.forwards == 0 and self._in_step:  # (DCP initializes optimizer state by a step, on resume)
             raise UserError(f"session.setup(name={entry.name!r}): its optimizer is stepping, but the model setup() "
                             "returned was not called since the last step: calling the model given to setup(), or "
                             "its parts (gan.D(x)), skips DDP's gradient all-reduce, and the ranks' weights drift "
@@ -1279,11 +1293,14 @@ class _Trace(TraceFile):
         full = StateDictOptions(full_state_dict=True)
         box = st._box()
         weights = get_model_state_dict(box, options=full)
-        if st.rank > 0 and any(isinstance(m.wrapped, DDP) and m.wrapped.broadcast_buffers for m in st._models):
+        if st.world_size > 1 and any(isinstance(m.wrapped, DDP) and m.wrapped.broadcast_buffers for m in st._models):
             # DDP gives every rank rank 0's buffers at each forward: the statistics a rank's own BatchNorm kept
-            # between steps are never used, and a checkpoint (rank 0's) gives it rank 0's: not a difference
+            # between steps are never used, and a checkpoint (rank 0's) gives it rank 0's. The buffers the next
+            # step runs with are rank 0's, on every layout alike: those are the state (a collective, as above)
             params = {name for name, _ in box.named_parameters()}
-            weights = {k: v for k, v in weights.items() if k in params}
+            for name in sorted(k for k in weights if k not in params):
+                weights[name] = weights[name].detach().clone()
+                dist.broadcast(weights[name], src=0)
         optims = {}
         for m in st._models:
             if not all(opt.state for opt in m.optimizers):  # reading it would initialize it (a zero step)
