@@ -168,6 +168,11 @@ class _Model:
     wrapped: nn.Module  # what the user calls: DDP-wrapped when the world is larger than 1
     optimizers: list[Optimizer]
     forwards: int = 0  # DDP: calls of ``wrapped`` since the last step ended (Session._through_ddp)
+    ends: list[nn.Parameter] = dataclasses.field(default_factory=list)  # its first and last trainable parameters
+
+    def __post_init__(self) -> None:  # a backward reaches one of them: the step's look for gradients costs two
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.ends = trainable[:1] + trainable[-1:]
 
 
 @dataclasses.dataclass
@@ -638,7 +643,7 @@ class Session:
             self._timing = True
         # gradients held as the step begins: the loop ran forward and backward before it (accumulation written
         # around `with st.step():` only at the optimizer's step), which is compute, not time in no phase
-        ahead = any(p.grad is not None for m in self._models for p in m.module.parameters() if p.requires_grad)
+        ahead = any(p.grad is not None for m in self._models for p in m.ends)
         self.timer.host("data", sum(loader.waited for loader in self._loaders), before="compute" if ahead else "")
         self._count_drawn()
         if self._trace is not None:
