@@ -102,6 +102,7 @@ def test_a_killed_worker_is_restarted_said_in_one_line_and_the_run_is_bit_identi
                            cwd=tmp_path)
     assert code == 0, err[-3000:]
     assert out.count("resumed from ") == 1, out[-2000:]
+    assert re.search(r"wall time +│ +[\d.]+ s this attempt; [\d.]+ s over its 2 attempts", out), out[-3000:]
     killed = re.search(r"\[rank 1\] chaos: SIGKILL \(pid (\d+)\) at the start of step 13", err)
     assert killed, err[-3000:]
     # Rank 0 of the restarted group says it once: the pid and signal come from the launcher (torchrun's agent

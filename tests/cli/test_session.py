@@ -432,8 +432,29 @@ def test_phase_times_see_forward_and_backward_however_the_loop_calls_them(tmp_pa
                             opt.zero_grad()
                 if st.done:
                     break
-    frac = json.loads((tmp_path / "run" / "summary.json").read_text())["phase_frac"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    frac = summary["phase_frac"]
+    assert summary["samples"] == 12 * 64 and summary["samples_per_s"] > 0  # what st.loader handed out
     # forward and backward of a 400k-parameter MLP at batch 64 against an SGD step and an in-memory batch: compute
     # is most of the step (measured 0.83-0.84 either way; 0.0 before); every phase together is the step, within rounding
     assert frac["compute"] > 0.4 and frac["compute"] == max(frac.values()), frac
     assert 0.9 <= sum(frac.values()) <= 1.1, frac
+
+
+def test_a_loop_reading_its_own_dataloader_has_no_sample_rate_rather_than_zero(tmp_path: Path) -> None:
+    """Nothing came through st.loader, so nothing was counted: samples/s is null in summary.json (it said 0.0,
+    which reads as a measurement) and there is no sample count; the steps are there."""
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
+    with scaletrain.session({"run.dir": str(tmp_path / "run"), "train.max_steps": 6, "log.every": 2}) as st:
+        model, opt = st.setup(Net(), lambda p: torch.optim.SGD(p, lr=0.1))
+        for xb, yb in data:
+            with st.step():
+                st.backward(nn.functional.cross_entropy(model(xb), yb))
+                opt.step()
+                opt.zero_grad()
+            if st.done:
+                break
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 6 and "samples" not in summary
+    assert summary["samples_per_s"] is None and summary["samples_per_s_overall"] is None

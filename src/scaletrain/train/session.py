@@ -1226,8 +1226,13 @@ class Session:
                            peak=self._peak_flops)
         if "mfu" in rates and cfg.memory.activation_checkpointing == "full":
             rates["hfu"] = rates["mfu"] * 4 / 3  # the hardware also recomputes each block's forward in backward
+        first = self._loaders[0].inner if self._loaders else None
+        counted: dict[str, Any] = {"samples": self.steps * first.step_samples} if first is not None else {}
+        if not self._seen[0]:  # no batch came through st.loader: nothing was counted, so no rate (not 0 samples/s)
+            rate = overall = None
+            rates = {k: None for k in rates if k.startswith(("samples", "tokens", "flops", "mfu", "hfu"))}
         summary = {
-            "steps": self.steps, "world_size": self.world_size, "wall_s": wall, "train_s": self.train_time,
+            "steps": self.steps, **counted, "world_size": self.world_size, "wall_s": wall, "train_s": self.train_time,
             "samples_per_s": rate, **rates, "samples_per_s_overall": overall, "steady_state": steady, "goodput": good,
             "metrics": self.last_metrics, "phase_frac": phase_fractions(totals),
             "bottleneck": bottleneck(totals, device=self.device.type, num_workers=cfg.data.num_workers,
