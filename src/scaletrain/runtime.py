@@ -167,11 +167,19 @@ def _attempt_store(world: int, timeout: timedelta) -> dist.Store | None:
     would otherwise be the same in every attempt, and a rank of a restarted group could read the address of a
     worker that was killed (seen here: "Gloo connectFullMesh failed ... Connection refused" after a restart).
     """
+    global _GROUPS
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                          timeout=timeout)
-    return dist.PrefixStore(f"scaletrain/attempt-{_attempt()}", base)
+    _GROUPS += 1  # every rank opens as many groups as the others (a script's fit() after fit() runs on all)
+    return dist.PrefixStore(f"scaletrain/attempt-{_attempt()}/group-{_GROUPS}", base)
+
+
+# Process groups this process opened in the agent's store, for their keys' namespace: a second group of the same
+# attempt (fit() called twice, two sessions in a row) read the first one's Gloo addresses, dead by then, and hung
+# in init_process_group until dist.timeout_s ("connectFullMesh failed ... Connection refused").
+_GROUPS = 0
 
 
 def _store() -> dist.Store | None:
@@ -246,8 +254,9 @@ def missing_peers(rt: Runtime, step: int, wait_s: float = 2.0) -> list[tuple[int
 
 def collective_failure(err: RuntimeError, rt: Runtime, step: int, timeout_s: int,
                        run_dir: Path | None = None) -> Exception:
-    """A failed or timed-out collective during ``step`` becomes one line naming the ranks that did not answer
-    (recording the step for a restarted group); any other error is returned as it is. With ``run_dir`` (and the
+    """A failed or timed-out collective during ``step`` (0: before the first) becomes one line naming the ranks
+    that did not answer (recording the step for a restarted group); any other error is returned as it is (raise
+    it bare, so its traceback stays the user's). With ``run_dir`` (and the
     flight recorder on) this rank writes what it was doing and asks every other rank to (observe/flight.py),
     waiting a few seconds for the silent ones' records."""
     text = str(err)
@@ -268,7 +277,8 @@ def collective_failure(err: RuntimeError, rt: Runtime, step: int, timeout_s: int
     who = ", ".join(f"rank {r} (host {h})" for r, h in missing) or "no rank could be named"
     look = f"scaletrain diagnose {run_dir} says where each rank was" if recorded else \
         "look at its stack (py-spy dump)"
-    return TrainingFailed(f"a collective failed during step {step} ({first}); not answering: {who}; fix: if a rank "
+    during = f"during step {step}" if step else "before the first step"
+    return TrainingFailed(f"a collective failed {during} ({first}); not answering: {who}; fix: if a rank "
                           f"hangs, {look}; --dist.timeout_s={timeout_s} bounds the wait, and "
                           "--max-restarts lets torchrun restart the group from the last checkpoint")
 

@@ -394,8 +394,6 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         except Preempted as stop:
             outcome = INTERRUPTED if stop.record["reason"] == "chaos.interrupt_step" else PREEMPTED
             return {"stopped": outcome, **stop.record, "steps": stop.record["step"], "world_size": rt.world_size}
-        except RuntimeError as err:
-            raise runtime.collective_failure(err, rt, st.steps + 1, cfg.dist.timeout_s, cfg.run_dir) from err
         summary = st.close()
         _summary_table(summary, cfg.run_dir, console)
         return summary
@@ -403,6 +401,13 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         if job is None or job.st is None or job.st.services is None:
             raise
         raise job.st.services.disk_full(err) from None
+    except RuntimeError as err:  # a collective that failed or timed out, in a step or before the first (agreeing
+        # on the run directory, the resume, the layout): one line naming who did not answer
+        step = job.st.steps + 1 if job is not None and job.st is not None and job.st._training else 0
+        failure = runtime.collective_failure(err, rt, step, cfg.dist.timeout_s, cfg.run_dir)
+        if failure is err:
+            raise  # the user's own error (in forward, in a Dataset): its traceback as it was
+        raise failure from err
     finally:
         preempt.uninstall()
         if job is not None and job.st is not None:

@@ -673,7 +673,10 @@ class Session:
             unused = unused_parameters(err, [m.wrapped for m in self._models], step if again else step - 1)
             if unused is not None:
                 raise unused from err
-            raise runtime.collective_failure(err, self.rt, step, self.cfg.dist.timeout_s, self.cfg.run_dir) from err
+            failure = runtime.collective_failure(err, self.rt, step, self.cfg.dist.timeout_s, self.cfg.run_dir)
+            if failure is err:
+                raise  # the user's own error: its traceback as it was
+            raise failure from err
         finally:
             self._in_step = False
         self.timer.start()  # the next step begins now: waiting for its batch is part of it
@@ -1245,7 +1248,8 @@ class Session:
             "stragglers": self.services.stragglers.summary(), "peak_mem_bytes": int(peak.item()),
             "mem": self.last_mem, "skipped_steps": int(self._skipped_seen), "models": [m.name for m in self._models],
             **({"strategy": self.layout.strategy} if self.layout is not None else {}),
-            "device": str(self.device), "backend": self.rt.backend, "config_digest": cfg.digest(),
+            "run_dir": str(cfg.run_dir), "device": str(self.device), "backend": self.rt.backend,
+            "config_digest": cfg.digest(),
             "torch": torch.__version__, "scaletrain": __version__}
         if self._noise is not None and self._noise.last_b_big:
             summary["grad_noise_scale"] = self._noise.summary(self.world_size, per)
