@@ -192,6 +192,8 @@ class DistConfig:
     """This machine's address on the network the machines share ('' = its host name; 127.0.0.1 on one machine): the workers' store, when this machine hosts it, listens there only."""
     rdzv_id: Annotated[str, Text("a job id", fix="--dist.rdzv_id=myjob")] = ""
     """Job id shared by all machines of one job ('' = scaletrain-<run.name>; under 'launch': scaletrain-<SCRIPT>)."""
+    rdzv_timeout_s: Annotated[int, Range(1, most=YEAR_S, what="seconds", fix="--dist.rdzv_timeout_s=600")] = 600
+    """Seconds the machines of a job wait at the rendezvous for all of them to arrive (torchrun's join timeout)."""
     max_restarts: Annotated[int, Range(0, most=I32, fix="--max-restarts 3")] = 0
     """Times torchrun restarts the worker group after a worker fails."""
     flight_recorder: Annotated[int, Range(0, most=I32, what="a count of collectives",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -208,13 +209,39 @@ def test_launch_rendezvous_failure_is_one_line_and_exit_1(monkeypatch: pytest.Mo
         monkeypatch.setenv(name, os.environ.get(name, "1"))
     elastic_log = logging.getLogger("torch.distributed.elastic")
     monkeypatch.setattr(elastic_log, "level", elastic_log.level)
+    monkeypatch.setattr("scaletrain.cluster.torchrun.check_endpoint", lambda cfg: None)  # node0.example resolves
     code = launch(DistConfig(nnodes=2, rdzv_endpoint="node0.example:29500"), ["train.py"], run_id="scaletrain-t")
     assert code == 1
     err = capsys.readouterr().err
-    assert err.splitlines() == [(
+    assert err.splitlines() == [
+        ("scaletrain: waiting at node0.example:29500 for the 2 machines of the job (up to 600 s: "
+        "--dist.rdzv_timeout_s)"), (
         "scaletrain: rendezvous at node0.example:29500 failed (RendezvousConnectionError: The connection to the "
         "C10d store has failed. The client socket has timed out after 60000ms while trying to connect); fix: "
         "check that the endpoint is reachable from every machine and that all 2 machines run the same command")]
+
+
+def test_an_endpoint_that_cannot_work_is_one_line_before_any_agent_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """A host name that does not resolve (torch retried it 60 s, then some 50 lines of C++ frames) and, on one
+    machine, a port another process holds (torch joined that process as a client and waited on it forever, deaf
+    to Ctrl-C): exit 2 and one line each, at once."""
+    from scaletrain.cli import main
+
+    code = main(["train", "digits", "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "nosuchhost.invalid:29500"])
+    assert code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("scaletrain: error: dist.rdzv_endpoint = 'nosuchhost.invalid:29500': expected a host "
+                           "this machine can resolve (nosuchhost.invalid: ") and "fix: the name or address" in line
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = main(["train", "digits", "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"])
+    assert code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"scaletrain: error: dist.rdzv_endpoint = '127.0.0.1:{port}': expected a free port: with "
+                           "one machine this agent hosts the rendezvous there, and another process holds it; fix: "
+                           "--rdzv-endpoint=127.0.0.1:"), line
 
 
 def test_ctrl_c_inside_torchruns_metrics_wrapper_is_still_a_stop(monkeypatch: pytest.MonkeyPatch,

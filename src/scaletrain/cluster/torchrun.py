@@ -22,7 +22,7 @@ from typing import Any
 
 from scaletrain.config import DistConfig
 from scaletrain.env import FAILED_WORKER_ENV
-from scaletrain.errors import EXIT_USAGE
+from scaletrain.errors import EXIT_USAGE, ConfigError
 
 # The agent stops the surviving workers with SIGTERM (then SIGKILL): those exits are consequences, not causes.
 # A worker that catches SIGTERM (preemption) and then cannot save exits with 128 + SIGTERM instead.
@@ -144,13 +144,47 @@ def torchrun_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: s
     """torchrun's options for this machine's workers and the script (or module) ``target[0]``."""
     args = [f"--nproc-per-node={cfg.nproc}", f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={cfg.rdzv_endpoint or '127.0.0.1:0'}", f"--rdzv-id={cfg.rdzv_id or run_id}",
-            f"--max-restarts={cfg.max_restarts}"]
+            f"--max-restarts={cfg.max_restarts}", f"--rdzv-conf=join_timeout={cfg.rdzv_timeout_s}"]
     if _is_local(cfg.rdzv_endpoint):
         # The address this agent gives its workers as MASTER_ADDR; the default would be the host's FQDN.
         args.append("--local-addr=127.0.0.1")
     elif cfg.local_addr:  # this machine's address on the job's network: the workers' store listens there only
         args.append(f"--local-addr={cfg.local_addr}")
     return args + (["-m"] if module else []) + target[:1]
+
+
+def check_endpoint(cfg: DistConfig) -> None:
+    """What can be told of the rendezvous endpoint before any agent starts: a host name that does not resolve
+    (torch retried it for 60 s and printed some 50 lines of C++ frames), and on one machine, where this agent hosts
+    the rendezvous, a port another process holds (torch then joined that process as a client and waited on it
+    forever, deaf to Ctrl-C)."""
+    if not cfg.rdzv_endpoint:
+        return
+    host, _, port = cfg.rdzv_endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as err:
+        raise ConfigError("dist.rdzv_endpoint", cfg.rdzv_endpoint, f"a host this machine can resolve ({host}: "
+                          f"{getattr(err, 'strerror', None) or err})",
+                          "the name or address of the first machine, as every machine resolves it") from None
+    address = _bind_address(host) if cfg.nnodes == 1 else None
+    if address is None:
+        return
+    try:
+        _listening_socket(address, int(port)).close()
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise ConfigError("dist.rdzv_endpoint", cfg.rdzv_endpoint, "a free port: with one machine this agent "
+                              "hosts the rendezvous there, and another process holds it",
+                              f"--rdzv-endpoint={host}:{_free_port(address)}, or leave it out (a free port is "
+                              "picked)") from None
+
+
+def _free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
+        sock.bind((address, 0))
+        return int(sock.getsockname()[1])
 
 
 def _exit_text(exitcode: int) -> str:
@@ -240,8 +274,12 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
         os.environ.setdefault("NCCL_SOCKET_IFNAME", nic)
     # torchrun would set 1 and print a banner about it; on CPUs give each worker its share of the cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
+    check_endpoint(cfg)
     _quiet_agent_logs()
     parsed = _agent_args(cfg, target, module=module, run_id=run_id)
+    if cfg.nnodes > 1:  # the wait can be long: say what this agent waits for, and how long it will
+        print(f"scaletrain: waiting at {cfg.rdzv_endpoint} for the {cfg.nnodes} machines of the job (up to "
+              f"{cfg.rdzv_timeout_s} s: --dist.rdzv_timeout_s)", file=sys.stderr, flush=True)
     stop = _Stop()
     failures = _FailedWorker(drop=trainer)
     failure_log = logging.getLogger(_FAILURE_LOGGER)
@@ -261,6 +299,8 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
         return 1
     except RendezvousError as err:
         why = " ".join(f"{err} {err.__cause__ or ''}".split())  # one line: the cause may span several
+        if type(err).__name__ == "RendezvousTimeoutError" and not why:
+            why = f"not every machine arrived within {cfg.rdzv_timeout_s} s (--dist.rdzv_timeout_s)"
         where = cfg.rdzv_endpoint or "this machine"
         print(f"scaletrain: rendezvous at {where} failed ({type(err).__name__}: {why}); fix: check that "
               f"the endpoint is reachable from every machine and that all {cfg.nnodes} machines run the "
