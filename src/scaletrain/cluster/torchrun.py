@@ -349,8 +349,10 @@ class _Stop:
         if not self.signum:
             self.signum = signum
             if signum == signal.SIGINT:
-                os.write(2, b"scaletrain: Ctrl-C: the workers stop (scaletrain's training saves a checkpoint "
-                            b"first); Ctrl-C again: stop them now, without one\n")
+                # the launcher cannot tell a worker training through scaletrain from any other script's: both said
+                os.write(2, b"scaletrain: Ctrl-C: stopping the workers (training through scaletrain saves a "
+                            b"checkpoint first; any other script stops as its own SIGINT handling does); Ctrl-C "
+                            b"again: stop them now\n")
             raise self._raise(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
         if signum == signal.SIGINT and not self.killed:
             self.killed = True
