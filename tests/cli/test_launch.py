@@ -244,6 +244,27 @@ def test_an_endpoint_that_cannot_work_is_one_line_before_any_agent_starts(capsys
                            "--rdzv-endpoint=127.0.0.1:"), line
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--nproc_per_node", "2", "t.py"], ("unexpected argument '--nproc_per_node'; fix: scaletrain launch calls it "
+                                        "--nproc (torchrun's --nproc_per_node)")),
+    (["--standalone", "t.py"], "unexpected argument '--standalone'; fix: leave it out: one machine is the default"),
+    (["-m", "nosuchpkg.mod"], "module 'nosuchpkg.mod' not found from "),
+])
+def test_torchruns_habits_and_a_missing_module_are_one_line(argv: list[str], said: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A torchrun user's options get the name launch gives them (the fix said 'put scaletrain's options before
+    SCRIPT' of options that were before it); a module that python -m would not find is said before any worker
+    starts (each worker printed 'No module named ...', then a failure line)."""
+    from scaletrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    assert main(["launch", *argv]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"scaletrain: error: {said}"), line
+
+
 def test_ctrl_c_inside_torchruns_metrics_wrapper_is_still_a_stop(monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """Seen once in a clean-clone run: the SignalException our SIGINT handler raises landed between two lines

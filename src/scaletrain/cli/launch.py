@@ -33,7 +33,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.cluster.torchrun import launch
 
     if leftovers:
-        raise UserError(f"unexpected argument {leftovers[0]!r}; fix: put scaletrain's options before SCRIPT")
+        raise UserError(f"unexpected argument {leftovers[0]!r}; fix: {_torchrun_option(leftovers[0])}")
     if args.script is None:
         raise UserError("launch needs a SCRIPT to run; fix: scaletrain launch --nproc 2 train.py [ARGS...]")
     dist = build([("command line", {"dist.nproc": args.nproc, "dist.nnodes": args.nnodes,
@@ -42,6 +42,42 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
                                      "dist.max_restarts": args.max_restarts})]).dist
     if not args.module and not Path(args.script).is_file():
         raise UserError(f"script {args.script!r} not found; fix: check the path (or use -m for a module)")
+    if args.module and not _importable(args.script):
+        raise UserError(f"module {args.script!r} not found from {Path.cwd()}; fix: check its name, run from the "
+                        "directory that holds its package, or install it (pip install -e .)")
     # Deterministic, so that every machine of a multi-machine job derives the same id from the same command.
     name = args.script if args.module else Path(args.script).stem
     return launch(dist, [args.script, *args.script_args], module=args.module, run_id=f"scaletrain-{name}")
+
+
+# torchrun's options and what scaletrain launch calls them
+_TORCHRUN = {"--nproc_per_node": "--nproc", "--nproc-per-node": "--nproc", "--rdzv_endpoint": "--rdzv-endpoint",
+             "--rdzv_id": "--rdzv-id", "--max_restarts": "--max-restarts", "--local_addr": "--local-addr"}
+
+
+def _torchrun_option(arg: str) -> str:
+    """The fix for an argument launch does not take: torchrun's spelling of one of its options, or a misplaced one."""
+    name = arg.split("=", 1)[0]
+    if name in _TORCHRUN:
+        return f"scaletrain launch calls it {_TORCHRUN[name]} (torchrun's {name})"
+    if name == "--standalone":
+        return "leave it out: one machine is the default (scaletrain picks a free port on loopback)"
+    if name in ("--rdzv-backend", "--rdzv_backend", "--rdzv-conf", "--rdzv_conf", "--node-rank", "--node_rank",
+                "--master-addr", "--master_addr", "--master-port", "--master_port"):
+        return (f"leave {name} out: scaletrain launch meets at a c10d rendezvous on --rdzv-endpoint (plain torchrun "
+                "takes the rest: torchrun ... SCRIPT)")
+    return "put scaletrain's options before SCRIPT (scaletrain launch --help lists them)"
+
+
+def _importable(module: str) -> bool:
+    """Whether ``python -m module`` would find it from here (the workers start in this directory)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(Path.cwd()))  # python -m puts the working directory first
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that does not exist, or a bad name
+        return False
+    finally:
+        sys.path.pop(0)
