@@ -17,6 +17,16 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def launcher_overrides(nproc: int) -> str | None:
+    """Under a launcher, the warning for a dist.nproc (``--nproc``) other than the workers it started per machine,
+    which it ignores (the launcher decides the world); None where they agree, or from any rank but 0."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if nproc in (1, local) or os.environ.get("RANK") != "0":
+        return None
+    return (f"scaletrain: warning: --nproc {nproc} ignored: this process runs under a launcher that started "
+            f"{local} per machine (world size {os.environ.get('WORLD_SIZE')})")
+
+
 def _first_host(nodelist: str) -> str:
     """The first host of a Slurm hostlist ("gpu[07-09,12],login1" -> "gpu07"; "rack[1-2]-n[01-04]" -> "rack1-n01"):
     every bracket's first number, its zero padding kept (scontrol show hostnames' first line)."""

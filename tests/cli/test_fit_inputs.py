@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import scaletrain
-from scaletrain.errors import UserError
+from scaletrain.errors import ConfigError, UserError
 
 BIN = Path(sys.executable).parent
 SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
@@ -353,6 +353,16 @@ def test_the_command_line_goes_on_top_of_a_config_object(tmp_path: Path) -> None
     summary = scaletrain.fit(lambda: nn.Linear(8, 4), (x[:512], y[:512]), eval_data=(x[512:], y[512:]), config=cfg,
                              argv=["--data.batch_size=16", "--train.epochs", "2"])
     assert (summary["global_batch"], summary["steps"], summary["epochs"]) == (16, 2 * 512 // 16, 2.0)
+
+
+@pytest.mark.parametrize("argv", [["--nproc", "2"], ["--nnodes=2", "--rdzv-endpoint=node0:29500"]])
+def test_workers_asked_of_a_script_run_as_one_process_are_one_line(tmp_path: Path, argv: list[str]) -> None:
+    """`python my.py --nproc 2` trained on one process without a word (fit() joins the workers a launcher starts
+    and starts none): now a config error naming the launcher command."""
+    with pytest.raises(ConfigError, match=r"expected 1 in a script run as one process: .* fix: scaletrain launch "
+                                          r"--nproc \d+ \S+ \(or torchrun --nproc_per_node"):
+        scaletrain.fit(lambda: nn.Linear(8, 4), _points(64, 0), config=_config(tmp_path, "np"), argv=argv)
+    assert not (tmp_path / "np").exists()
 
 
 def test_float64_data_for_a_float32_model_is_one_line_naming_the_data(tmp_path: Path) -> None:

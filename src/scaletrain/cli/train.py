@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import time
@@ -48,24 +47,16 @@ def preflight(cfg: Config, world: int) -> None:
     plan_batches(cfg, world, len(splits.train))  # type: ignore[arg-type]
 
 
-def _warn_if_launcher_overrides(cfg: Config) -> None:
-    """Under torchrun the launcher decides the world; a different --nproc is ignored, and said so."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if cfg.dist.nproc not in (1, local) and os.environ.get("RANK") == "0":
-        print(f"scaletrain: warning: --nproc {cfg.dist.nproc} ignored: this process runs under a launcher that "
-              f"started {local} per machine (world size {os.environ.get('WORLD_SIZE')})", file=sys.stderr)
-
-
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
-    from scaletrain.env import adopt_slurm_task, under_launcher
+    from scaletrain.env import adopt_slurm_task, launcher_overrides, under_launcher
 
     overrides = config_overrides(args, leftovers)
     check_types(overrides)
     cfg = load(args.config, cli_overrides=overrides)
     if cfg.dist.nproc == 1:  # a task of `srun` (one per GPU) is a worker as torchrun's would be
         adopt_slurm_task()
-    if under_launcher():
-        _warn_if_launcher_overrides(cfg)
+    if under_launcher() and (said := launcher_overrides(cfg.dist.nproc)):
+        print(said, file=sys.stderr)  # under torchrun the launcher decides the world
     if under_launcher() or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):
         from scaletrain.observe.goodput import process_started
         from scaletrain.train.preempt import Interrupted

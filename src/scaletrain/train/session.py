@@ -66,8 +66,10 @@ import logging
 import math
 import numbers
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,6 +92,7 @@ from scaletrain.config import Config, load, step_window
 from scaletrain.data import ShardedLoader, StreamLoader
 from scaletrain.errors import (
     CheckpointError,
+    ConfigError,
     DiskFull,
     TrainingFailed,
     UserError,
@@ -1414,10 +1417,32 @@ def resolve_config(config: Config | Mapping[str, Any] | str | None, argv: list[s
 
     cli = parse_overrides(argv or [])
     if isinstance(config, Config):
-        return load(None, overrides=_flat(config), cli_overrides=cli) if cli else config
-    if isinstance(config, str):
-        return load(config, overrides=pinned, cli_overrides=cli)
-    return load(None, overrides={**defaults, **(config or {})}, cli_overrides=cli)
+        cfg = load(None, overrides=_flat(config), cli_overrides=cli) if cli else config
+    elif isinstance(config, str):
+        cfg = load(config, overrides=pinned, cli_overrides=cli)
+    else:
+        cfg = load(None, overrides={**defaults, **(config or {})}, cli_overrides=cli)
+    _check_workers(cfg)
+    return cfg
+
+
+def _check_workers(cfg: Config) -> None:
+    """fit() and session() join the workers a launcher started; they start none. ``--nproc 2`` given to a script
+    that python runs as one process trained on one, without a word, and the user believed it was two."""
+    from scaletrain.env import launcher_overrides, under_launcher
+
+    if under_launcher():
+        if said := launcher_overrides(cfg.dist.nproc):
+            print(said, file=sys.stderr)
+        return
+    for key, value in (("dist.nproc", cfg.dist.nproc), ("dist.nnodes", cfg.dist.nnodes)):
+        if value > 1:
+            script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "SCRIPT.py"
+            raise ConfigError(key, value, "1 in a script run as one process: fit() and session() join the "
+                              "workers a launcher starts, and start none themselves",
+                              f"scaletrain launch --nproc {cfg.dist.nproc} {script} (or torchrun "
+                              f"--nproc_per_node {cfg.dist.nproc} {script}); on several machines add --nnodes and "
+                              "--rdzv-endpoint to the launcher")
 
 
 def _flat(cfg: Config) -> dict[str, Any]:
