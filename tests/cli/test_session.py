@@ -458,3 +458,36 @@ def test_a_loop_reading_its_own_dataloader_has_no_sample_rate_rather_than_zero(t
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 6 and "samples" not in summary
     assert summary["samples_per_s"] is None and summary["samples_per_s_overall"] is None
+
+
+NEVER_CLOSED = """
+import sys, torch, scaletrain
+st = scaletrain.session({"train.max_steps": 3, "run.dir": sys.argv[1]})
+model, opt = st.setup(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+while not st.done:
+    with st.step():
+        st.backward(model(torch.ones(1, 2)).sum())
+        opt.step()
+if len(sys.argv) > 2:
+    raise ValueError("the user's own bug")
+"""
+
+
+def test_a_session_never_closed_says_so_at_exit(tmp_path: Path) -> None:
+    """No `with` and no st.close(): the run exited 0 with no model.safetensors and no summary.json, and nothing said
+    so. Now a warning at exit names the run and the fix; not after an exception nobody caught (its traceback
+    says what happened)."""
+    script = tmp_path / "loop.py"
+    script.write_text(NEVER_CLOSED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "a")], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("scaletrain: warning:")]
+    assert said == [(f"scaletrain: warning: the session in {tmp_path / 'a'} was never closed after 3 step(s): "
+                    "model.safetensors and summary.json were not written (its checkpoints are whole); fix: `with "
+                    "scaletrain.session(...) as st:` around the loop, or st.close() after it")], done.stderr[-2000:]
+    assert not (tmp_path / "a" / "summary.json").exists()
+    failed = subprocess.run([sys.executable, str(script), str(tmp_path / "b"), "raise"], capture_output=True,
+                            text=True, env=env, timeout=120, check=False)
+    assert failed.returncode == 1 and "the user's own bug" in failed.stderr and "never closed" not in failed.stderr

@@ -68,6 +68,7 @@ import numbers
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,7 @@ class Session:
             # does; installed after init_process_group, which wraps the hook it finds in one that buffers stderr.
             install_excepthook()
         self._closed, self._in_step, self._training, self._timing = False, False, False, False
+        self._progress = {"steps": 0, "closed": False}  # what an unclosed session's warning at exit reads
         self._models: list[_Model] = []
         self._stage: nn.Module | None = None  # parallel.pp > 1: this rank's pipeline stage (the model set up)
         self._noise: NoiseScaleLog | None = None  # log.grad_noise_scale: the model's gradient noise scale
@@ -299,6 +301,8 @@ class Session:
         except BaseException:
             self._release()
             raise
+        if opened is None and self.rt.is_main:  # a loop of one's own: its outputs are written by close()
+            weakref.finalize(self, _never_closed, self._progress, cfg.run_dir)
 
     def _open(self, cfg: Config) -> None:
         rt, opened = self.rt, self._opened
@@ -663,7 +667,7 @@ class Session:
             self._count_drawn()  # batches drawn inside the step (accumulation)
             for m in self._models:  # forwards before the next step's block count for it (accumulation outside)
                 m.forwards = 0
-            self.steps = step
+            self.steps = self._progress["steps"] = step
             self._since += 1
             self._ran += 1
             self.preempt.tick()
@@ -1268,6 +1272,7 @@ class Session:
         if getattr(self, "_profiler", None) is not None:
             self._profiler.stop()  # a run that ended inside the window: what was recorded
         self._closed = True
+        self._progress["closed"] = True
         if hasattr(self, "console"):
             self.console.stop_progress()
         self.preempt.uninstall()
@@ -1389,6 +1394,17 @@ def _stage_groups(groups: list[dict[str, Any]], mine: set[str], held_as: dict[st
     a weight the stage holds a copy of under the copy's name (``held_as``: {the name stored: the copy})."""
     cut = [{**g, "params": [held_as.get(n, n) for n in g["params"] if held_as.get(n, n) in mine]} for g in groups]
     return [g for g in cut if g["params"]]
+
+
+def _never_closed(progress: dict[str, Any], run_dir: Path) -> None:
+    """At exit (or when a session is dropped) without close(): its checkpoints are whole, but model.safetensors
+    and summary.json were never written, and the run never counts as finished; said, not silently exit 0. Not
+    after an exception nobody caught: its traceback says what happened."""
+    if progress["closed"] or not progress["steps"] or getattr(sys, "last_value", None) is not None:
+        return
+    print(f"scaletrain: warning: the session in {run_dir} was never closed after {progress['steps']} step(s): "
+          "model.safetensors and summary.json were not written (its checkpoints are whole); fix: `with "
+          "scaletrain.session(...) as st:` around the loop, or st.close() after it", file=sys.stderr)
 
 
 def _held(state: Any) -> Any:
