@@ -349,11 +349,16 @@ def close(rt: Runtime) -> None:
     wrapper, often in a reference cycle) keeps Gloo's worker threads alive until interpreter shutdown, where
     a thread releasing a finished collective's tensors needs the GIL and aborts the process ("terminate
     called without an active exception", SIGABRT, at random ~1 run in 12 here). Callers drop their
-    wrappers first; collecting cycles here lets the group's destructor join its threads now.
+    wrappers first; collecting cycles here lets the group's destructor join its threads now. On a user's own
+    group (fit() after the script's init_process_group) the same cleaning is done, so that the user's
+    destroy_process_group() later finds no wrapper of ours still holding it (seen: such a job, finished, killed
+    by SIGABRT at exit 2 runs in 5).
     """
-    if rt.owns_group and dist.is_initialized():
-        flight.stop_all()  # a watcher of a session left open holds the session, and its wrappers, alive
-        gc.collect()
+    if not dist.is_initialized():
+        return
+    flight.stop_all()  # a watcher of a session left open holds the session, and its wrappers, alive
+    gc.collect()
+    if rt.owns_group:
         dist.destroy_process_group()
         gc.collect()
 
