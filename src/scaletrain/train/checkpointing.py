@@ -6,7 +6,7 @@ everything is safetensors or JSON, so loading never unpickles anything):
     model.safetensors          the bare model's weights by name (tied weights once; aliases in its metadata)
     optimizer.safetensors      the optimizer state by parameter name (checkpoint/tree.py)
     trainer.json               step, loader position (global sample cursor), LR schedule, grad scaler
-    tracked.safetensors        a session's tracked objects (st.track: an EMA, a scheduler), tensors and all
+    tracked.safetensors        a session's tracked objects (st.track), where their states hold tensors (an EMA)
     rank-NNNNN.safetensors     per rank: every RNG, the log interval's running loss, the non-finite counters
     manifest.json              written last: every file's size and SHA-256, and the run's metadata
 
@@ -379,8 +379,8 @@ class Checkpointer:
         with self._cleaning(stage, step, needed):
             records = write(stage)
             tracked = trainer.get("tracked")
-            if tracked:  # st.track()'s objects: state_dict()s may hold tensors (an EMA's weights), not JSON
-                trainer = {k: v for k, v in trainer.items() if k != "tracked"}
+            if tracked and tree.split(tracked)[0]:  # st.track()'s states holding tensors (an EMA's weights): not
+                trainer = {k: v for k, v in trainer.items() if k != "tracked"}  # JSON; the rest stays in trainer.json
                 records[TRACKED] = commit.write_bytes(stage / TRACKED, tree.encode(tracked))
             records[TRAINER] = commit.write_bytes(stage / TRAINER, json.dumps(trainer, indent=1).encode())
             for rank, state in enumerate(ranks):
