@@ -185,19 +185,22 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
             ("train loss", f"{summary['train_loss']:.4f}")]
     rows += [(f"eval {k}", f"{100 * v:.2f}%" if k == "accuracy" else f"{v:.4f}")
              for k, v in summary["eval"].items() if k in ("loss", "accuracy")]
-    rate = f"{summary['samples_per_s']:,.0f} samples/s"
-    if "tokens_per_s" in summary:
-        rate += f" ({summary['tokens_per_s']:,.0f} tokens/s)"
-    steady = summary.get("steady_state")
-    window = f"steady state, steps {steady['first_step']}-{steady['last_step']}" if steady else \
-        "the whole run: one log interval, no steady state told apart"
-    rows += [("throughput", f"{rate}, {window}")]
-    if "mfu" in summary:
+    if summary["samples_per_s"] is None:  # a resumed run that had no step left to run: nothing was timed
+        rows += [("throughput", "not measured: no step ran in this attempt")]
+    else:
+        rate = f"{summary['samples_per_s']:,.0f} samples/s"
+        if summary.get("tokens_per_s") is not None:
+            rate += f" ({summary['tokens_per_s']:,.0f} tokens/s)"
+        steady = summary.get("steady_state")
+        window = f"steady state, steps {steady['first_step']}-{steady['last_step']}" if steady else \
+            "the whole run: one log interval, no steady state told apart"
+        rows += [("throughput", f"{rate}, {window}")]
+    if summary.get("mfu") is not None:
         mfu = f"{100 * summary['mfu']:.1f}%"
         if "hfu" in summary:
             mfu += f" (HFU {100 * summary['hfu']:.1f}% with activation checkpointing's recompute)"
         rows += [("MFU", mfu)]
-    elif "flops_per_s" in summary:
+    elif summary.get("flops_per_s") is not None:
         rows += [("model FLOP/s", f"{summary['flops_per_s'] / 1e9:,.1f} GFLOP/s (no peak known for this device)")]
     verdict = summary["bottleneck"]
     rows += [("bottleneck", f"{verdict['verdict']}: {verdict['evidence']}")]
