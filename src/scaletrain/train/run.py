@@ -38,7 +38,7 @@ from scaletrain.train.precision import slow_here
 from scaletrain.train.preempt import Preempted, PreemptFlag, restart_line
 from scaletrain.train.resume import config_changes, fitting
 from scaletrain.train.rundir import agree_run_dir
-from scaletrain.train.session import Opened, Session, resolve_config
+from scaletrain.train.session import Opened, Session, check_workers, resolve_config
 
 PREEMPTED, INTERRUPTED = "preempted", "interrupted"
 
@@ -447,6 +447,7 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     try:
         memory = {"data.source": "memory"}  # the data are the arguments, whatever a recipe or TOML file says
         cfg = resolve_config(config, argv, defaults=memory, pinned=memory)
+        check_workers(cfg)
         splits = in_memory(train_data, eval_data, cfg.data.val_fraction, collate_fn=collate_fn)
         return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn)
     except (Reported, Stopped):

@@ -278,6 +278,8 @@ class Session:
         self._opened = opened
         self.started = time.perf_counter() if opened is None else opened.started
         cfg = resolve_config(config, argv, defaults={"run.name": "session"})
+        if opened is None:  # scaletrain train and fit() checked it already
+            check_workers(cfg)
         self.rt: Runtime = runtime.init(cfg.dist) if opened is None else opened.rt
         if opened is None:
             # A stop (preemption, Ctrl-C) or one of our errors leaving the user's script ends it as the CLI
@@ -1438,11 +1440,10 @@ def resolve_config(config: Config | Mapping[str, Any] | str | None, argv: list[s
         cfg = load(config, overrides=pinned, cli_overrides=cli)
     else:
         cfg = load(None, overrides={**defaults, **(config or {})}, cli_overrides=cli)
-    _check_workers(cfg)
     return cfg
 
 
-def _check_workers(cfg: Config) -> None:
+def check_workers(cfg: Config) -> None:
     """fit() and session() join the workers a launcher started; they start none. ``--nproc 2`` given to a script
     that python runs as one process trained on one, without a word, and the user believed it was two."""
     from scaletrain.env import launcher_overrides, under_launcher
