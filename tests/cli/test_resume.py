@@ -272,7 +272,9 @@ def test_the_restart_budget_exhausted_fails_fast_and_leaves_no_process(tmp_path)
     os.kill(workers[1], signal.SIGKILL)
     killed = time.monotonic()
     code, _, err = finish(proc, timeout=60)
-    assert time.monotonic() - killed < 10  # a liveness bound, with a wide margin
+    took = time.monotonic() - killed
+    assert took < 10, (took, err[-4000:])  # a liveness bound, with a wide margin (once 30.5 s under the full suite:
+    # the agent's shutdown timeout, so rank 0 outlived its SIGTERM; what it said is kept now for the next time)
     assert code == 1
     assert "worker rank 1 was killed by SIGKILL" in err
     assert "Traceback" not in err.split("worker rank 1")[-1]
