@@ -1,8 +1,7 @@
 """`scaletrain plan RECIPE|FILE.toml --gpu KIND [--nproc N] [--nnodes M] [--price USD] [--section.key=value ...]`.
 
-The output fits 80 columns, on a terminal or in a pipe alike: a column per layout (at most six: DDP, FSDP and
-HSDP, each without and with checkpointing), a row per quantity, so the layouts compare along a row; prose
-wraps between words. --wide prints a row per layout and a column per quantity instead (about 150 columns).
+The data-parallel table and its lines are plan/table.py's (scaletrain.plan_fit() prints them too); the dp x tp x pp
+search's table is here. --wide prints a row per layout and a column per quantity (about 150 columns).
 """
 
 from __future__ import annotations
@@ -10,37 +9,27 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import textwrap
 from typing import TYPE_CHECKING, Any
 
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from scaletrain.cli.options import add_config_argument, add_config_options, check_types, config_overrides
 from scaletrain.config import load
 from scaletrain.errors import ConfigError, UserError
+from scaletrain.plan.table import WIDTH, dollars, print_plan, say, show, size
 
 if TYPE_CHECKING:
     from scaletrain.config import Config
-    from scaletrain.plan.actual import Calibration
-    from scaletrain.plan.estimate import Layout, ModelFacts, Plan
+    from scaletrain.plan.estimate import ModelFacts, Plan
     from scaletrain.plan.parallel import Parallel, Search, Setting, Structure
 
-WIDTH = 80  # columns of the default output
 _SPLIT_BY = {2: "heads and MLP width", 3: "heads, key/value heads and MLP width"}  # Structure.tp_divides: GPT, Llama
-MEMORY = ("params", "grads", "optimizer", "activations", "fsdp buffers", "total")
-TIME = ("compute", "comm", "step", "run", "cost $")
-WIDE_COLUMNS = ("layout", "checkpointing", *MEMORY, "fits", "compute", "comm", "run", "cost $")
 PARALLEL_CAPTION = ("m: micro-batches of data.batch_size per pipeline (accumulation steps at pp 1), the global batch "
                     "held; ckpt: none, selective (x7/6 compute), full (x4/3); "
                     "step = max(compute x (1 + bubble), dp comm) + tp+pp comm (exposed); bubble (pp-1)/m; "
                     "activations per block measured on the tensor-parallel step (fake tensors) x micro-batches in "
                     "flight (docs/plan.md)")
-CAPTION = ("compute: model FLOPs / (GPUs x peak x MFU), MFU x 3/4 with full checkpointing (the GPU also "
-           "recomputes a forward); comm: ring collectives at the link rate, a lower bound; step = max(compute, comm) "
-           "(docs/plan.md)")
-
 HELP = ("Before a run: memory per GPU for DDP, FSDP and HSDP, with and without activation checkpointing, the "
         "time per step and of the run, its cost, and the layout to use. Nothing runs on a GPU: the model is "
         "built on fake tensors.")
@@ -101,98 +90,6 @@ def parse_count(text: str, flag: str = "--tokens") -> int:
         raise ConfigError(flag, text, "a whole count >= 1 like 1e9, 2B, 300B, 1.5T (K, M, B, T = 1e3, 1e6, 1e9, "
                           "1e12)", f"{flag} 2B")
     return int(value)
-
-
-def _dollars(cost: float) -> str:
-    """Cents below $10k, then whole dollars, then millions: at most 9 characters below $10 billion."""
-    if cost < 10_000:
-        return f"{cost:,.2f}"
-    return f"{cost:,.0f}" if cost < 1e6 else f"{cost / 1e6:,.1f}M"
-
-
-def _size(n: float) -> str:
-    """fmt_bytes, but terabytes from 1 TB on (a 70B model's DDP replica), so a cell stays within 9 characters."""
-    from scaletrain.observe.memory import fmt_bytes
-
-    return f"{n / 1e12:.2f} TB" if n >= 999.995e9 else fmt_bytes(n)  # not "1000.00 GB"
-
-
-def _cells(plan: Plan, lay: Layout) -> dict[str, str]:
-    """One layout's numbers as both tables print them, by quantity."""
-    from scaletrain.plan.estimate import fmt_seconds
-
-    sizes = (lay.params_bytes, lay.grads_bytes, lay.optim_bytes, lay.activations_bytes, lay.fsdp_buffers_bytes,
-             lay.total_bytes)
-    cost = plan.cost(lay)
-    return {"layout": lay.strategy, "checkpointing": lay.checkpointing,
-            **{name: _size(b) for name, b in zip(MEMORY, sizes)}, "fits": "yes" if lay.fits else "NO",
-            "compute": fmt_seconds(lay.compute_s), "comm": fmt_seconds(lay.comm_s), "step": fmt_seconds(lay.step_s),
-            "run": fmt_seconds(plan.run_hours(lay) * 3600), "cost $": "-" if cost is None else _dollars(cost)}
-
-
-def _by_layout(plan: Plan) -> Table:
-    """A column per layout, a row per quantity; no vertical rules and two spaces between columns, so six layouts
-    of 9-character cells fit in 80 columns."""
-    table = Table("layout\ncheckpointing", box=box.HORIZONTALS, show_edge=False, pad_edge=False,
-                  padding=(0, 0, 0, 1))
-    cells = [_cells(plan, lay) for lay in plan.layouts]
-    for lay in plan.layouts:
-        table.add_column(f"{lay.strategy}\n{lay.checkpointing}", justify="right")
-    for name in (*MEMORY, "fits", *TIME):
-        table.add_row(name, *(c[name] for c in cells), end_section=name == "fits")
-    return table
-
-
-def _by_quantity(plan: Plan) -> Table:
-    """--wide: a row per layout, a column per quantity (the table before 80 columns were the default)."""
-    table = Table(box=box.HEAVY_HEAD)
-    for i, name in enumerate(WIDE_COLUMNS):
-        table.add_column(name, justify="left" if i == 0 else "right")
-    for lay in plan.layouts:
-        cells = _cells(plan, lay)
-        table.add_row(*(cells[name] for name in WIDE_COLUMNS))
-    return table
-
-
-def _say(text: str, width: int | None) -> None:
-    """A line of prose, wrapped between words to ``width`` columns (None: one line), continuations indented."""
-    print(text if width is None else textwrap.fill(text, width, subsequent_indent="  ", break_on_hyphens=False))
-
-
-def _show(table: Table, width: int | None) -> None:
-    """The table at a width set here, not by the terminal: the same output on a terminal and in a pipe."""
-    if width is None:  # --wide: exactly as wide as the table needs
-        width = Console(width=10_000).measure(table).maximum
-    Console(highlight=False, width=width).print(table)
-
-
-def _print_plan(name: str, plan: Plan, batch: str, width: int | None, calibration: Calibration | None = None,
-                mfu_source: str = "", given: float | None = None) -> None:
-    """The plan of config ``name`` in ``width`` columns (None: --wide, a line per sentence); ``batch`` as
-    train.batching describes it."""
-    from scaletrain.observe.memory import fmt_bytes
-    from scaletrain.observe.peaks import compute_format
-
-    acc, facts = plan.accelerator, plan.facts
-    per = f" ({facts.tokens_per_sample} tokens each)" if facts.tokens_per_sample else ""
-    assumed = (f"MFU {given:g} given (its own layout, whole steps)" if given is not None else
-               f"MFU {plan.mfu:g} assumed ({0.75 * plan.mfu:g} with full checkpointing)")
-    _say(f"plan: {name} on {plan.nodes} x {plan.gpus_per_node} {acc.key}, {plan.total_steps} steps, {assumed}",
-         width)
-    if calibration is not None:
-        _say(calibration.describe(), width)
-    elif mfu_source:
-        _say(f"MFU: {mfu_source}", width)
-    _say(f"{acc.key}: {acc.name}, {acc.memory_bytes / 2**30:.1f} GiB, {plan.peak / 1e12:.0f} TFLOP/s "
-         f"{compute_format(plan.precision, tf32=plan.tf32)}", width)
-    _say(f"model: {facts.params / 1e6:.1f}M parameters, {facts.flops_per_sample / 1e9:.3g} GFLOP per sample{per}",
-         width)
-    _say(batch, width)
-    _say(f"memory per GPU (fits: within {fmt_bytes(plan.usable_bytes)}, 80%) and time per step", width)
-    _show(_by_layout(plan) if width else _by_quantity(plan), width)
-    _say(CAPTION, width)
-    verdict = f"use {plan.choice.strategy}" if plan.choice else "no layout fits"
-    _say(f"plan: {verdict}: {plan.reason}", width)
 
 
 PARALLEL_COLUMNS = ("layout", "ckpt", "dp", "tp", "pp", "m", "memory", "step", "bubble", "tp+pp", "GPU-h",
@@ -298,9 +195,9 @@ def _parallel_cells(found: Search, lay: Parallel) -> list[str]:
 
     cost = found.cost(lay)
     return [lay.kind, lay.checkpointing, str(lay.dp), str(lay.tp), str(lay.pp), str(lay.microbatches),
-            _size(lay.total_bytes) + ("" if lay.fits else " NO"), fmt_seconds(lay.step_s), f"{lay.bubble:.0%}",
+            size(lay.total_bytes) + ("" if lay.fits else " NO"), fmt_seconds(lay.step_s), f"{lay.bubble:.0%}",
             fmt_seconds(lay.tp_comm_s + lay.pp_comm_s), _hours(found.gpu_hours(lay)),
-            "-" if cost is None else _dollars(cost)]
+            "-" if cost is None else dollars(cost)]
 
 
 def _print_search(found: Search, searched: bool, width: int | None) -> None:
@@ -318,19 +215,19 @@ def _print_search(found: Search, searched: bool, width: int | None) -> None:
     head = (f"dp x tp x pp layouts: the {len(rows)} fastest of {fits} that fit ({len(found.layouts)} planned, on "
             f"{found.gpus} GPUs and fewer whole machines)" if searched else
             f"dp x tp x pp layouts at tp {rows[0].tp}, pp {rows[0].pp} on {found.gpus} GPUs")
-    _say(head + "; memory per GPU of the largest stage (NO: does not fit)", width)
-    _show(table, width)
-    _say(PARALLEL_CAPTION, width)
+    say(head + "; memory per GPU of the largest stage (NO: does not fit)", width)
+    show(table, width)
+    say(PARALLEL_CAPTION, width)
     for word, lay in (("fastest", found.fastest), ("cheapest", found.cheapest)):
         if lay is None:
-            _say(f"plan: {word}: no layout fits" + (" on all the GPUs" if word == "fastest" else ""), width)
+            say(f"plan: {word}: no layout fits" + (" on all the GPUs" if word == "fastest" else ""), width)
             continue
         cost = found.cost(lay)
-        _say(f"plan: {word} that fits: {lay.name} on {lay.gpus} GPUs, checkpointing {lay.checkpointing}, "
-             f"m {lay.microbatches}: {_size(lay.total_bytes)} per GPU, {fmt_seconds(lay.step_s)} per step "
+        say(f"plan: {word} that fits: {lay.name} on {lay.gpus} GPUs, checkpointing {lay.checkpointing}, "
+             f"m {lay.microbatches}: {size(lay.total_bytes)} per GPU, {fmt_seconds(lay.step_s)} per step "
              f"(MFU {lay.step_mfu:.2f} of the whole step), "
              f"{fmt_seconds(found.run_hours(lay) * 3600)}, {_hours(found.gpu_hours(lay))} GPU-hours"
-             + ("" if cost is None else f", ${_dollars(cost)}")
+             + ("" if cost is None else f", ${dollars(cost)}")
              + f" (--parallel.tp={lay.tp} --parallel.pp={lay.pp})", width)
 
 
@@ -423,15 +320,15 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     found = _search(cfg, plan, facts, shape, args.search, batches.global_batch) if shape is not None else None
 
     width = None if args.wide else WIDTH
-    _print_plan(args.config, plan, batches.describe(), width, calibration, source, given)
+    print_plan(args.config, plan, batches.describe(), width, calibration, source, given)
     if tokens is not None:
         global_tokens = batches.global_batch * facts.tokens_per_sample
-        _say(f"budget: {tokens:,} tokens (--tokens {args.tokens}) = {total_steps:,} steps of {global_tokens:,} "
+        say(f"budget: {tokens:,} tokens (--tokens {args.tokens}) = {total_steps:,} steps of {global_tokens:,} "
              f"tokens (train.max_steps not used)", width)
     if found is not None:
         _print_search(found, args.search, width)
     if args.json:
         record = {"config": args.config, "tokens": tokens, "mfu_given": given, **plan.as_dict(),
                   **({"parallel": found.as_dict()} if found is not None else {})}
-        _say(f"wrote {write_json(args.json, record)}", width)
+        say(f"wrote {write_json(args.json, record)}", width)
     return 0

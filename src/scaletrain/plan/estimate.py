@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from scaletrain.batch import Batch
+from scaletrain.batch import Batch, map_tensors
 from scaletrain.config import Config
 from scaletrain.observe.memory import (
     AUTOCAST_DTYPE,
@@ -224,6 +224,10 @@ def fmt_seconds(s: float) -> str:
     return f"{days:.3g} d" if days < 999.5 else f"{days:,.0f} d"  # not 1e+03 d
 
 
+# task of a model of one's own (plan/own.py): info["build"] builds it, called with no arguments under fake tensors
+OWN = "own"
+
+
 def _fake_model(cfg: Config, task: str, info: dict[str, Any], checkpointing: str,
                 dtype: torch.dtype = torch.float32) -> nn.Module:
     from scaletrain.models import build_model
@@ -232,7 +236,7 @@ def _fake_model(cfg: Config, task: str, info: dict[str, Any], checkpointing: str
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # Module.to() cannot swap fake parameters: build them in the dtype
     try:
-        model = build_model(cfg.model, task, info)
+        model = info["build"]() if task == OWN else build_model(cfg.model, task, info)
     finally:
         torch.set_default_dtype(default)
     model.train()
@@ -279,7 +283,7 @@ def _compiled(cfg: Config, facts: ModelFacts) -> ModelFacts:
 def _measure_eager(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
                    target: torch.Tensor | None, modes: tuple[str, ...], sharded: tuple[bool, ...],
                    flops: float | None) -> ModelFacts:
-    layers = cfg.model.n_layer if cfg.model.name in BLOCK_MODELS else 0
+    layers = cfg.model.n_layer if cfg.model.name in BLOCK_MODELS and task != OWN else 0
     if layers <= 2 * MEASURED_LAYERS[-1]:  # as quick to measure whole
         return _measure(cfg, task, info, sample, target=target, modes=modes, sharded=sharded, flops=flops)
     lo, hi = _measure_depths(cfg, task, info, sample, target=target, modes=modes, sharded=sharded, flops=flops)
@@ -395,10 +399,14 @@ def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tens
     return out
 
 
-def _fake_input(mode: FakeTensorMode, cfg: Config, sample: torch.Tensor,
+def _fake_input(mode: FakeTensorMode, cfg: Config, sample: torch.Tensor | Batch,
                 target: torch.Tensor | None) -> torch.Tensor | Batch:
     """``sample`` as a fake input: a batch of one with its targets for a GPT with model.loss=fused (it takes
-    them in forward, and never keeps its logits)."""
+    them in forward, and never keeps its logits); a model of one's own's Batch of one, every tensor faked."""
+    if isinstance(sample, Batch):
+        def fake(tree: Any) -> Any:
+            return map_tensors(tree, mode.from_tensor)
+        return Batch(fake(sample.args), fake(sample.kwargs), fake(sample.target))
     fake_sample: torch.Tensor | Batch = mode.from_tensor(sample)
     if target is not None and cfg.model.name == "gpt" and cfg.model.loss == "fused":
         one, fake_target = fake_sample.unsqueeze(0), mode.from_tensor(target).unsqueeze(0)
@@ -416,6 +424,10 @@ def _step_bytes(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *, 
         dtype, precision = AUTOCAST_DTYPE[precision], "fp32"
         if isinstance(sample, torch.Tensor) and sample.is_floating_point():
             sample = sample.to(dtype)
+        elif isinstance(sample, Batch):  # FSDP's policy casts the floating inputs (cast_forward_inputs)
+            def cast(tree: Any) -> Any:
+                return map_tensors(tree, lambda t: t.to(dtype) if t.is_floating_point() else t)
+            sample = Batch(cast(sample.args), cast(sample.kwargs), sample.target)
     if not kept:
         return estimate_activation_bytes(model, sample, batch, precision=precision, whole_step=True), None
     step = estimate_step(model, sample, batch, precision=precision)
@@ -460,9 +472,9 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
                     held[f"sharded-{ac}"] = held[ac]
             elif True in sharded:
                 measured(f"sharded-{ac}", _fake_model(cfg, task, info, ac, dtype), low=True)
-    return ModelFacts(*counts, flops_per_sample=flops or 0.0,
-                      tokens_per_sample=int(info.get("seq_len", 0)) if task == "lm" else 0, activations=acts,
-                      kept=held)
+    tokens = sample.tokens_per_sample() if isinstance(sample, Batch) else \
+        int(info.get("seq_len", 0)) if task == "lm" else 0
+    return ModelFacts(*counts, flops_per_sample=flops or 0.0, tokens_per_sample=tokens, activations=acts, kept=held)
 
 
 def model_counts(model: nn.Module, units_given: str = "") -> tuple[int, int, int, int]:

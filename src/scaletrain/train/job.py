@@ -248,25 +248,30 @@ def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any], None] | 
                         ".float() in the Dataset's __getitem__); token ids go through an nn.Embedding first") from err
 
 
-def _built(model: Callable[[], nn.Module]) -> nn.Module:
-    """fit()'s model given as a class or a function: called with no arguments, as its docs say. One that needs
-    some is one line (a class whose __init__ takes sizes, passed instead of an instance)."""
+def builder(model: Callable[[], nn.Module], *, instead: str = "an instance") -> Callable[[], nn.Module]:
+    """A model given as a class or a function, as fit() and scaletrain.plan_fit() take it, checked and made a function
+    of no arguments that returns the module. One that needs arguments is one line naming them (a class whose
+    __init__ takes sizes, passed instead of ``instead``), and so is one that returns no module."""
     name = getattr(model, "__name__", type(model).__name__)
     if not callable(model):
         raise UserError(f"model: a {type(model).__name__} is neither a torch.nn.Module nor a function that builds one; "
-                        "fix: pass the model, its class, or a function of no arguments that returns it")
+                        "fix: pass its class, or a function of no arguments that returns it")
     try:
         inspect.signature(model).bind()
     except TypeError as err:
-        raise UserError(f"model: {name}() is called with no arguments to build the model, and {err}; fix: pass an "
-                        f"instance ({name}(...)) or a function that builds one (lambda: {name}(...))") from None
+        raise UserError(f"model: {name}() is called with no arguments to build the model, and {err}; fix: pass "
+                        f"{instead} ({name}(...)) or a function that builds one (lambda: {name}(...))") from None
     except ValueError:  # no signature to read (a builtin): call it and see
         pass
-    built = model()
-    if not isinstance(built, nn.Module):
-        raise UserError(f"model: {name}() returned a {type(built).__name__}, not a torch.nn.Module; fix: pass the "
-                        "model, its class, or a function that returns it")
-    return built
+
+    def build() -> nn.Module:
+        built = model()
+        if not isinstance(built, nn.Module):
+            raise UserError(f"model: {name}() returned a {type(built).__name__}, not a torch.nn.Module; fix: pass "
+                            "its class, or a function that returns it")
+        return built
+
+    return build
 
 
 def _checked(loss_fn: LossFn) -> LossFn:
@@ -328,7 +333,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         with torch.device("meta") if deferred else contextlib.nullcontext():
             module = build_model(cfg.model, splits.task, splits.info)
     else:
-        module, compiled = uncompiled(model if isinstance(model, nn.Module) else _built(model))
+        module, compiled = uncompiled(model if isinstance(model, nn.Module) else builder(model)())
     if not deferred:
         refuse_unfilled(module)
         module.to(rt.device)
