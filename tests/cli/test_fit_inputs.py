@@ -101,6 +101,10 @@ def test_dict_batches_train_a_model_that_computes_its_own_loss(tmp_path: Path) -
     # The model computed its own loss; its labels are one class per sample, so nothing can be shifted: accuracy.
     assert summary["eval"]["accuracy"] >= MIN_ACCURACY, summary["eval"]
     assert summary["eval"]["loss"] < 0.5 * summary["train_loss"] + 0.5 and summary["eval"]["loss"] < 0.5
+    # plan vs actual for a model of one's own (its class given): the model state planned is the one counted, but
+    # for AdamW's step counter of each of its 2 tensors (4 bytes each: the plan counts the moments)
+    record = summary["plan_vs_actual"]
+    assert record["predicted"]["model_state_bytes"] + 2 * 4 == record["actual"]["model_state_bytes"], record
 
 
 def test_unformatted_hugging_face_rows_of_python_lists_train(tmp_path: Path) -> None:

@@ -294,7 +294,9 @@ def test_calibrate_takes_the_runs_mfu_and_activations(tmp_path, capsys):
     ("cpu", ["the run was made on cpu, the plan is for h100", "fix: calibrate with runs on h100"]),
     ("h200", ["the run was made on h200, the plan is for h100", "--gpu h200"]),
     ("broken", ["cannot be read", "fix:"]),
-    ("own", ["has no plan_vs_actual", "fix: calibrate with runs of a built-in model"]),
+    ("none", ["has no plan_vs_actual", "fix: calibrate with runs of a built-in model"]),
+    ("own", ["a run of a model of one's own: its MFU and activations are its model's",
+             "fix: calibrate with runs of a built-in model"]),
 ])
 def test_calibrate_refuses_runs_it_cannot_use_in_one_line(kind, words, tmp_path, capsys):
     run = tmp_path / "run"
@@ -303,9 +305,14 @@ def test_calibrate_refuses_runs_it_cannot_use_in_one_line(kind, words, tmp_path,
     elif kind == "broken":
         run.mkdir()
         (run / "summary.json").write_text("{not json")
-    elif kind == "own":
+    elif kind == "none":
         run.mkdir()
         (run / "summary.json").write_text(json.dumps({"steps": 10}))
+    elif kind == "own":
+        _run_summary(run, accelerator="h100", mfu=0.4, planned=1, measured=1)
+        summary = json.loads((run / "summary.json").read_text())
+        summary["plan_vs_actual"]["model"] = "own"
+        (run / "summary.json").write_text(json.dumps(summary))
     assert main(["plan", "gpt-stdlib", "--gpu", "h100", "--calibrate", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and all(w in err[0] for w in words), err

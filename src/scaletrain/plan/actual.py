@@ -1,7 +1,8 @@
 """Plan vs actual: what ``scaletrain plan`` predicts for a run's own configuration, beside what the run
 measured, and the error (predicted / measured - 1).
 
-At the end of a run of a built-in model (log.plan_vs_actual), the plan for the run's own layout (its strategy,
+At the end of a run (log.plan_vs_actual), of a built-in model or of one's own (fit() given its class: plan/own.py's
+way), the plan for the run's own layout (its strategy,
 checkpointing mode, world size, per-rank batch and precision). On CUDA the planner measures the model's
 activations on fake tensors as `scaletrain plan` does, for this layout only (a fraction of a second); elsewhere
 the activations are not compared, so they are not planned, and the model state is planned from the run's own
@@ -42,7 +43,7 @@ def _error(predicted: float, actual: float) -> float | None:
     return predicted / actual - 1 if actual > 0 else None
 
 
-def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, target: Any,
+def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, target: Any,
                    module: nn.Module, *, device: torch.device, parallel: Layout, batch_size: int, accum_steps: int,
                    flops: float, state: dict[str, Any], peak_bytes: int, step_s: float | None,
                    mfu: float | None) -> dict[str, Any]:
@@ -50,13 +51,21 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: torch.T
     Layout; ``state``: metrics.jsonl's ``mem`` of the last log step (rank 0's model state by part);
     ``peak_bytes``: the largest rank's peak; ``step_s``: the steady-state time per optimizer step; ``mfu``: the
     run's, without recompute."""
+    from scaletrain.config import ModelConfig
     from scaletrain.observe.throughput import device_peak
     from scaletrain.plan.catalog import ACCELERATORS
-    from scaletrain.plan.estimate import ModelFacts, layout, layout_memory, measure_model, model_counts
+    from scaletrain.plan.estimate import OWN, ModelFacts, layout, layout_memory, measure_model, model_counts
 
     checkpointing, strategy, shard = cfg.memory.activation_checkpointing, parallel.strategy, parallel.dp_shard
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch_size))
-    if device.type == "cuda":
+    notes = []
+    if task == OWN:  # a model of one's own: no built-in model's key applies
+        cfg = dataclasses.replace(cfg, model=ModelConfig())
+    buildable = task != OWN or "build" in info
+    if device.type == "cuda" and not buildable:
+        notes.append("a model given built (not its class) cannot be built again on fake tensors: its activations "
+                     "and peak are not planned (fit(MyModel, ...) plans them)")
+    if device.type == "cuda" and buildable:
         facts = measure_model(cfg, task, info, sample, target=target, modes=(checkpointing,), sharded=(shard > 1,),
                               flops=flops)
     else:  # the run's own counts, which the model the config builds has too; activations not planned here
@@ -72,19 +81,18 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: torch.T
     predicted: dict[str, Any] = dict(zip(("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes",
                                           "fsdp_buffers_bytes"), parts))
     predicted.update(model_state_bytes=sum(parts[:3]), total_bytes=sum(parts))
-    if device.type != "cuda":  # not planned where not compared
+    if device.type != "cuda" or not buildable:  # not planned where not compared
         del predicted["activations_bytes"], predicted["total_bytes"]
     counted = sum(int(state.get(k, 0)) for k in ("params_bytes", "grads_bytes", "optim_bytes"))
     actual: dict[str, Any] = {"model_state_bytes": counted}
     error: dict[str, Any] = {"model_state": _error(predicted["model_state_bytes"], counted)}
-    notes = []
-    if device.type == "cuda" and parallel.pp > 1:  # a stage's in-flight micro-batches are planned by plan/parallel.py
+    if device.type == "cuda" and buildable and parallel.pp > 1:  # plan/parallel.py plans a stage's micro-batches
         del predicted["activations_bytes"], predicted["total_bytes"]
         notes.append("pipeline stages: peak memory and activations not compared (model state only)")
-    elif device.type == "cuda":
+    elif device.type == "cuda" and buildable:
         actual.update(peak_bytes=peak_bytes, activations_bytes=int(state.get("activations_bytes", 0)))
         error["peak"] = _error(predicted["total_bytes"], peak_bytes)
-    else:
+    elif device.type != "cuda":
         notes.append(f"peak memory and activations not compared on {device.type} (its resident set holds the "
                      "interpreter and the data too): model state only")
     if cfg.memory.cpu_offload and shard > 1:
@@ -102,7 +110,8 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: torch.T
         error["step_time"] = _error(lay.step_s, step_s)
     else:
         notes.append("step time not compared: the planner knows no peak FLOP/s for this device")
-    return {"layout": {"strategy": strategy, "checkpointing": checkpointing, "world_size": parallel.world_size,
+    return {"model": "own" if task == OWN else cfg.model.name,
+            "layout": {"strategy": strategy, "checkpointing": checkpointing, "world_size": parallel.world_size,
                        "batch_size": batch_size, "accum_steps": accum_steps, "precision": cfg.train.precision},
             "accelerator": acc.key if acc else None, "predicted": predicted, "actual": actual, "error": error,
             "notes": notes}
@@ -156,9 +165,12 @@ def calibrate(run_dirs: list[str], accelerator: str) -> Calibration:
             raise UserError(f"--calibrate {run}: {path} cannot be read ({err}); fix: {fix}") from None
         record = summary.get("plan_vs_actual") if isinstance(summary, dict) else None
         if not isinstance(record, dict) or "predicted" not in record:
-            raise UserError(f"--calibrate {run}: {path} has no plan_vs_actual (a model of one's own, an older run, "
-                            "or --log.plan_vs_actual=false); fix: calibrate with runs of a built-in model made by "
+            raise UserError(f"--calibrate {run}: {path} has no plan_vs_actual (an older run, or "
+                            "--log.plan_vs_actual=false); fix: calibrate with runs of a built-in model made by "
                             "this version")
+        if record.get("model") == "own":
+            raise UserError(f"--calibrate {run}: a run of a model of one's own: its MFU and activations are its "
+                            "model's, not a recipe's; fix: calibrate with runs of a built-in model")
         made_on = record.get("accelerator")
         if made_on != accelerator:
             where = made_on or summary.get("device", "a device the planner does not know")

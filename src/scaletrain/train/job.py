@@ -71,6 +71,8 @@ class Job:
     compiled: bool = False  # the model was given as torch.compile(model) returned it: compiled as train.compile does
     collate_fn: Callable[[list[Any]], Any] | None = None  # the user's (fit's collate_fn), else scaletrain's
     user_loss: bool = False  # loss_fn was given: how it lines logits up with targets is its own (a shift, a mask)
+    first: Batch | None = None  # a batch of the first training sample, on the host (plan vs actual measures it)
+    build: Callable[[], nn.Module] | None = None  # a model of one's own given as its class or a builder: builds it
     model: nn.Module | None = None  # what forward and backward go through (DDP-wrapped when world > 1)
     pipeline: PipelineRunner | None = None  # parallel.pp > 1: runs this rank's stage of every step
     scheduler: LambdaLR | None = None
@@ -328,12 +330,13 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     seed_all(cfg.run.seed)  # the same initial weights on every rank
     nnodes = max(1, rt.world_size // rt.local_world_size)
     deferred = model is None and _split_before_filled(cfg, rt.world_size, nnodes)
-    compiled = False
+    compiled, build = False, None
     if model is None:
         with torch.device("meta") if deferred else contextlib.nullcontext():
             module = build_model(cfg.model, splits.task, splits.info)
     else:
-        module, compiled = uncompiled(model if isinstance(model, nn.Module) else builder(model)())
+        build = None if isinstance(model, nn.Module) else builder(model)
+        module, compiled = uncompiled(model if build is None else build())
     if not deferred:
         refuse_unfilled(module)
         module.to(rt.device)
@@ -356,4 +359,4 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
                splits.eval, _checked(loss_fn) if loss_fn else _default_loss(cfg.train.compile, own_in_tuple), batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
                model_name=type(module).__name__, compiled=compiled, collate_fn=splits.collate_fn,
-               user_loss=loss_fn is not None)
+               user_loss=loss_fn is not None, first=one, build=build)

@@ -96,9 +96,10 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
                           "evaluates all of them")
 
 
-def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any]) -> dict[str, Any]:
+def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any], model_given: bool) -> dict[str, Any]:
     """plan/actual.py's record for this run, on every rank (each returns the summary)."""
     from scaletrain.plan.actual import plan_vs_actual
+    from scaletrain.plan.estimate import OWN
 
     rt, plan = job.rt, job.plan
     rate = summary["samples_per_s"]
@@ -108,7 +109,11 @@ def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any]) -> dict[s
 
         with torch.device("meta"):
             module = build_model(job.cfg.model, splits.task, splits.info)
-    return plan_vs_actual(job.cfg, splits.task, splits.info, *splits.train[0][:2], module, device=rt.device,
+    # a model of one's own: its first sample as fit() split it, and its class to build it on fake tensors (a model
+    # given built cannot be: the plan then has the model state only)
+    task, info, sample = (OWN, {"build": job.build} if job.build else {}, (job.first, None)) if model_given else \
+        (splits.task, splits.info, splits.train[0][:2])
+    return plan_vs_actual(job.cfg, task, info, *sample, module, device=rt.device,
                           parallel=job.layout, batch_size=plan.batch_size, accum_steps=plan.accum_steps, flops=job.flops,
                           state=summary["mem"], peak_bytes=summary["peak_mem_bytes"],
                           step_s=plan.global_batch / rate if rate else None, mfu=summary.get("hfu", summary.get("mfu")))
@@ -128,9 +133,10 @@ def _summarize(job: Job, splits: Splits, model_given: bool) -> Callable[[dict[st
                         "params": job.params, "strategy": job.strategy})
         if job.pipeline is not None:
             summary["pipeline"] = _pipeline_record(job)
-        # The planner builds the model the config names; the comparison needs a step counted in this process.
-        if job.cfg.log.plan_vs_actual and not model_given and "params_bytes" in summary["mem"]:
-            summary["plan_vs_actual"] = _plan_vs_actual(job, splits, summary)
+        # The comparison needs a step counted in this process. The planner builds the model the config names, or a
+        # model of one's own by the class (or function) fit() was given (plan/own.py's way).
+        if job.cfg.log.plan_vs_actual and "params_bytes" in summary["mem"]:
+            summary["plan_vs_actual"] = _plan_vs_actual(job, splits, summary, model_given)
         return summary
     return add
 
