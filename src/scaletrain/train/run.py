@@ -136,7 +136,15 @@ def _summarize(job: Job, splits: Splits, model_given: bool) -> Callable[[dict[st
         # The comparison needs a step counted in this process. The planner builds the model the config names, or a
         # model of one's own by the class (or function) fit() was given (plan/own.py's way).
         if job.cfg.log.plan_vs_actual and "params_bytes" in summary["mem"]:
-            summary["plan_vs_actual"] = _plan_vs_actual(job, splits, summary, model_given)
+            try:
+                summary["plan_vs_actual"] = _plan_vs_actual(job, splits, summary, model_given)
+            except Exception as err:  # a model of one's own that fake tensors cannot build: the run's outputs first
+                if not model_given or isinstance(err, Reported):
+                    raise
+                said = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                job.st.console.print(f"warning: plan vs actual not recorded: the model could not be measured on "
+                                     f"fake tensors ({type(err).__name__}: {said}); --log.plan_vs_actual=false "
+                                     "skips it")
         return summary
     return add
 
