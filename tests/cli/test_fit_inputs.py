@@ -5,7 +5,6 @@ not tensors, token ids; and the library path failing like the CLI (one line, exi
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from spawn_ranks import free_port
+from spawn_ranks import free_port, run_ranks
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -284,30 +283,22 @@ def test_parameters_without_a_gradient_under_ddp_are_named_in_one_line(tmp_path:
     assert (tmp_path / "b" / "summary.json").is_file()
 
 
-SWEEP = """
-import json, sys, torch, scaletrain
-x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0)); y = x[:, :4].argmax(1)
-dirs = []
-for lr in (0.1, 0.01):  # a small sweep: one fit() after another in one process
-    out = scaletrain.fit(lambda: torch.nn.Linear(8, 4), (x, y), argv=sys.argv[1:],
-                         config={"run.name": "sweep", "optim.lr": lr, "train.epochs": 1, "data.batch_size": 16,
-                                 "train.progress": False})
-    dirs.append(out["run_dir"])
-print("DIRS", json.dumps(dirs))
-"""
+def _sweep(rank: int, world: int, where: str) -> list[str]:
+    """A small sweep on every rank: one fit() after another in one process."""
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+    y = x[:, :4].argmax(1)
+    os.chdir(where)
+    return [scaletrain.fit(lambda: nn.Linear(8, 4), (x, y), argv=["--dist.timeout_s=60"],
+                           config={"run.name": "sweep", "optim.lr": lr, "train.epochs": 1, "data.batch_size": 16,
+                                   "train.progress": False})["run_dir"] for lr in (0.1, 0.01)]
 
 
 def test_fit_called_twice_on_two_ranks_trains_twice(tmp_path: Path) -> None:
-    """Two fit() calls in one 2-rank job: the second process group read the first one's Gloo addresses in the
-    agent's store (dead by then) and hung in init_process_group until dist.timeout_s, then a traceback. Each
-    group's keys now have a namespace of their own; each summary names its run directory."""
-    script = tmp_path / "sweep.py"
-    script.write_text(SWEEP)
-    done = subprocess.run([*SCALETRAIN, "launch", "--nproc", "2", str(script), "--dist.timeout_s=60"], check=False,
-                          capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    said = [json.loads(x[5:]) for x in done.stdout.splitlines() if x.startswith("DIRS")]  # by both ranks
-    assert said == [["runs/sweep", "runs/sweep-2"]] * 2, done.stdout[-2000:]
+    """Two fit() calls in one 2-rank job (ranks meeting in one store, as torchrun's agent's): the second process
+    group read the first one's Gloo addresses in the store (dead by then) and hung in init_process_group until
+    dist.timeout_s, then a traceback. Each group's keys now have a namespace of their own; each summary names
+    its run directory."""
+    assert run_ranks(_sweep, 2, str(tmp_path), timeout_s=120) == [["runs/sweep", "runs/sweep-2"]] * 2
     assert all((tmp_path / "runs" / name / "summary.json").is_file() for name in ("sweep", "sweep-2"))
 
 

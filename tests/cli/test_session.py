@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from spawn_ranks import run_ranks
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -168,36 +169,36 @@ def test_a_second_derivative_through_a_sharded_model_is_one_line(tmp_path: Path)
     assert said[0].endswith("fix: --parallel.strategy=ddp") and "Traceback" not in proc.stderr
 
 
-PARTS_CALLED = """
-import sys, torch, scaletrain
-from torch import nn
-
-class GAN(nn.Module):  # both nets in one module, called by part as many GAN repositories do
-    def __init__(self):
+class _GAN(nn.Module):  # both nets in one module, called by part as many GAN repositories do
+    def __init__(self) -> None:
         super().__init__()
         self.G, self.D = nn.Linear(4, 8), nn.Linear(8, 1)
 
-with scaletrain.session({"train.max_steps": 2}, argv=sys.argv[1:]) as st:
-    gan = GAN()
-    model, opt_d = st.setup(gan, lambda p: torch.optim.SGD(gan.D.parameters(), lr=0.1))
-    while not st.done:
-        with st.step():
-            loss = gan.D(gan.G(torch.randn(16, 4, device=st.device))).mean()  # gan, not model: no DDP
-            st.backward(loss); opt_d.step(); opt_d.zero_grad()
-"""
+
+def _parts_called(rank: int, world: int, where: str) -> str:
+    """What a loop calling the module it gave setup(), not the DDP model setup() returned, is told (as a rank)."""
+    try:
+        with scaletrain.session({"train.max_steps": 2, "run.dir": where}) as st:
+            gan = _GAN()
+            _wrapped, opt_d = st.setup(gan, lambda p: torch.optim.SGD(gan.D.parameters(), lr=0.1))  # not called
+            while not st.done:
+                with st.step():
+                    loss = gan.D(gan.G(torch.randn(16, 4))).mean()  # gan, not model: no DDP
+                    st.backward(loss)
+                    opt_d.step()
+                    opt_d.zero_grad()
+    except UserError as err:
+        return str(err)
+    return ""
 
 
 def test_parts_of_the_bare_model_called_under_ddp_are_one_line_not_ranks_drifting_apart(tmp_path: Path) -> None:
     """Calling the module given to setup() (or its parts) instead of the DDP model it returned computes gradients
     no all-reduce averages: the ranks trained apart in silence. Now its optimizer's first step says so."""
-    script = tmp_path / "parts.py"
-    script.write_text(PARTS_CALLED)
-    proc = _launch(tmp_path / "run", script=script, run=["--log.every=1"])
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    said = [line for line in proc.stderr.splitlines() if line.startswith("scaletrain:")]
-    assert len(said) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert said[0].startswith("scaletrain: error: session.setup(name='model0'): its optimizer is stepping, but the "
-                              "model setup() returned was not called since the last step") and "fix:" in said[0]
+    said = run_ranks(_parts_called, 2, str(tmp_path / "run"))
+    assert said[0] == said[1] and said[0].startswith(
+        "session.setup(name='model0'): its optimizer is stepping, but the model setup() returned was not called "
+        "since the last step") and "fix: call the model setup() returned" in said[0], said
 
 
 def _trace(run_dir: Path, rank: int) -> dict[Any, dict[str, Any]]:
