@@ -224,8 +224,13 @@ class Batch:
     kwargs: dict[str, Any]
     target: Any  # the loss's second argument; None when the batch has none
 
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], *, target: bool = True) -> Batch:
+        """The same batch with ``fn`` applied to every tensor of its inputs (and of its target, with ``target``)."""
+        return Batch(map_tensors(self.args, fn), map_tensors(self.kwargs, fn),
+                     map_tensors(self.target, fn) if target else self.target)
+
     def to(self, device: torch.device) -> Batch:
-        return Batch(to_device(self.args, device), to_device(self.kwargs, device), to_device(self.target, device))
+        return self.map(lambda t: t.to(device, non_blocking=True))
 
     def __call__(self, model: nn.Module) -> Any:
         return model(*self.args, **self.kwargs)

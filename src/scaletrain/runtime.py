@@ -256,9 +256,9 @@ def collective_failure(err: RuntimeError, rt: Runtime, step: int, timeout_s: int
                        run_dir: Path | None = None) -> Exception:
     """A failed or timed-out collective during ``step`` (0: before the first) becomes one line naming the ranks
     that did not answer (recording the step for a restarted group); any other error is returned as it is (raise
-    it bare, so its traceback stays the user's). With ``run_dir`` (and the
-    flight recorder on) this rank writes what it was doing and asks every other rank to (observe/flight.py),
-    waiting a few seconds for the silent ones' records."""
+    it bare, so its traceback stays the user's). With ``run_dir`` (and the flight recorder on) this rank writes
+    what it was doing and asks every other rank to (observe/flight.py), waiting a few seconds for the silent ones'
+    records."""
     text = str(err)
     looks = isinstance(err, dist.DistError) or any(
         s in text for s in ("gloo", "Gloo", "NCCL", "Timed out", "timed out", "Connection closed", "Connection reset"))
@@ -340,6 +340,19 @@ def rank0_decides(rt: Runtime, decide: Callable[[], T]) -> T:
     if isinstance(choice[0], Reported):
         raise choice[0]
     return choice[0]
+
+
+def rank0_values(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Rank 0's values of ``tensors`` (the same list on every rank), as new tensors: one broadcast per dtype, in
+    the same order on every rank. Collective: every rank of the default group calls it."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        at = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in at])
+        dist.broadcast(flat, src=0)
+        for i, part in zip(at, flat.split([tensors[i].numel() for i in at])):
+            out[i] = part.view_as(tensors[i])
+    return out
 
 
 def close(rt: Runtime) -> None:

@@ -182,8 +182,7 @@ def check_endpoint(cfg: DistConfig) -> None:
 
 
 def _free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
-        sock.bind((address, 0))
+    with _listening_socket(address, 0) as sock:
         return int(sock.getsockname()[1])
 
 

@@ -90,9 +90,9 @@ def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
 
 def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> UserError | None:
     """DDP's error about parameters that got no gradient in a backward of ``step`` (raised at the next forward, a
-    page of text) as one line naming them, or None for any other error. DDP numbers the parameters that require a gradient in the
-    module's order, each once; with several DDP models (a GAN) the error does not say which one, so the
-    names of each candidate are given."""
+    page of text) as one line naming them, or None for any other error. DDP numbers the parameters that require
+    a gradient in the module's order, each once; with several DDP models (a GAN) the error does not say which
+    one, so the names of each candidate are given."""
     text = str(err)
     if "Expected to have finished reduction in the prior iteration" not in text:
         return None

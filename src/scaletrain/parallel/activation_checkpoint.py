@@ -61,20 +61,18 @@ def _selective_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(policy)
 
 
-# Keyword arguments through which a Hugging Face block fills a key/value cache: a forward that updates a cache is
+# Arguments (besides use_cache) through which a Hugging Face block fills a key/value cache: a forward that updates a cache is
 # not the same forward when recomputed (checkpoint's "A different number of tensors was saved"), and training
 # reads no cache. transformers' own GradientCheckpointingLayer drops them the same way (transformers 5 names the
 # cache ``cache``, 4.x ``past_key_value(s)``, GPT-2 of old ``layer_past``); a block that only reads its cache
 # says so (_can_checkpoint_with_cache) and keeps it.
-_CACHE_KWARGS = {"use_cache": False, "cache": None, "past_key_value": None, "past_key_values": None,
-                 "layer_past": None}
+_CACHES = ("cache", "past_key_value", "past_key_values", "layer_past")
 
 
 def _checkpointed(block: nn.Module, selective: bool) -> Callable[..., Any]:
     forward = block.forward
     extra = {"context_fn": _selective_context} if selective else {}
-    caches = () if getattr(block, "_can_checkpoint_with_cache", False) else \
-        tuple(k for k, off in _CACHE_KWARGS.items() if off is None)
+    caches = () if getattr(block, "_can_checkpoint_with_cache", False) else _CACHES
     try:  # where a cache comes by position (GPT-2 passes its cache second)
         names = list(inspect.signature(forward).parameters)
     except (TypeError, ValueError):

@@ -2,11 +2,11 @@
 measured, and the error (predicted / measured - 1).
 
 At the end of a run (log.plan_vs_actual), of a built-in model or of one's own (fit() given its class: plan/own.py's
-way), the plan for the run's own layout (its strategy,
-checkpointing mode, world size, per-rank batch and precision). On CUDA the planner measures the model's
-activations on fake tensors as `scaletrain plan` does, for this layout only (a fraction of a second); elsewhere
-the activations are not compared, so they are not planned, and the model state is planned from the run's own
-parameter counts (the same counts the planner takes from the model the config builds). Compared:
+way), the plan for the run's own layout (its strategy, checkpointing mode, world size, per-rank batch and
+precision). On CUDA the planner measures the model's activations on fake tensors as `scaletrain plan` does, for
+this layout only (a fraction of a second); elsewhere the activations are not compared, so they are not planned,
+and the model state is planned from the run's own parameter counts (the same counts the planner takes from the
+model the config builds). Compared:
 
 - model state per rank (parameters, gradients, optimizer state): the planner's arithmetic against rank 0's
   tensors counted after the first step (observe.memory.model_state_bytes), on every device;

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from scaletrain.batch import Batch, map_tensors
+from scaletrain.batch import Batch
 from scaletrain.config import Config
 from scaletrain.observe.memory import (
     AUTOCAST_DTYPE,
@@ -404,9 +404,7 @@ def _fake_input(mode: FakeTensorMode, cfg: Config, sample: torch.Tensor | Batch,
     """``sample`` as a fake input: a batch of one with its targets for a GPT with model.loss=fused (it takes
     them in forward, and never keeps its logits); a model of one's own's Batch of one, every tensor faked."""
     if isinstance(sample, Batch):
-        def fake(tree: Any) -> Any:
-            return map_tensors(tree, mode.from_tensor)
-        return Batch(fake(sample.args), fake(sample.kwargs), fake(sample.target))
+        return sample.map(mode.from_tensor)
     fake_sample: torch.Tensor | Batch = mode.from_tensor(sample)
     if target is not None and cfg.model.name == "gpt" and cfg.model.loss == "fused":
         one, fake_target = fake_sample.unsqueeze(0), mode.from_tensor(target).unsqueeze(0)
@@ -425,9 +423,7 @@ def _step_bytes(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *, 
         if isinstance(sample, torch.Tensor) and sample.is_floating_point():
             sample = sample.to(dtype)
         elif isinstance(sample, Batch):  # FSDP's policy casts the floating inputs (cast_forward_inputs)
-            def cast(tree: Any) -> Any:
-                return map_tensors(tree, lambda t: t.to(dtype) if t.is_floating_point() else t)
-            sample = Batch(cast(sample.args), cast(sample.kwargs), sample.target)
+            sample = sample.map(lambda t: t.to(dtype) if t.is_floating_point() else t, target=False)
     if not kept:
         return estimate_activation_bytes(model, sample, batch, precision=precision, whole_step=True), None
     step = estimate_step(model, sample, batch, precision=precision)

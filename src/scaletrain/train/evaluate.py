@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from scaletrain import runtime
 from scaletrain.batch import IGNORE_INDEX, Batch, collate_one, logits_of, loss_of
 from scaletrain.data import eval_indices, eval_loader
 from scaletrain.parallel.tensor import loss_context, plain
@@ -67,13 +68,9 @@ def _rank0_buffers(job: Job) -> Iterator[None]:
         yield
         return
     saved = [b.detach().clone() for b in buffers]
-    for dtype in sorted({b.dtype for b in buffers}, key=str):  # the same order on every rank
-        same = [b for b in buffers if b.dtype == dtype]
-        flat = torch.cat([b.detach().reshape(-1) for b in same])
-        dist.broadcast(flat, src=0)
-        with torch.no_grad():
-            for b, part in zip(same, flat.split([b.numel() for b in same])):
-                b.copy_(part.view_as(b))
+    with torch.no_grad():
+        for b, rank0s in zip(buffers, runtime.rank0_values(buffers)):
+            b.copy_(rank0s)
     try:
         yield
     finally:

@@ -73,13 +73,19 @@ class Job:
     user_loss: bool = False  # loss_fn was given: how it lines logits up with targets is its own (a shift, a mask)
     first: Batch | None = None  # a batch of the first training sample, on the host (plan vs actual measures it)
     build: Callable[[], nn.Module] | None = None  # a model of one's own given as its class or a builder: builds it
-    model: nn.Module | None = None  # what forward and backward go through (DDP-wrapped when world > 1)
     pipeline: PipelineRunner | None = None  # parallel.pp > 1: runs this rank's stage of every step
     scheduler: LambdaLR | None = None
     loader: Loader | None = None
     st: Session | None = None
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_step: int = -1  # the step of the last evaluation
+
+    @property
+    def model(self) -> nn.Module | None:
+        """What forward and backward go through: the session's (DDP-wrapped when world > 1), read from it, so that
+        the session's close drops the wrapper, and the process group it holds, for good (a second reference here
+        kept it alive past destroy_process_group: Gloo's threads could then abort the process at exit)."""
+        return self.st._models[0].wrapped if self.st is not None and self.st._models else None
 
     @property
     def strategy(self) -> str:
@@ -115,7 +121,7 @@ class Job:
             raise UserError("log.grad_noise_scale compares the gradients of several ranks, or of the micro-batches "
                             "of one step: this run has one of each (one data-parallel rank, no accumulation); fix: "
                             "--nproc 2, or --train.accum_steps=2")
-        self.model, self.optimizer = st.setup(self.module, lambda params: build_optimizer(params, cfg.optim,
+        _, self.optimizer = st.setup(self.module, lambda params: build_optimizer(params, cfg.optim,
                                                                                           plan.peak_lr), name="model")
         if st._stage is not None:  # pp > 1: this rank's stage is the model it trains, evaluates and saves
             self.module = st._stage
@@ -236,7 +242,7 @@ def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any], None] | 
         doubles = any(t.dtype == torch.float64 for t in inputs) and torch.float64 not in params
         ints = next((t.dtype for t in inputs if not t.is_floating_point() and t.dtype != torch.bool), None)
         said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        mismatch = "same dtype" in said or "scalar type" in said or "dtype" in said.lower()
+        mismatch = "dtype" in said.lower() or "scalar type" in said
         if not params or not (doubles or (ints is not None and mismatch)):
             raise
         dtype = str(min(params, key=str)).removeprefix("torch.")
@@ -355,8 +361,9 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     if strategy != cfg.parallel.strategy:
         check_precision(cfg.train.precision, rt.device, strategy)
     layout = resolve_layout(cfg.parallel, cfg.memory, rt.world_size, nnodes, strategy=strategy)  # once, read below
+    loss = _checked(loss_fn) if loss_fn else _default_loss(cfg.train.compile, own_in_tuple)
     return Job(cfg, rt, plan, module, build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), splits.train,
-               splits.eval, _checked(loss_fn) if loss_fn else _default_loss(cfg.train.compile, own_in_tuple), batcher, layout, reason, flops=flops,
+               splits.eval, loss, batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
                model_name=type(module).__name__, compiled=compiled, collate_fn=splits.collate_fn,
                user_loss=loss_fn is not None, first=one, build=build)

@@ -411,7 +411,6 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         except Preempted as stop:
             outcome = INTERRUPTED if stop.record["reason"] == "chaos.interrupt_step" else PREEMPTED
             return {"stopped": outcome, **stop.record, "steps": stop.record["step"], "world_size": rt.world_size}
-        job.model = None  # its DDP wrapper holds the process group: dropped before close() destroys the group
         summary = st.close()
         _summary_table(summary, cfg.run_dir, console)
         return summary
@@ -428,12 +427,6 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         raise failure from err
     finally:
         preempt.uninstall()
-        if job is not None:
-            # The Job's DDP wrapper holds the process group, often in a reference cycle that only the interpreter's
-            # last collection frees, after destroy_process_group(): Gloo's threads then abort the process at exit
-            # ("terminate called without an active exception", SIGABRT, a fit() script's rank, rarely). Dropped
-            # here, before close() collects and destroys (runtime.close).
-            job.model = None
         if job is not None and job.st is not None:
             job.st.close(finished=False)  # after a failure: a save in flight completes; nothing when closed
         else:

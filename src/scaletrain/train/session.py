@@ -1322,9 +1322,8 @@ class _Trace(TraceFile):
             # between steps are never used, and a checkpoint (rank 0's) gives it rank 0's. The buffers the next
             # step runs with are rank 0's, on every layout alike: those are the state (a collective, as above)
             params = {name for name, _ in box.named_parameters()}
-            for name in sorted(k for k in weights if k not in params):
-                weights[name] = weights[name].detach().clone()
-                dist.broadcast(weights[name], src=0)
+            buffers = sorted(k for k in weights if k not in params)
+            weights.update(zip(buffers, runtime.rank0_values([weights[k] for k in buffers])))
         optims = {}
         for m in st._models:
             if not all(opt.state for opt in m.optimizers):  # reading it would initialize it (a zero step)
@@ -1435,12 +1434,10 @@ def resolve_config(config: Config | Mapping[str, Any] | str | None, argv: list[s
 
     cli = parse_overrides(argv or [])
     if isinstance(config, Config):
-        cfg = load(None, overrides=_flat(config), cli_overrides=cli) if cli else config
-    elif isinstance(config, str):
-        cfg = load(config, overrides=pinned, cli_overrides=cli)
-    else:
-        cfg = load(None, overrides={**defaults, **(config or {})}, cli_overrides=cli)
-    return cfg
+        return load(None, overrides=_flat(config), cli_overrides=cli) if cli else config
+    if isinstance(config, str):
+        return load(config, overrides=pinned, cli_overrides=cli)
+    return load(None, overrides={**defaults, **(config or {})}, cli_overrides=cli)
 
 
 def check_workers(cfg: Config) -> None:
