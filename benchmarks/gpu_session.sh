@@ -2,7 +2,7 @@
 # The GPU checks of one lent-GPU session, in priority order, each with its own time limit, results under $OUT.
 # Run on the device machine from the repository root: PYTHONPATH=src (tomli_w carried in .h4carry).
 # A device call runs at most 600 s, so run it in three: `bash benchmarks/gpu_session.sh 1 2 3 4 5`, then `... 8`,
-# then `... 9 10 11`, then `... 6 7` (no arguments: every step).
+# then `... 9 10 11`, then `... 6 7` (no arguments: every step; 12, the attention kernels, is named alone).
 set -u
 export PYTHONPATH=src:.h4carry PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -15,7 +15,7 @@ OFF="--model.loss=split --model.residual=fp32"  # the speed keys off (auto is on
 ON="--model.bias=false --model.loss=fused --model.residual=bf16"
 if on 1; then
 echo "== 1. the GPU path of the trainer (tests/unit/test_cuda.py: digits fp32, bf16-mixed, fp16-mixed; a session under fp16-mixed)"
-timeout 80 python -m pytest -q -p no:cacheprovider tests/unit/test_cuda.py 2>&1 | tail -4 | tee "$OUT/test_cuda.txt"
+timeout 120 python -m pytest -q -p no:cacheprovider tests/unit/test_cuda.py 2>&1 | tail -4 | tee "$OUT/test_cuda.txt"
 fi
 if on 2; then
 echo "== 2. throughput cpu vs cuda (the lecture's table)"
@@ -67,7 +67,8 @@ if on 8; then
 echo "== 8. issue 14: the trainer at GPT-2 124M (vocab 50304, seq 1024, bf16, compiled: the whole model and the loss"
 echo "   one graph), its speed keys off and on, beside gpu_mfu.py (a minimal hand-written loop of the same model) at"
 echo "   the same batch and flags, in one call: steady-state tokens/s, MFU, peak memory, plan vs actual, goodput"
-for run in "16 off" "16 default" "16 on" "64 on"; do  # default: auto (fused loss, bf16 residual on a GPU), biases
+IFS=, read -ra RUNS <<< "${RUNS:-16 off,16 default,16 on,64 on}"  # RUNS="64 default" bash ... 8: those alone
+for run in "${RUNS[@]}"; do  # default: auto (fused loss, bf16 residual on a GPU), biases
   set -- $run; name=keys-$2-b$1; keys=$([ "$2" = on ] && echo "$ON"; [ "$2" = off ] && echo "$OFF")
   timeout 200 python -m scaletrain train gpt-stdlib $GPT124 --data.batch_size=$1 --train.precision=bf16-mixed \
     --train.compile=true --train.max_steps=120 --log.every=20 --train.eval_batches=1 --train.progress=false \
@@ -77,6 +78,17 @@ for run in "16 off" "16 default" "16 on" "64 on"; do  # default: auto (fused los
     timeout 120 python benchmarks/gpu_mfu.py --shape 124m --no-bias --steps 30 --warmup 5 --residual bf16 --loss fused \
       --batch-size $1 2>&1 | grep -A1 "^124m"
   fi
+done
+fi
+if on 12; then
+echo "== 12. issue 14: the attention kernel through the trainer (--train.attention; auto = PyTorch's choice, cuDNN's on"
+echo "   Hopper, whose backward was 16% of a 124M step in RESULTS 5b): GPT-2 124M, batch 16, the trainer's defaults"
+for attention in auto flash efficient; do
+  name=att-$attention
+  timeout 150 python -m scaletrain train gpt-stdlib $GPT124 --data.batch_size=16 --train.precision=bf16-mixed \
+    --train.compile=true --train.max_steps=120 --log.every=20 --train.eval_batches=1 --train.progress=false \
+    --train.attention=$attention --run.dir="/tmp/$name" > "/tmp/$name.txt" 2>&1 || tail -5 "/tmp/$name.txt"
+  python benchmarks/summary_line.py "/tmp/$name/summary.json" "$name"
 done
 fi
 if on 9; then
@@ -107,3 +119,7 @@ echo "   124M with biases, bf16, compiled, fused AdamW; the trainer with its def
 timeout 330 python benchmarks/peers/run.py --job gpt2-124m --nproc 1 --impls ddp,scaletrain --device cuda \
   --steps 60 --log-every 10 --rounds ${ROUNDS:-3} --json "$OUT/peers-cuda-124m.json" 2>&1 | tail -12
 fi
+# every run's summary, metrics and config in one file (a device call brings back at most 8): plan --calibrate,
+# the steady-state and goodput checks read them here afterwards
+(cd /tmp && find keys-* key-* 1b-* att-* -maxdepth 1 \( -name summary.json -o -name metrics.jsonl -o -name '*.toml' \) \
+  2>/dev/null | tar czf "$OUT/runs.tgz" -T -) || true

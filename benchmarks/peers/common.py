@@ -52,6 +52,8 @@ if JOB in GPT_JOBS:
                                  "model.n_embd": N_EMBD, "model.vocab_size": VOCAB})
 if FAST:  # the trainer with its defaults on a GPU (model.loss and model.residual auto: fused, bf16); biases kept
     SCALETRAIN_OVERRIDES.update({"train.precision": "bf16-mixed", "train.compile": "true", "model.bias": "true"})
+# SCALETRAIN_PEERS_KEYS="train.attention=flash ...": more of the trainer's keys, to measure one against its default
+SCALETRAIN_OVERRIDES.update(kv.split("=", 1) for kv in os.environ.get("SCALETRAIN_PEERS_KEYS", "").split())
 
 
 def parse_args() -> argparse.Namespace:

@@ -352,6 +352,8 @@ class TrainConfig:
     """CUDA: let fp32 matmuls and convolutions use TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32, cudnn.allow_tf32), as PyTorch recommends on Ampere and newer; false = full fp32."""
     compile: bool = False
     """Compile the model with torch.compile before wrapping it for data parallelism."""
+    attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    """CUDA: which kernel scaled_dot_product_attention runs (the built-in GPT and Llama, and a model of one's own that calls it): auto (PyTorch's choice: cuDNN's on an H100), or flash (FlashAttention-2), cudnn, efficient (memory-efficient) or math, with math kept as the fallback for inputs the chosen kernel cannot take. Same results within rounding; the speed differs (benchmarks/RESULTS.md 5d)."""
     eval_every: Annotated[int, Range(0, most=I64)] = 0
     """Evaluate every this many optimizer steps (0 = at the end of every epoch, and at the end)."""
     eval_batches: Annotated[int, Range(0, most=I64)] = 100

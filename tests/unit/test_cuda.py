@@ -55,3 +55,23 @@ def test_a_session_under_fp16_scales_steps_and_refuses_a_bare_step(tmp_path):
             opt.step()
     trainer = (tmp_path / "fp16" / "checkpoints" / "step-00000040" / "trainer.json").read_text()
     assert '"scaler"' in trainer and '"scale"' in trainer
+
+
+@pytest.mark.parametrize("attention", ["flash", "efficient"])
+def test_train_attention_picks_the_kernel_and_keeps_the_losses(attention, tmp_path):
+    """The same bf16 GPT steps under PyTorch's choice and under another kernel: the chosen kernel is the one
+    that ran (the profiler's op names) and the losses agree to bf16's rounding."""
+    from torch.profiler import ProfilerActivity, profile
+
+    base = {"train.precision": "bf16-mixed", "train.max_steps": 6, "log.every": 3, "train.progress": False,
+            "train.eval_batches": 1, "data.batch_size": 8}
+    auto = run(load("gpt-stdlib", {**base, "run.dir": str(tmp_path / "auto")}))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        chosen = run(load("gpt-stdlib", {**base, "run.dir": str(tmp_path / attention), "train.attention": attention}))
+    torch.backends.cuda.enable_cudnn_sdp(True)  # back to PyTorch's choice for the tests after this one
+    torch.backends.cuda.enable_flash_sdp(True)
+    torch.backends.cuda.enable_mem_efficient_sdp(True)
+    names = {e.key for e in prof.key_averages()}
+    assert f"aten::_scaled_dot_product_{'flash' if attention == 'flash' else 'efficient'}_attention" in names
+    assert "aten::_scaled_dot_product_cudnn_attention" not in names
+    assert chosen["eval"]["loss"] == pytest.approx(auto["eval"]["loss"], rel=2e-2)

@@ -24,7 +24,7 @@ from scaletrain.observe.memory import estimate_activation_bytes, model_state_byt
 from scaletrain.observe.throughput import device_peak
 from scaletrain.plan.catalog import ACCELERATORS
 from scaletrain.plan.estimate import layout, make_plan, measure_model
-from scaletrain.train.precision import set_tf32
+from scaletrain.train.precision import set_attention, set_tf32
 
 SMALL = {"data.batch_size": 3, "data.seq_len": 64, "model.n_layer": 2, "model.n_embd": 64, "model.n_head": 4}
 BIG = {"model.n_layer": 32, "model.n_embd": 4096, "model.n_head": 32, "model.vocab_size": 50304,
@@ -224,6 +224,25 @@ def test_set_tf32_sets_cudas_flags_and_leaves_a_cpus_alone():
     finally:
         for f, value in zip(flags, saved):
             f.allow_tf32 = value
+
+
+def test_train_attention_leaves_one_kernel_and_math_and_auto_leaves_the_flags():
+    b = torch.backends.cuda
+    getters = (b.flash_sdp_enabled, b.cudnn_sdp_enabled, b.mem_efficient_sdp_enabled, b.math_sdp_enabled)
+    setters = (b.enable_flash_sdp, b.enable_cudnn_sdp, b.enable_mem_efficient_sdp, b.enable_math_sdp)
+    saved = [g() for g in getters]
+    cuda = torch.device("cuda", 0)  # process-wide flags, settable without a GPU
+    try:
+        for choice, expected in {"flash": [True, False, False, True], "cudnn": [False, True, False, True],
+                                 "efficient": [False, False, True, True], "math": [False, False, False, True]}.items():
+            set_attention(choice, cuda)
+            assert [g() for g in getters] == expected, choice
+        set_attention("auto", cuda)  # a user's own setting (here: math only) stays
+        set_attention("flash", torch.device("cpu"))
+        assert [g() for g in getters] == [False, False, False, True]
+    finally:
+        for s, value in zip(setters, saved):
+            s(value)
 
 
 def test_the_output_fits_80_columns_and_wide_has_the_whole_table(capsys):

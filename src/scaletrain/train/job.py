@@ -39,7 +39,7 @@ from scaletrain.parallel.tensor import loss_context, plain
 from scaletrain.runtime import Runtime, seed_all, set_deterministic
 from scaletrain.train.batching import BatchPlan, plan_batches
 from scaletrain.train.lr import build_scheduler
-from scaletrain.train.precision import check_precision, set_tf32
+from scaletrain.train.precision import check_precision, set_attention, set_tf32
 from scaletrain.train.state import load_scheduler_tree, scheduler_tree
 
 if TYPE_CHECKING:
@@ -330,6 +330,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     # refuses fp16).
     check_precision(cfg.train.precision, rt.device, cfg.parallel.strategy)
     set_tf32(cfg.train.tf32, rt.device)
+    set_attention(cfg.train.attention, rt.device)
     plan = plan_batches(cfg, rt.world_size, train_size(splits.train), resume)
     check_pipeline(cfg.parallel, plan.batch_size)  # fit() too: its micro-batches split the batch evenly
     set_deterministic(cfg.train.deterministic)

@@ -58,3 +58,18 @@ def set_tf32(on: bool, device: torch.device) -> None:
         return
     torch.backends.cuda.matmul.allow_tf32 = on
     torch.backends.cudnn.allow_tf32 = on
+
+
+# train.attention -> the name in torch.backends.cuda.enable_<name>_sdp
+_SDPA = {"flash": "flash", "cudnn": "cudnn", "efficient": "mem_efficient"}
+
+
+def set_attention(choice: str, device: torch.device) -> None:
+    """train.attention for this process: only the chosen scaled_dot_product_attention kernel, and math (the
+    fallback PyTorch takes for inputs the kernel cannot take: fp32 under flash, say). ``auto`` leaves
+    PyTorch's flags as they are (a user's own setting too), and so does a CPU, whose kernels these are not."""
+    if device.type != "cuda" or choice == "auto":
+        return
+    for key, name in _SDPA.items():
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(key == choice)
+    torch.backends.cuda.enable_math_sdp(True)
