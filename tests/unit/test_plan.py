@@ -23,7 +23,7 @@ from scaletrain.models import build_model
 from scaletrain.observe.memory import estimate_activation_bytes, model_state_bytes
 from scaletrain.observe.throughput import device_peak
 from scaletrain.plan.catalog import ACCELERATORS
-from scaletrain.plan.estimate import layout, make_plan, measure_model
+from scaletrain.plan.estimate import ModelFacts, layout, layout_memory, make_plan, measure_model
 from scaletrain.train.precision import set_attention, set_tf32
 
 SMALL = {"data.batch_size": 3, "data.seq_len": 64, "model.n_layer": 2, "model.n_embd": 64, "model.n_head": 4}
@@ -274,11 +274,13 @@ def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     assert len(err) == 1 and all(w in err[0] for w in words), err
 
 
-def _run_summary(run_dir, *, accelerator: str | None, mfu: float | None, planned: int, measured: int) -> str:
+def _run_summary(run_dir, *, accelerator: str | None, mfu: float | None, planned: int, measured: int,
+                 compile_ratio: float | None = None) -> str:
     """A finished run's summary.json as train/run.py writes it: its MFU and its plan_vs_actual record."""
     run_dir.mkdir(parents=True)
     record = {"layout": {"strategy": "ddp"}, "accelerator": accelerator,
-              "predicted": {"activations_bytes": planned, "total_bytes": planned + 10**9},
+              "predicted": {"activations_bytes": planned, "total_bytes": planned + 10**9,
+                            **({"compile_ratio": compile_ratio} if compile_ratio is not None else {})},
               "actual": {"activations_bytes": measured}, "error": {}, "notes": []}
     summary = {"device": "cuda:0" if accelerator else "cpu", "plan_vs_actual": record,
                **({"mfu": mfu} if mfu is not None else {})}
@@ -296,8 +298,8 @@ def test_calibrate_takes_the_runs_mfu_and_activations(tmp_path, capsys):
     cal = tmp_path / "cal.json"
     _plan_text(["gpt-stdlib", "--gpu", "h100", *small, "--json", str(base)], capsys)
     text = _plan_text(["gpt-stdlib", "--gpu", "h100", *small, "--json", str(cal), "--calibrate", *runs], capsys)
-    assert "calibrated from 3 run(s): MFU 0.33 (the runs' steady state), activations x1.2 (measured / planned)" \
-        in " ".join(text.split()), text
+    assert "calibrated from 3 run(s): MFU 0.33 (the runs' steady state), activations x1.2 (measured / planned " \
+        "eagerly)" in " ".join(text.split()), text
     a, b = json.loads(base.read_text()), json.loads(cal.read_text())
     assert b["mfu_assumed"] == pytest.approx(0.33) and a["mfu_assumed"] == 0.30  # the eager default on an h100
     for before, after in zip(a["layouts"], b["layouts"]):
@@ -306,6 +308,22 @@ def test_calibrate_takes_the_runs_mfu_and_activations(tmp_path, capsys):
         assert after["params_bytes"] == before["params_bytes"]
     explicit = _plan_text(["gpt-stdlib", "--gpu", "h100", *small, "--mfu", "0.5", "--calibrate", *runs], capsys)
     assert "MFU 0.5 given (its own layout, whole steps)" in " ".join(explicit.split())
+
+
+def test_calibrating_with_a_compiled_run_replaces_compiles_ratio_and_does_not_multiply_it(tmp_path, capsys):
+    """A compiled run records the compile ratio its plan used (0.5 here: eagerly 2 GB planned, 1 GB); measured
+    1.2 GB is 0.6 of the eager plan, whatever ratio the catalog holds when the plan is made: the calibrated plan
+    is the eager plan times 0.6, not the catalog's compiled plan times 1.2."""
+    run = _run_summary(tmp_path / "r", accelerator="h100", mfu=0.4, planned=10**9, measured=int(1.2e9),
+                       compile_ratio=0.5)
+    small = [f"--{k}={v}" for k, v in SMALL.items()] + ["--model.loss=split", "--model.residual=fp32"]  # as compiled
+    eager, cal = tmp_path / "eager.json", tmp_path / "cal.json"
+    _plan_text(["gpt-stdlib", "--gpu", "h100", *small, "--json", str(eager)], capsys)
+    text = _plan_text(["gpt-stdlib", "--gpu", "h100", *small, "--train.compile=true", "--json", str(cal),
+                       "--calibrate", run], capsys)
+    assert "activations x0.6 (measured / planned eagerly)" in " ".join(text.split()), text
+    for before, after in zip(json.loads(eager.read_text())["layouts"], json.loads(cal.read_text())["layouts"]):
+        assert after["activations_bytes"] == pytest.approx(before["activations_bytes"] * 0.6, rel=1e-6, abs=2)
 
 
 @pytest.mark.parametrize("kind, words", [
@@ -368,6 +386,9 @@ def test_the_default_mfu_is_the_nearest_measured_run_and_says_which(capsys):
     assert default_mfu("h200", compiled=True, params=124e6)[0] == 0.41
     assert default_mfu("h100", compiled=True, params=3e9)[0] == 0.50  # nearer 1B than 124M
     assert default_mfu("h100", compiled=True, params=300e6)[0] == 0.41
+    assert default_mfu("h200", compiled=True, params=124e6, tokens=16 * 1024)[0] == 0.41
+    assert default_mfu("h200", compiled=True, params=124e6, tokens=48 * 1024)[0] == 0.465  # nearer 64 than 16
+    assert default_mfu("h200", compiled=True, params=1e9, tokens=64 * 1024)[0] == 0.50  # size first
     mfu, source = default_mfu("l4", compiled=True, params=1e9)
     assert mfu == 0.40 and source.startswith("not measured on l4") and "--calibrate" in source
     text = " ".join(_plan_text(["gpt-stdlib", "--gpu", "h100", "--train.compile=true",
@@ -376,11 +397,13 @@ def test_the_default_mfu_is_the_nearest_measured_run_and_says_which(capsys):
         "compiled" in text
 
 
-@pytest.mark.parametrize("loss, whole, sharded", [("split", 0.55, 1.0), ("fused", 0.37, 0.80)])
+@pytest.mark.parametrize("loss, whole, sharded", [("split", 0.55, 1.0), ("fused", 0.42, 0.86)])
 def test_compiled_activations_are_the_eager_measurement_times_the_measured_ratio(loss, whole, sharded):
     """train.compile: the built-in GPT's activations are planned as the eager (fake-tensor) measurement times
-    the ratio measured on an H100 for its compile scope (whole graph for DDP, block by block for FSDP) and
-    loss, nearest in size (plan/catalog.py COMPILED_ACTIVATIONS); split block by block was not measured: eager."""
+    the ratio measured on a GPU for its compile scope (whole graph for DDP, block by block for FSDP) and loss,
+    nearest in size, then the same model.bias (plan/catalog.py COMPILED_ACTIVATIONS; SMALL has biases: the
+    124M one with biases whole, the ~1B one without block by block); split block by block was not measured:
+    eager."""
     eager_cfg = load("gpt-stdlib", {**{k: str(v) for k, v in SMALL.items()}, "model.loss": loss})
     splits = build_splits(eager_cfg.data, eager_cfg.model)
     sample, target = splits.train[0][0], splits.train[0][1]
@@ -392,3 +415,15 @@ def test_compiled_activations_are_the_eager_measurement_times_the_measured_ratio
         ratio = sharded if key.startswith("sharded-") else whole
         assert compiled.activations[key] == round(value * ratio), key
     assert compiled.params == eager.params and compiled.flops_per_sample == eager.flops_per_sample
+
+
+def test_fsdp_on_one_rank_is_planned_with_fsdps_activations_and_no_buffers():
+    """--parallel.strategy=fsdp on one GPU still runs FSDP (bf16 parameters, compiled block by block), so its
+    plan vs actual reads the FSDP measurement (an H200 run planned the DDP one: -14% peak); nothing is
+    all-gathered at one rank, so no buffers."""
+    facts = ModelFacts(params=1000, trainable=1000, largest_unit=100, units=10, flops_per_sample=1.0,
+                       tokens_per_sample=0, activations={"none": 7000, "sharded-none": 5000})
+    kw = {"precision": "bf16-mixed", "optimizer": "adamw"}
+    assert layout_memory(facts, "ddp", "none", shard=1, **kw) == (4000, 4000, 8000, 7000, 0)
+    assert layout_memory(facts, "fsdp", "none", shard=1, **kw) == (4000, 4000, 8000, 5000, 0)
+    assert layout_memory(facts, "fsdp", "none", shard=2, **kw) == (2000, 2000, 4000, 5000, 100 * (2 * 2 + 4))

@@ -259,6 +259,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.plan.estimate import (
         AC_PLANNED,
         AC_SEARCHED,
+        compile_ratio,
         make_plan,
         measure_model,
         steps_for_tokens,
@@ -295,13 +296,14 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         total_steps = steps_for_tokens(tokens, batches.global_batch, facts.tokens_per_sample)
     source = ""
     if args.mfu is None:
-        mfu, source = default_mfu(acc.key, compiled=cfg.train.compile, params=facts.params)
+        mfu, source = default_mfu(acc.key, compiled=cfg.train.compile, params=facts.params,
+                                  tokens=cfg.data.batch_size * facts.tokens_per_sample)
     if calibration is not None:
         if calibration.mfu is not None and args.mfu is None:  # an explicit --mfu wins
             mfu, source = calibration.mfu, "the calibrating runs'"
         if calibration.activations is not None:
-            scale = calibration.activations
-            facts = facts.scaled(lambda key: scale)
+            scale = calibration.activations  # in place of compile's ratio: the eager plan times the runs' own
+            facts = facts.scaled(lambda key: scale / compile_ratio(cfg, facts.params, key))
     if shape is not None and cfg.parallel.microbatches:
         print(f"scaletrain: warning: parallel.microbatches = {cfg.parallel.microbatches} ignored by the plan: it "
               "holds the global batch and splits it into micro-batches of data.batch_size samples (the m column)",

@@ -54,7 +54,15 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
     from scaletrain.config import ModelConfig
     from scaletrain.observe.throughput import device_peak
     from scaletrain.plan.catalog import ACCELERATORS
-    from scaletrain.plan.estimate import OWN, ModelFacts, layout, layout_memory, measure_model, model_counts
+    from scaletrain.plan.estimate import (
+        OWN,
+        ModelFacts,
+        compile_ratio,
+        layout,
+        layout_memory,
+        measure_model,
+        model_counts,
+    )
 
     checkpointing, strategy, shard = cfg.memory.activation_checkpointing, parallel.strategy, parallel.dp_shard
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch_size))
@@ -66,8 +74,8 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
         notes.append("a model given built (not its class) cannot be built again on fake tensors: its activations "
                      "and peak are not planned (fit(MyModel, ...) plans them)")
     if device.type == "cuda" and buildable:
-        facts = measure_model(cfg, task, info, sample, target=target, modes=(checkpointing,), sharded=(shard > 1,),
-                              flops=flops)
+        facts = measure_model(cfg, task, info, sample, target=target, modes=(checkpointing,),
+                              sharded=(parallel.sharded,), flops=flops)  # FSDP on one rank too (layout_memory)
     else:  # the run's own counts, which the model the config builds has too; activations not planned here
         facts = ModelFacts(*model_counts(module, cfg.parallel.fsdp_units), flops_per_sample=flops,
                            tokens_per_sample=0, activations={checkpointing: 0, f"sharded-{checkpointing}": 0})
@@ -80,14 +88,15 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
         parts = (*(round(p * share) for p in parts[:3]), *parts[3:])
     predicted: dict[str, Any] = dict(zip(("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes",
                                           "fsdp_buffers_bytes"), parts))
-    predicted.update(model_state_bytes=sum(parts[:3]), total_bytes=sum(parts))
+    predicted.update(model_state_bytes=sum(parts[:3]), total_bytes=sum(parts),
+                     compile_ratio=compile_ratio(cfg, facts.params, _key(strategy, checkpointing)))
     if device.type != "cuda" or not buildable:  # not planned where not compared
-        del predicted["activations_bytes"], predicted["total_bytes"]
+        del predicted["activations_bytes"], predicted["total_bytes"], predicted["compile_ratio"]
     counted = sum(int(state.get(k, 0)) for k in ("params_bytes", "grads_bytes", "optim_bytes"))
     actual: dict[str, Any] = {"model_state_bytes": counted}
     error: dict[str, Any] = {"model_state": _error(predicted["model_state_bytes"], counted)}
     if device.type == "cuda" and buildable and parallel.pp > 1:  # plan/parallel.py plans a stage's micro-batches
-        del predicted["activations_bytes"], predicted["total_bytes"]
+        del predicted["activations_bytes"], predicted["total_bytes"], predicted["compile_ratio"]
         notes.append("pipeline stages: peak memory and activations not compared (model state only)")
     elif device.type == "cuda" and buildable:
         actual.update(peak_bytes=peak_bytes, activations_bytes=int(state.get("activations_bytes", 0)))
@@ -117,6 +126,11 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
             "notes": notes}
 
 
+def _key(strategy: str, checkpointing: str) -> str:
+    """ModelFacts' activation key of a layout (layout_memory's: FSDP's on any number of ranks)."""
+    return checkpointing if strategy == "ddp" else f"sharded-{checkpointing}"
+
+
 def describe(record: dict[str, Any]) -> str:
     """One line for the summary table: each compared quantity, planned against measured, and the error."""
     from scaletrain.observe.memory import fmt_bytes
@@ -137,15 +151,17 @@ def describe(record: dict[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """What ``plan --calibrate`` takes from runs: the MFU they reached and measured / planned activations."""
+    """What ``plan --calibrate`` takes from runs: the MFU they reached and measured / eagerly planned
+    activations."""
 
     runs: int
     mfu: float | None
-    activations: float | None  # the factor the planned activations are multiplied by
+    activations: float | None  # measured / planned eagerly: what the eager plan is multiplied by (compile's
+    # ratio replaced by the runs' own, so a run planned with older ratios calibrates the same)
 
     def describe(self) -> str:
         parts = [f"MFU {self.mfu:.3g} (the runs' steady state)" if self.mfu else "",
-                 f"activations x{self.activations:.3g} (measured / planned)" if self.activations else ""]
+                 f"activations x{self.activations:.3g} (measured / planned eagerly)" if self.activations else ""]
         return f"calibrated from {self.runs} run(s): " + ", ".join(p for p in parts if p)
 
 
@@ -181,7 +197,8 @@ def calibrate(run_dirs: list[str], accelerator: str) -> Calibration:
             mfu = summary.get("hfu", summary.get("mfu"))  # with full checkpointing: as if without recompute
             if mfu is not None and 0 < float(mfu) <= 1:
                 mfus.append(float(mfu))
-            planned = float(record["predicted"].get("activations_bytes") or 0)
+            planned = float(record["predicted"].get("activations_bytes") or 0) \
+                / float(record["predicted"].get("compile_ratio") or 1.0)  # eagerly
             measured = float(record["actual"].get("activations_bytes") or 0)
         except (AttributeError, TypeError, ValueError) as err:
             raise UserError(f"--calibrate {run}: {path} is not a summary this version wrote ({err}); fix: {fix}") \

@@ -50,19 +50,24 @@ class MeasuredMfu:
     accelerators: tuple[str, ...]  # the catalog keys it stands for (the H200 computes at the H100's peak)
     compiled: bool  # train.compile
     params: float  # the model's parameters
+    tokens: int  # tokens per GPU per step (a larger batch keeps the GPU busier: 41% at 16 x 1024, 46.5% at 64)
     mfu: float
     source: str
 
 
 # The default MFU of a plan (--mfu and --calibrate replace it): the measured run on the same accelerator with the
-# same train.compile nearest in size (log scale); where none was measured, FALLBACK_MFU, said as assumed.
+# same train.compile nearest in size (log scale), then nearest in tokens per GPU step; where none was measured,
+# FALLBACK_MFU, said as assumed.
 DEFAULT_MFU = (
-    MeasuredMfu(("h100", "h200"), False, 85e6, 0.30, "GPT-2 124M shape (byte vocabulary) through scaletrain train, "
-                "eager: ~30% in steady state (benchmarks/RESULTS.md 5b)"),
-    MeasuredMfu(("h100", "h200"), True, 124e6, 0.41, "GPT-2 124M through scaletrain train, compiled, its defaults: "
-                "41.1% in steady state at batch 16 (benchmarks/RESULTS.md 5d)"),
-    MeasuredMfu(("h100", "h200"), True, 1.1e9, 0.50, "a ~1B GPT through scaletrain train, compiled: 49.2% compiled "
-                "block by block as FSDP runs, 55.2% compiled whole (benchmarks/RESULTS.md 5d)"),
+    MeasuredMfu(("h100", "h200"), False, 85e6, 16 * 1024, 0.30, "GPT-2 124M shape (byte vocabulary) through "
+                "scaletrain train, eager: ~30% in steady state (benchmarks/RESULTS.md 5b)"),
+    MeasuredMfu(("h100", "h200"), True, 124e6, 16 * 1024, 0.41, "GPT-2 124M through scaletrain train, compiled, "
+                "its defaults, batch 16: 41.1% (H100), 40.9% (H200) in steady state (benchmarks/RESULTS.md 5d, 5e)"),
+    MeasuredMfu(("h100", "h200"), True, 124e6, 64 * 1024, 0.465, "GPT-2 124M through scaletrain train, compiled, "
+                "batch 64: 46.5% (H200, its defaults), 46.7% (H100, no biases) (benchmarks/RESULTS.md 5d, 5e)"),
+    MeasuredMfu(("h100", "h200"), True, 1.1e9, 16 * 1024, 0.50, "a ~1B GPT through scaletrain train, compiled, "
+                "batch 16: 49.2-50.5% compiled block by block as FSDP runs, 55.2-55.9% compiled whole "
+                "(benchmarks/RESULTS.md 5d, 5e)"),
 )
 FALLBACK_MFU = 0.40
 
@@ -74,37 +79,52 @@ class CompiledActivations:
 
     whole: bool  # compiled as one graph (DDP, one process) or block by block (FSDP)
     loss: str  # model.loss: split or fused
+    bias: bool  # model.bias: with biases inductor keeps more (0.40-0.43 against 0.36-0.38 at 124M, fused)
     params: float  # the model's parameters
-    ratio: float  # measured / planned eagerly
+    ratio: float  # measured / planned eagerly (for FSDP: its bf16 parameters' eager measurement)
     source: str
 
 
-# The built-in GPT's compiled activations, bf16-mixed on an H100 (benchmarks/RESULTS.md 5d): the ratio of the
-# nearest measured run in size with the same compile scope and loss; another model is planned eagerly (an
-# overestimate under compile, which --calibrate with one's own runs corrects).
+# The built-in GPT's compiled activations, bf16-mixed (benchmarks/RESULTS.md 5d, 5e): the ratio of the nearest
+# measured run in size with the same compile scope and loss, and of those the one with the same model.bias;
+# another model is planned eagerly (an overestimate under compile, which --calibrate with one's own runs corrects).
 COMPILED_ACTIVATIONS = (
-    CompiledActivations(True, "split", 124e6, 0.55, "GPT-2 124M compiled whole, split loss: 0.533-0.552"),
-    CompiledActivations(True, "fused", 124e6, 0.37, "GPT-2 124M compiled whole, fused loss: 0.361-0.395"),
-    CompiledActivations(True, "fused", 1.1e9, 0.62, "a ~1B GPT compiled whole, fused loss: 0.625"),
-    CompiledActivations(False, "fused", 1.1e9, 0.80, "a ~1B GPT compiled block by block, fused loss: 0.804"),
+    CompiledActivations(True, "split", True, 124e6, 0.55, "H100, GPT-2 124M compiled whole, split loss: 0.533-0.552"),
+    CompiledActivations(True, "fused", False, 124e6, 0.37,
+                        "H100, GPT-2 124M without biases compiled whole, fused loss: 0.361-0.395"),
+    CompiledActivations(True, "fused", True, 124e6, 0.42,
+                        "H200, GPT-2 124M (its biases) compiled whole, fused loss: 0.404 (batch 16), 0.428 (64)"),
+    CompiledActivations(True, "fused", False, 1.1e9, 0.63,
+                        "a ~1B GPT without biases compiled whole, fused loss: 0.625 (H100), 0.630 (H200)"),
+    CompiledActivations(False, "fused", False, 1.1e9, 0.86,
+                        "a ~1B GPT without biases compiled block by block under FSDP, fused loss: 0.857 (H100 "
+                        "and H200: 26.04 GB of 30.37 GB planned eagerly)"),
 )
 
 
-def compiled_activations(*, whole: bool, loss: str, params: float) -> CompiledActivations | None:
-    """The measured ratio nearest in size (log scale) with this compile scope and loss; None where none."""
+def compiled_activations(*, whole: bool, loss: str, bias: bool, params: float) -> CompiledActivations | None:
+    """The measured ratio nearest in size (log scale) with this compile scope and loss, the same model.bias
+    first among runs of one size; None where none."""
     import math
 
     runs = [m for m in COMPILED_ACTIVATIONS if m.whole == whole and m.loss == loss]
-    return min(runs, key=lambda m: abs(math.log(max(params, 1.0) / m.params))) if runs else None
+    return min(runs, key=lambda m: (round(abs(math.log(max(params, 1.0) / m.params)), 6), m.bias != bias)) \
+        if runs else None
 
 
-def default_mfu(accelerator: str, *, compiled: bool, params: float) -> tuple[float, str]:
-    """(MFU, where it comes from) for a plan on ``accelerator`` of a model of ``params`` parameters."""
+def default_mfu(accelerator: str, *, compiled: bool, params: float, tokens: float = 0) -> tuple[float, str]:
+    """(MFU, where it comes from) for a plan on ``accelerator`` of a model of ``params`` parameters that reads
+    ``tokens`` per GPU per step (0: a model reading no tokens, matched by size alone)."""
     import math
 
     runs = [m for m in DEFAULT_MFU if accelerator in m.accelerators and m.compiled == compiled]
     if not runs:
         return FALLBACK_MFU, (f"not measured on {accelerator} with train.compile={str(compiled).lower()}: "
                               f"assumed; --mfu or --calibrate with your own runs")
-    near = min(runs, key=lambda m: abs(math.log(max(params, 1.0) / m.params)))
+
+    def distance(m: MeasuredMfu) -> tuple[float, float]:
+        size = round(abs(math.log(max(params, 1.0) / m.params)), 6)
+        return size, abs(math.log(tokens / m.tokens)) if tokens > 0 else 0.0
+
+    near = min(runs, key=distance)
     return near.mfu, f"the nearest measured run: {near.source}"

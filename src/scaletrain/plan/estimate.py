@@ -265,19 +265,24 @@ def measure_model(cfg: Config, task: str, info: dict[str, Any], sample: torch.Te
                                          flops=flops))
 
 
-def _compiled(cfg: Config, facts: ModelFacts) -> ModelFacts:
-    """Activations as torch.compile keeps them (train.compile, the built-in GPT): the eager measurement times
-    the measured ratio of plan/catalog.py's COMPILED_ACTIVATIONS, whole-graph for DDP's keys and block by block
-    for FSDP's ("sharded-")."""
+def compile_ratio(cfg: Config, params: float, key: str) -> float:
+    """What torch.compile keeps of the eager activations of key ``key`` (train.compile, the built-in GPT): the
+    measured ratio of plan/catalog.py's COMPILED_ACTIVATIONS, whole-graph for DDP's keys and block by block for
+    FSDP's ("sharded-"); 1 where nothing is compiled or nothing was measured."""
     from scaletrain.plan.catalog import compiled_activations
 
     if not cfg.train.compile or cfg.model.name != "gpt":
-        return facts
-    def ratio(key: str) -> float:
-        m = compiled_activations(whole=not key.startswith("sharded-"), loss=cfg.model.loss, params=facts.params)
-        return m.ratio if m is not None else 1.0
+        return 1.0
+    m = compiled_activations(whole=not key.startswith("sharded-"), loss=cfg.model.loss, bias=cfg.model.bias,
+                             params=params)
+    return m.ratio if m is not None else 1.0
 
-    return facts.scaled(ratio)
+
+def _compiled(cfg: Config, facts: ModelFacts) -> ModelFacts:
+    """Activations as torch.compile keeps them: the eager measurement times compile_ratio."""
+    if not cfg.train.compile or cfg.model.name != "gpt":
+        return facts
+    return facts.scaled(lambda key: compile_ratio(cfg, facts.params, key))
 
 
 def _measure_eager(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
@@ -543,7 +548,8 @@ def layout_memory(facts: ModelFacts, strategy: str, checkpointing: str, *, shard
     p32, g32 = 4 * facts.params, 4 * facts.trainable
     k = OPTIM_STATES.get(optimizer, 2)
     buffers = 0 if strategy == "ddp" or shard == 1 else facts.largest_unit * (2 * compute_bytes(precision) + 4)
-    acts = facts.activations[checkpointing if shard == 1 else f"sharded-{checkpointing}"]
+    acts = facts.activations[checkpointing if strategy == "ddp" else f"sharded-{checkpointing}"]  # FSDP on one
+    # rank too: its bf16 parameters, and torch.compile block by block
     return math.ceil(p32 / shard), math.ceil(g32 / shard), math.ceil(k * g32 / shard), acts, buffers
 
 

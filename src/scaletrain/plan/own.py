@@ -70,7 +70,8 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     facts = measure_model(cfg, OWN, {"build": build}, one, modes=AC_PLANNED)  # type: ignore[arg-type]
     source = f"given (mfu={mfu})"
     if mfu is None:
-        mfu, source = default_mfu(acc.key, compiled=cfg.train.compile, params=facts.params)
+        mfu, source = default_mfu(acc.key, compiled=cfg.train.compile, params=facts.params,
+                                  tokens=cfg.data.batch_size * facts.tokens_per_sample)
     planned = make_plan(cfg, facts, acc, total_steps=batches.total_steps, accum_steps=batches.accum_steps, mfu=mfu,
                         net_bytes_per_s=net_gbps * 1e9 / 8, price_per_gpu_hour=price_per_gpu_hour)
     if show:
