@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of one lent-GPU session, in priority order, each with its own time limit, results under $OUT.
 # Run on the device machine from the repository root: PYTHONPATH=src (tomli_w carried in .h4carry).
-# A device call runs at most 600 s, so run it in three: `bash benchmarks/gpu_session.sh 1 2 3 4 5`, then `... 8`,
-# then `... 9 10 11`, then `... 6 7` (no arguments: every step; 12, the attention kernels, is named alone).
+# A device call runs at most 600 s and a session has 15 minutes of device time (the start included), so pick:
+# `RUNS="64 default" bash benchmarks/gpu_session.sh 1 8 12 9` took 440 s on an H200 and `ROUNDS=2 ... 11` 180 s
+# more on the same warm machine (RESULTS.md 5e); the rest: `... 2 3 4 5`, `... 10`, `... 6 7` (no arguments:
+# every step but 12, the attention kernels, which is named alone).
 set -u
 export PYTHONPATH=src:.h4carry PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
