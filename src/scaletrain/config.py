@@ -777,9 +777,20 @@ def coerce(key: str, value: Any, tp: Any, origin: str, from_text: bool = False) 
 
 
 def unknown_key(key: str, value: Any, origin: str) -> ConfigError:
-    known = list(all_keys()) + list(ALIASES) + list(sections())
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    fix = f"did you mean --{close[0]}?" if close else "run 'scaletrain train --help' for every key"
+    """A key no section has: the fix names the key of that name in another section first (`train.lr`, a bare
+    `lr`: optim.lr; the commonest slip in a TOML file is a key under the wrong table), else the nearest
+    spelling (a section's name only for an undotted key: `train.lr` is not `--train`)."""
+    leaf = key.rpartition(".")[2]
+    close = sorted(k for k in all_keys() if k.rpartition(".")[2] == leaf)[:2]
+    if not close:
+        known = list(all_keys()) + list(ALIASES) + ([] if "." in key else list(sections()))
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if origin not in (CLI, LIBRARY) and len(close) == 1 and "." in close[0]:  # a file: its table too
+        table, _, name = close[0].partition(".")
+        fix = f"did you mean --{close[0]}? ([{table}] {name} in the file)"
+    else:
+        fix = f"did you mean {' or '.join(f'--{k}' for k in close)}?" if close else \
+            "run 'scaletrain train --help' for every key"
     return ConfigError(key, _shown(value), f"a key listed by 'scaletrain train --help' ({key} is not one)", fix,
                        origin)
 
@@ -857,11 +868,27 @@ def read_source(source: str) -> tuple[str, dict[str, Any], str]:
         origin, name = f"recipe {source}", source
     else:
         path = Path(source)
+        if path.is_dir():
+            raise ConfigError("config", source, "a TOML file or a built-in recipe", "give the TOML file in it "
+                              f"(scaletrain train {path / 'my_run.toml'})", "a directory")
         if not path.is_file():
             fix = "check the path" if source.endswith(".toml") else f"use one of the recipes: {', '.join(names)}"
             raise ConfigError("config", source, f"a TOML file or a built-in recipe ({', '.join(names)})", fix,
                               "not found")
-        text, origin, name = path.read_text(), str(path), path.stem
+        origin, name = str(path), path.stem
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except OSError as err:
+            raise ConfigError("config", source, "a file this process can read", "check its permissions",
+                              f"{type(err).__name__}: {err.strerror}") from None
+        except UnicodeDecodeError:  # TOML is UTF-8; Windows editors save UTF-16 with a byte-order mark
+            raw = path.read_bytes()[:2]
+            seen = "UTF-16 (it starts with a byte-order mark)" if raw in (b"\xff\xfe", b"\xfe\xff") else \
+                "not text in UTF-8"
+            raise ConfigError("config", source, "a TOML file in UTF-8", "save it as UTF-8 (in most editors: "
+                              "Save As, encoding UTF-8)", seen) from None
+        if text.startswith("\ufeff"):  # UTF-8 with a byte-order mark (Notepad's "UTF-8 with BOM"): TOML is
+            text = text[1:]  # the same without it, and tomllib refuses it at line 1, column 1
     try:
         tree = tomllib.loads(text)
     except ValueError as err:  # TOMLDecodeError, or an integer too long for Python to read

@@ -56,6 +56,8 @@ def test_aliases_map_to_their_keys():
 
 @pytest.mark.parametrize("overrides, key, words", [
     ({"optim.lrr": "0.1"}, "optim.lrr", ["= '0.1'", "(optim.lrr is not one)", "did you mean --optim.lr"]),
+    ({"train.lr": "0.1"}, "train.lr", ["did you mean --optim.lr?"]),  # a key under another section
+    ({"lr": "0.1"}, "lr", ["did you mean --optim.lr?"]),
     ({"train.epochs": "ten"}, "train.epochs", ["'ten'", "expected an integer", "fix:"]),
     ({"optim.lr": "fast"}, "optim.lr", ["'fast'", "expected a finite number > 0"]),
     ({"train.compile": "maybe"}, "train.compile", ["expected true or false"]),
@@ -90,6 +92,10 @@ def test_toml_mistakes_name_the_file(tmp_path):
     unknown.write_text("[optimizer]\nlr = 1\n")
     with pytest.raises(ConfigError, match=r"optimizer = '\[optimizer\] table' \(.*unknown.toml\).*did you mean --optim\?"):
         load(str(unknown))
+    misplaced = tmp_path / "misplaced.toml"
+    misplaced.write_text("[train]\nlr = 0.01\n")  # the commonest TOML slip: a key under the wrong table
+    with pytest.raises(ConfigError, match=r"did you mean --optim.lr\? \(\[optim\] lr in the file\)$"):
+        load(str(misplaced))
     typed = tmp_path / "typed.toml"
     typed.write_text('[train]\nepochs = "3"\n')
     with pytest.raises(ConfigError, match=r"train.epochs = '3' \(.*typed.toml\): expected an integer"):
@@ -133,3 +139,19 @@ def test_the_library_mapping_takes_strings_as_the_cli_does_and_its_fixes_are_pyt
         load(None, overrides={"optim.lrr": 0.1})
     with pytest.raises(ConfigError, match=r'optim.lr = -1.0 \(the config mapping\).*fix: config=\{"optim.lr": 0.001\}'):
         load(None, overrides={"optim.lr": -1})
+
+
+def test_a_file_not_in_utf8_or_a_directory_is_one_line_and_a_bom_is_read(tmp_path):
+    """A config saved as UTF-16 (Windows editors) or binary was a UnicodeDecodeError traceback; a directory was
+    "not found"; UTF-8 with a byte-order mark was "invalid statement at line 1, column 1"."""
+    body = "[train]\nmax_steps = 2\n"
+    (tmp_path / "u16.toml").write_bytes(body.encode("utf-16"))
+    (tmp_path / "bin.toml").write_bytes(bytes(range(128, 256)))
+    (tmp_path / "bom.toml").write_bytes(body.encode("utf-8-sig"))
+    for name, words in [("u16.toml", ["(UTF-16", "expected a TOML file in UTF-8", "fix: save it as UTF-8"]),
+                        ("bin.toml", ["(not text in UTF-8)", "fix: save it as UTF-8"]),
+                        ("", ["(a directory)", "fix: give the TOML file in it"])]:
+        with pytest.raises(ConfigError) as info:
+            load(str(tmp_path / name))
+        assert "\n" not in str(info.value) and all(w in str(info.value) for w in words), str(info.value)
+    assert load(str(tmp_path / "bom.toml")).train.max_steps == 2

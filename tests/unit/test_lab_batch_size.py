@@ -86,6 +86,17 @@ def test_plan_digits(tmp_path):
     assert small.overrides["data.eval_batch_size"] == big.overrides["data.eval_batch_size"] == "32"
 
 
+def test_a_configs_own_max_steps_is_not_used_and_said(tmp_path, capsys):
+    """A file's (or a recipe's) train.max_steps gave every batch the same steps, while the lab's header and
+    reading spoke of epochs: every run trains the epochs now, and the note says the file's value is unused."""
+    toml = tmp_path / "mine.toml"
+    toml.write_text('[data]\nsource = "digits"\n[model]\nname = "mlp"\n[train]\nmax_steps = 5\nepochs = 2\n', encoding="utf-8")
+    _, _, specs = plan_runs(str(toml), {}, [32, 128], [PLAIN], tmp_path / "lab")
+    assert sorted(s.steps for s in specs) == [2 * (1437 // 128), 2 * (1437 // 32)]
+    assert all(s.overrides["train.max_steps"] == "0" for s in specs)
+    assert "train.max_steps = 5 of " in capsys.readouterr().err
+
+
 def test_plan_refuses_a_batch_larger_than_the_data(tmp_path):
     with pytest.raises(UserError, match="4096 is larger than the 1,437 training samples of digits"):
         plan_runs("digits", {}, [32, 4096], [LINEAR], tmp_path)

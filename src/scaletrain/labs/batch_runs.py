@@ -105,6 +105,10 @@ def plan_runs(recipe: str, overrides: Mapping[str, str], batches: Sequence[int],
 
     check_overrides(overrides)
     base = load(recipe, cli_overrides=overrides)
+    if base.train.max_steps:  # a config's own (a recipe's, a file's): every batch the same steps would compare
+        # different epochs, which is not this lab's question (the command line's is refused above)
+        print(f"batch-size lab: note: train.max_steps = {base.train.max_steps} of {recipe} is not used: every "
+              f"batch trains {base.train.epochs} epoch(s) (--train.epochs)", file=sys.stderr)
     train_size = len(build_splits(base.data, base.model).train)  # type: ignore[arg-type]
     for batch in batches:
         if batch > train_size:
@@ -134,7 +138,8 @@ def _spec(recipe: str, base: Config, overrides: Mapping[str, str], train_size: i
     # Goyal et al.'s gradual warmup ramps from lr0 up to lr: none at all where they are the same.
     warmup = round(setting.warmup * per_epoch) if lr != lr0 else 0
     path = out / _run_name(batch, lr, warmup)
-    run = {"data.batch_size": micro, "train.global_batch": batch, "optim.lr": lr, "optim.scale_lr": False,
+    run = {"data.batch_size": micro, "train.global_batch": batch, "train.max_steps": 0, "optim.lr": lr,
+           "optim.scale_lr": False,
            "schedule.warmup_steps": warmup, "schedule.warmup_start": lr0 / lr, "train.progress": False,
            "log.every": max(1, per_epoch // 4),  # about 4 points an epoch on the curves, at every batch
            # One eval set for all, whatever their micro-batch (train.eval_batches counts batches).
