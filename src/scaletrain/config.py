@@ -887,8 +887,9 @@ def read_source(source: str) -> tuple[str, dict[str, Any], str]:
                 "not text in UTF-8"
             raise ConfigError("config", source, "a TOML file in UTF-8", "save it as UTF-8 (in most editors: "
                               "Save As, encoding UTF-8)", seen) from None
-        if text.startswith("\ufeff"):  # UTF-8 with a byte-order mark (Notepad's "UTF-8 with BOM"): TOML is
-            text = text[1:]  # the same without it, and tomllib refuses it at line 1, column 1
+        # UTF-8 with a byte-order mark (Notepad's "UTF-8 with BOM"): the same TOML without it, which tomllib
+        # refuses at line 1, column 1
+        text = text.removeprefix("\ufeff")
     try:
         tree = tomllib.loads(text)
     except ValueError as err:  # TOMLDecodeError, or an integer too long for Python to read
