@@ -914,21 +914,25 @@ def load(source: str | None = None, overrides: Mapping[str, Any] | None = None,
     return build(layers)
 
 
-def check_run_dir(path: Path, origin: str = "") -> None:
-    """``path`` is, or can be created as, a directory this process can write: checked before any worker starts,
-    so that an unwritable run directory is one line naming it, not a crash on rank 0 after start-up. Nothing
-    is created here."""
-    problem = ""
+def dir_problem(path: Path) -> str:
+    """Why ``path`` cannot be, or be created as, a directory this process can write ('' if it can). Nothing is
+    created here."""
     try:
         existing = path.absolute()
         while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
             existing = existing.parent
         if not existing.is_dir():
-            problem = f"{existing} is not a directory"
-        elif not os.access(existing, os.W_OK | os.X_OK):
-            problem = f"{existing} is not writable"
+            return f"{existing} is not a directory"
+        if not os.access(existing, os.W_OK | os.X_OK):
+            return f"{existing} is not writable"
     except OSError as err:  # a name too long, a loop of symbolic links
-        problem = err.strerror or str(err)
-    if problem:
+        return err.strerror or str(err)
+    return ""
+
+
+def check_run_dir(path: Path, origin: str = "") -> None:
+    """``path`` is, or can be created as, a directory this process can write: checked before any worker starts,
+    so that an unwritable run directory is one line naming it, not a crash on rank 0 after start-up."""
+    if problem := dir_problem(path):
         raise ConfigError("run.dir", str(path), f"a directory this process can create and write ({problem})",
                           "--run.dir=PATH in a writable place", origin)

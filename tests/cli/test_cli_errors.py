@@ -38,6 +38,12 @@ def run_main(argv, capsys):
     (["train", "digits", "--train.precision=bf16"], ["train.precision = 'bf16'", "one of fp32, bf16-mixed, fp16-mixed", "fix: --train.precision=bf16-mixed"]),
     (["train", "digits", "--device=cuda"], ["dist.device = 'cuda'", "without CUDA"]),
     (["train", "gpt-stdlib", "--data.source=bin"], ["data.path = ''", "train.bin and val.bin"]),
+    (["report", "nowhere", "--out", "/dev/null/x"], ["--out = '/dev/null/x'", "/dev/null is not a directory",
+                                                     "fix: --out reports/mine"]),  # before the run is read
+    (["lab", "descent", "--out", "/dev/null/x"], ["--out = '/dev/null/x'", "/dev/null is not a directory"]),
+    (["lab", "scaling-law", "--sizes", "8,16,24,32", "--out", "/dev/null/x"], ["/dev/null is not a directory"]),
+    (["checkpoint", "export", "nowhere", "/dev/null/x.safetensors"],
+     ["/dev/null/x.safetensors: its folder cannot be made or written (/dev/null is not a directory)"]),
     (["train"], ["the following arguments are required: RECIPE|FILE.toml", "--help"]),
     (["fly"], ["invalid choice: 'fly'"]),
 ])

@@ -150,3 +150,22 @@ def test_a_full_checkpoint_with_wrong_shapes_falls_back_and_a_changed_model_is_a
         "checkpoint, (10,) in this model; moved aside to corrupt-step-00000008-1; resuming from "
         "step-00000004")]
     assert f"resumed from {root}/step-00000004: step 4 of 12" in out
+
+
+def test_export_passes_over_a_damaged_newest_checkpoint_as_a_resume_does(tmp_path, capsys):
+    """`checkpoint export RUN` refused the whole run when its newest checkpoint was damaged (with a fix, "resume
+    from an earlier checkpoint", that export cannot follow); it exports the newest sound one now, says which it
+    passed over, and makes the OUT's folder; a damaged checkpoint named by itself is still its error."""
+    run_dir = tmp_path / "run"
+    assert run(_cfg(run_dir, **{"chaos.interrupt_step": 8}))["stopped"]
+    newest = run_dir / "checkpoints" / "step-00000008" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-1] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["checkpoint", "export", str(run_dir), str(tmp_path / "new" / "w.safetensors")]) == 0
+    out, err = capsys.readouterr()
+    assert "exported step 4 of" in out and "step-00000008/model.safetensors: SHA-256 does not match" in err
+    assert safetensors.torch.load_file(str(tmp_path / "new" / "w.safetensors"))
+    assert main(["checkpoint", "export", str(newest.parent), str(tmp_path / "x.safetensors")]) == 2
+    assert "SHA-256 does not match" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()

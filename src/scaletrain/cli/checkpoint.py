@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
+from scaletrain.config import dir_problem
 from scaletrain.errors import CheckpointError, UserError
 
 HELP = "Inspect a checkpoint (step, world size, config digest, sizes, checksums) or export its weights."
@@ -43,6 +45,26 @@ def _checkpoints(path: Path) -> list[Path]:
         raise UserError(f"{path}: holds no checkpoint (no step-NNNNNNNN directories); fix: point at a run "
                         "directory that was trained with --checkpoint.every")
     return found
+
+
+def _newest_sound(path: Path) -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint under ``path`` whose files match their manifest, and that manifest, as a resume
+    takes it: a damaged newer one is said on stderr and passed over; a step directory given by name is that
+    one or its error."""
+    from scaletrain.checkpoint import commit
+
+    newest_first = _checkpoints(path)[::-1]
+    for i, step in enumerate(newest_first):
+        try:
+            return step, commit.verify(step)
+        except CheckpointError as err:
+            if i + 1 == len(newest_first):  # none is sound (or the one named): the newest one's problem
+                if i:
+                    commit.verify(newest_first[0])
+                raise
+            print(f"scaletrain: warning: {str(err).partition('; fix:')[0]}: exporting an earlier checkpoint",
+                  file=sys.stderr)
+    raise AssertionError("_checkpoints finds at least one checkpoint or raises")
 
 
 def _describe(path: Path, hashes: bool) -> dict[str, Any]:
@@ -120,7 +142,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import safetensors.torch
 
-    from scaletrain.checkpoint import commit, dcp
+    from scaletrain.checkpoint import dcp
     from scaletrain.observe.metrics import write_whole
     from scaletrain.train.checkpointing import FORMAT_DCP, TIED, Resume, read_model
 
@@ -129,8 +151,12 @@ def _export(args: argparse.Namespace) -> int:
         raise UserError(f"{out}: already exists and is never overwritten; fix: choose a new file name")
     if out.suffix != ".safetensors":
         raise UserError(f"{out}: expected a .safetensors file name; fix: {out.with_suffix('.safetensors')}")
-    path = _checkpoints(Path(args.path))[-1]
-    resume = Resume(path, commit.verify(path))
+    if problem := dir_problem(out.parent):
+        raise UserError(f"{out}: its folder cannot be made or written ({problem}); fix: an OUT in a writable "
+                        "place")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path, manifest = _newest_sound(Path(args.path))
+    resume = Resume(path, manifest)
     meta = resume.meta
     if meta.get("format") == FORMAT_DCP:  # shards of an FSDP run, consolidated here in one process
         tensors, aliases = dcp.full_tensors(path / dcp.DCP_DIR, "model."), dict(meta.get("aliases", {}))

@@ -33,6 +33,7 @@ from scaletrain.cli.options import (
     check_types,
     config_overrides,
     load_job,
+    out_dir,
     parse_count,
 )
 from scaletrain.cluster import netns
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     if (out / "run" / "summary.json").exists():  # said now, not after the network check
         raise UserError(f"--out = {str(out)!r}: holds a finished rehearsal ({out / 'run' / 'summary.json'}); fix: "
                         f"--out={out}-2, or remove {out} first")
-    out.mkdir(parents=True, exist_ok=True)
+    out_dir(out, "--out", "runs/rehearse")
     with netns.namespaces(nodes, speeds) if isolated else contextlib.nullcontext([]) as where:
         return _rehearse(args.config, cfg, overrides, nodes, nproc, steps, out, where, speeds)
 

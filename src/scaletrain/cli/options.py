@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from scaletrain.config import (
@@ -116,3 +117,15 @@ def load_job(config: str, overrides: dict[str, str], *, nproc: int, nnodes: int,
                                       "dist.rdzv_endpoint": endpoint})
     check_layout(cfg.parallel, cfg.memory, nproc * nnodes, nnodes, cfg.model, cfg.data.batch_size)
     return cfg
+
+
+def out_dir(path: Path, flag: str, example: str) -> Path:
+    """An output directory (``--out`` of a lab, a report, a rehearsal; an exported file's folder), created with
+    its parents; one that cannot be is one line naming it, not a traceback after the work."""
+    from scaletrain.config import dir_problem
+
+    if problem := dir_problem(path):
+        raise UserError(f"{flag} = {str(path)!r}: expected a directory this process can create and write "
+                        f"({problem}); fix: {flag} {example}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path

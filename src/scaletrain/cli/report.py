@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from scaletrain.cli.options import out_dir
 from scaletrain.errors import UserError
 
 HELP = "Plot one run (or overlay several) into a self-contained report.html and PNGs, and print a summary table."
@@ -78,6 +79,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.observe.report import write_report
     from scaletrain.observe.report.lab import is_lab
 
+    if args.out:  # made or refused before anything is read or drawn
+        out_dir(Path(args.out), "--out", "reports/mine")
     if any(is_lab(Path(p)) for p in args.runs):
         return _report_lab(args.runs, args.out)
     report = write_report([Path(p) for p in args.runs], Path(args.out) if args.out else None)

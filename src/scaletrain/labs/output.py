@@ -19,11 +19,12 @@ LAB_FILE = "lab.json"
 def lab_dir(out: str | None, lab: str) -> Path:
     """The directory a lab writes to (``--out``, default runs/lab-NAME), created; a path that is a file is one
     clear error."""
+    from scaletrain.cli.options import out_dir
+
     path = Path(out) if out else Path("runs") / f"lab-{lab}"
     if path.exists() and not path.is_dir():
         raise UserError(f"--out = {str(path)!r}: a file, not a directory; fix: --out runs/lab-{lab}")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return out_dir(path, "--out", f"runs/lab-{lab}")
 
 
 def write_lab(out: Path, lab: str, *, reading: Sequence[str], rows: Sequence[tuple[str, str]],
