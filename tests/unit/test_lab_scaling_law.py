@@ -136,6 +136,28 @@ def test_too_few_points_is_one_line_with_the_fix() -> None:
         sf.check_points([*points[:2], *points[:2]])
 
 
+def test_runs_of_other_data_models_or_budgets_are_not_one_law(tmp_path: Path) -> None:
+    """A digits MLP among the GPT runs, or GPT runs of other step budgets, were fitted as one law (b = 10, an
+    interval to 3.6e11, "inside the interval"): one line naming two runs and what differs."""
+    def run(name: str, *, source: str = "stdlib", model: str = "gpt", params: int, samples: int = 3200) -> Path:
+        path = _run_dir(tmp_path, name, params=params, loss=3.0 - params / 1e6, samples=samples, seq_len=64)
+        (path / "config.toml").write_text(f'[data]\nsource = "{source}"\nseq_len = 64\n[model]\nname = "{model}"\n')
+        return path
+
+    gpts = [sf.read_point(run(f"w{n}", params=n), "params") for n in (4_000, 12_000, 36_000)]
+    sf.check_family(gpts, "params")
+    mlp = sf.read_point(run("mlp", source="digits", model="mlp", params=20_000), "params")
+    with pytest.raises(UserError, match=r"differ in data.source \('stdlib' and 'digits'\).*one recipe; fix: "):
+        sf.check_family([*gpts, mlp], "params")
+    short = sf.read_point(run("short", params=50_000, samples=960), "params")
+    with pytest.raises(UserError, match=r"differ in the data seen \(samples\): 3,200 and 960.*fix: runs of the same"):
+        sf.check_family([*gpts, short], "params")
+    budgets = [sf.read_point(run(f"s{n}", params=36_000, samples=n), "samples") for n in (960, 3200)]
+    sf.check_family(budgets, "samples")  # one model, budgets differ: a law in samples
+    with pytest.raises(UserError, match=r"differ in the model size \(parameters\): 36,000 and 4,000"):
+        sf.check_family([*budgets, sf.read_point(tmp_path / "w4000", "samples")], "samples")
+
+
 def _parse(argv: list[str]):
     parser = Parser(prog="scaletrain lab")
     scaling_law.add_parser(parser.add_subparsers(dest="lab", parser_class=Parser), "scaling-law")
@@ -168,6 +190,7 @@ def test_run_on_run_directories_writes_the_fit_and_the_figure(tmp_path: Path, ca
     (["--x", "flops", "r"], "--x = 'flops': expected one of params, tokens, samples"),
     (["--predict", "-5", "r"], "--predict = '-5'"),
     (["--sizes", "8,16,32,64", "--bogus"], "unexpected argument '--bogus'"),
+    (["--sizes", "8,8,8,8"], "a width given twice"),  # it trained one model before refusing
 ])
 def test_bad_input_is_one_line_before_anything_trains(argv: list[str], words: str, tmp_path: Path) -> None:
     args, leftovers = _parse([*argv, "--out", str(tmp_path / "lab")])

@@ -16,7 +16,7 @@ without the largest point predicted that point.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +116,9 @@ def fit_power_law(x: Any, loss: Any) -> PowerLaw:
     a1, b, c = _start(u, ys)
     p0 = (a1, min(max(b, 1e-6), 9.9), max(c, 1e-9 * float(ys.min())))
     try:
-        params, cov = curve_fit(_log_model, u, logy, p0=p0, bounds=([0.0, 0.0, 0.0], [np.inf, 10.0, np.inf]),
-                                maxfev=20000)
+        with np.errstate(over="ignore"):  # a search step through huge b: its exp overflows, and is rejected
+            params, cov = curve_fit(_log_model, u, logy, p0=p0, bounds=([0.0, 0.0, 0.0], [np.inf, 10.0, np.inf]),
+                                    maxfev=20000)
     except (RuntimeError, ValueError):  # no convergence: the grid's start is the best estimate there is
         params, cov = np.array(p0), np.full((3, 3), np.inf)
     residual = _log_model(u, *params) - logy
@@ -135,6 +136,46 @@ class Point:
     loss: float
     source: str  # the run directory
     kind: str  # "eval" or "train": which loss this is
+    # what one law holds fixed (empty where not read): the data and model family, the data seen, the size
+    family: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+    samples: float = field(default=0.0, compare=False)
+    params: float = field(default=0.0, compare=False)
+
+
+# config keys that make runs one family: the same data, the same kind of model reading it the same way
+FAMILY_KEYS = (("data", "source"), ("data", "path"), ("model", "name"), ("data", "seq_len"), ("model", "vocab_size"))
+
+
+def _family(path: Path) -> tuple[tuple[str, Any], ...]:
+    from scaletrain.observe.report.load import CONFIG, read_config
+
+    cfg = read_config(path / CONFIG) or {}
+    token = (cfg.get("model") or {}).get("name") in ("gpt", "llama")
+    return tuple((f"{sec}.{key}", (cfg.get(sec) or {}).get(key)) for sec, key in FAMILY_KEYS
+                 if token or (sec, key) not in (("data", "seq_len"), ("model", "vocab_size")))
+
+
+def check_family(points: list[Point], x_kind: str) -> None:
+    """One law is one recipe: the runs read the same data with the same kind of model, and all but x is held
+    fixed (--x params: the same samples seen; --x tokens or samples: the same model size). A fit across other
+    runs is a curve through unrelated numbers: one line naming two runs and what differs."""
+    first = points[0]
+    for p in points[1:]:
+        for (key, want), (_, got) in zip(first.family, p.family):
+            if want != got:
+                raise UserError(f"RUN_DIR: {first.source} and {p.source} differ in {key} ({want!r} and {got!r}): "
+                                "a scaling law is a law of one recipe; fix: pass runs of one data source and "
+                                "model family")
+        if x_kind == "params":
+            held, what, fix = "samples", "the data seen (samples)", \
+                "runs of the same --steps and batch, or --x samples for runs of one size"
+        else:
+            held, what, fix = "params", "the model size (parameters)", \
+                "runs of one model, or --x params for runs of one budget"
+        a, b = getattr(first, held), getattr(p, held)
+        if a and b and abs(a - b) > 0.01 * max(a, b):
+            raise UserError(f"RUN_DIR: {first.source} and {p.source} differ in {what}: {a:,.0f} and {b:,.0f}; "
+                            f"a law in {x_kind} holds everything else fixed; fix: {fix}")
 
 
 def _number(value: Any) -> bool:
@@ -175,20 +216,22 @@ def read_point(path: Path, x_kind: str) -> Point:
                         "directories that `scaletrain train` finished (their --run.dir), or --sizes "
                         "16,32,64,128 to train some")
     x = _x_of(path, summary, x_kind)
+    held = {"family": _family(path), "samples": float(summary.get("samples") or 0),
+            "params": float(summary.get("params") or 0)}
     loss = (summary.get("eval") or {}).get("loss")
     if _number(loss):
-        return Point(x, float(loss), str(path), "eval")
+        return Point(x, float(loss), str(path), "eval", **held)
     if _number(summary.get("train_loss")):
-        return Point(x, float(summary["train_loss"]), str(path), "train")
+        return Point(x, float(summary["train_loss"]), str(path), "train", **held)
     raise UserError(f"{path}/summary.json: neither eval.loss nor train_loss is a positive number; fix: pass "
                     "runs that finished with a finite loss")
 
 
 def check_points(points: list[Point], more: int = 0) -> None:
-    """Enough runs of enough sizes for three parameters and their error (``more``: runs still to come, checked
-    before they train); one line with the fix where not."""
+    """Enough runs of enough sizes for three parameters and their error (``more``: runs of other sizes still to
+    come, checked before they train); one line with the fix where not."""
     sizes = {p.x for p in points}
-    if len(points) + more < MIN_POINTS or (not more and len(sizes) < 3):
+    if len(points) + more < MIN_POINTS or len(sizes) + more < 3:
         raise UserError(f"scaling-law needs at least {MIN_POINTS} runs of at least 3 sizes to fit a x^-b + c "
                         f"(3 parameters) with an error bar; got {len(points) + more} run(s) of "
                         f"{len(sizes) + more if more else len(sizes)} size(s); fix: add run directories, or "

@@ -96,6 +96,9 @@ def _check_args(args: argparse.Namespace) -> tuple[list[int], int, float | None]
     if args.x not in X_KINDS:
         raise UserError(f"--x = {args.x!r}: expected one of {', '.join(X_KINDS)}; fix: --x params")
     widths = parse_counts("--sizes", args.sizes, 2, "16,32,64,128") if args.sizes else []
+    if len(set(widths)) < len(widths):  # one run per width: a repeat would be the same run again
+        raise UserError(f"--sizes = {args.sizes!r}: a width given twice; fix: --sizes "
+                        f"{','.join(map(str, sorted(set(widths))))}")
     if any(w % 2 for w in widths):
         raise UserError(f"--sizes = {args.sizes!r}: widths must be even (2 attention heads share each); "
                         f"fix: --sizes {','.join(str(w + w % 2) for w in widths)}")
@@ -119,9 +122,12 @@ def run(args: argparse.Namespace, leftovers: list[str]) -> int:
 
     points = [sf.read_point(Path(p), args.x) for p in args.runs]  # a bad RUN_DIR fails before any training
     sf.check_points(points, more=len(widths))
+    if points:
+        sf.check_family(points, args.x)
     out = lab_dir(args.out, "scaling-law")
     points += train_sizes(out, widths, steps)
     sf.check_points(points)
+    sf.check_family(points, args.x)
     nums = sf.analyse(points, predict, args.x)
     nums["settings"] = {"sizes": widths, "steps": steps if widths else None,
                         "recipe": SIZE_RECIPE if widths else None,
