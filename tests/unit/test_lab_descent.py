@@ -185,4 +185,7 @@ def test_an_lr_that_overflows_still_writes_a_strict_record(tmp_path, capsys) -> 
     text = (tmp_path / "lab" / "lab.json").read_text()
     record = json.loads(text, parse_constant=lambda c: pytest.fail(f"lab.json holds {c}"))
     assert all(m["diverged"] and m["loss_mean"][-1] is None for m in record["numbers"]["methods"])
-    assert capsys.readouterr().out.count("diverged: lr 10 is beyond") == 3
+    out = capsys.readouterr().out
+    assert out.count("diverged: lr 10 is beyond") == 3
+    rows = [line for line in out.splitlines() if line.startswith("│")]  # the table: no distance of a diverged
+    assert len(rows) == 3 and all(line.count("diverged") == 3 for line in rows), rows  # run (4.7e13 at lr 0.6)

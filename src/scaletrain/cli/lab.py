@@ -25,7 +25,7 @@ def _lab(name: str) -> Any:
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
                        usage=f"scaletrain lab {{{','.join(LABS)}}} ...")
-    labs = p.add_subparsers(dest="lab", metavar="LAB", parser_class=Parser)
+    labs = p.add_subparsers(dest="lab", metavar="LAB", parser_class=Parser, prog="scaletrain lab")
     for lab in LABS:
         _lab(lab).add_parser(labs, lab)
 

@@ -75,10 +75,10 @@ def _print(said: list[str], nums: dict[str, Any]) -> None:
     table = []
     for m in nums["methods"]:
         w, b = m["final"]
-        ends = "diverged" if m["diverged"] else f"{shown(w)}, {shown(b)}"
-        table.append([m["name"], str(m["batch"]), _count(m["steps_to_target"]),
-                      _count(m["samples_to_target"]), ends, shown(m["final_distance"]),
-                      shown(m["last_epoch_mean_distance"])])
+        far = ["diverged"] * 3 if m["diverged"] else \
+            [f"{shown(w)}, {shown(b)}", shown(m["final_distance"]), shown(m["last_epoch_mean_distance"])]
+        table.append([m["name"], str(m["batch"]), _count(m["steps_to_target"]), _count(m["samples_to_target"]),
+                      *far])
     best = nums["optimum"]
     columns = ["method", "batch", "steps", "samples", "final w, b", "from optimum",
                "last epoch's mean from it"]
