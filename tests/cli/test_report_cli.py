@@ -140,3 +140,28 @@ def test_out_that_is_a_file_or_holds_foreign_files(runs: tuple[Path, Path], tmp_
     line = _one_line_error(["report", str(w1), "--out", str(theirs)], capsys)
     assert f"{theirs / 'report.html'}: exists and was not written by scaletrain report" in line
     assert (theirs / "report.html").read_text() == "<p>my own page</p>" and a_file.read_text() == "keep"
+
+
+def test_a_failed_and_a_stopped_run_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that failed left no sign of it (the report said "unfinished or running"): its last record is
+    "failed" with the step and the error's line, and the report's status says it; a stopped run says where
+    it stopped and that the same command resumes it."""
+    from scaletrain.config import load
+    from scaletrain.errors import TrainingFailed
+    from scaletrain.train.run import run
+
+    base = {"train.max_steps": 20, "log.every": 5, "train.progress": False, "train.eval_batches": 1}
+    failed, stopped = tmp_path / "failed", tmp_path / "stopped"
+    with pytest.raises(TrainingFailed, match="non-finite"):
+        run(load("digits", {**base, "run.dir": str(failed), "chaos.nan_rank": 0, "chaos.nan_step": 7}))
+    last = json.loads((failed / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["kind"] == "failed" and last["step"] == 10  # found at the log step that gathered it
+    assert last["error"].startswith("non-finite loss on rank 0 at step 7; the step was not applied")
+    assert run(load("digits", {**base, "run.dir": str(stopped), "chaos.interrupt_step": 10}))["stopped"]
+    capsys.readouterr()
+    monkeypatch.setenv("COLUMNS", "300")  # the status in one cell, not folded
+    for path, words in [(failed, "failed at step 10: non-finite loss on rank 0 at step 7"),
+                        (stopped, "stopped at step 10 (chaos.interrupt_step): the same command resumes it")]:
+        assert main(["report", str(path), "--out", str(tmp_path / f"report-{path.name}")]) == 0
+        assert words in " ".join(capsys.readouterr().out.split()), path

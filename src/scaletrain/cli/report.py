@@ -79,8 +79,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.observe.report import write_report
     from scaletrain.observe.report.lab import is_lab
 
-    if args.out:  # made or refused before anything is read or drawn
-        out_dir(Path(args.out), "--out", "reports/mine")
+    if args.out and not Path(args.out).exists():  # made or refused before anything is read or drawn (a file
+        out_dir(Path(args.out), "--out", "reports/mine")  # there: write_report's own line)
     if any(is_lab(Path(p)) for p in args.runs):
         return _report_lab(args.runs, args.out)
     report = write_report([Path(p) for p in args.runs], Path(args.out) if args.out else None)

@@ -1183,12 +1183,15 @@ class Session:
 
     # -- the end -------------------------------------------------------------------------------------------
 
-    def close(self, *, finished: bool = True) -> dict[str, Any]:
+    def close(self, *, finished: bool = True, error: BaseException | None = None) -> dict[str, Any]:
         """Wait for the last checkpoint; when ``finished``, save one at the end (checkpoint.every > 0), write
         model.safetensors and summary.json (each tried even when the disk is full, as fit() does); end the
-        process group. Returns the summary."""
+        process group. Returns the summary. Not ``finished`` because of ``error`` (by default the exception
+        in flight, when close runs in an except or finally block): metrics.jsonl's last record says so."""
         if self._closed:
             return {}
+        if not finished:
+            self._failed(error if error is not None else sys.exc_info()[1])
         summary: dict[str, Any] = {}
         ckpt, services = self.checkpointer, self.services
         try:
@@ -1296,7 +1299,18 @@ class Session:
         return self
 
     def __exit__(self, kind: object, err: object, tb: object) -> None:
-        self.close(finished=kind is None)
+        self.close(finished=kind is None, error=err if isinstance(err, BaseException) else None)
+
+    def _failed(self, error: BaseException | None) -> None:
+        """The run's last record when it ends on an error (not a stop, which wrote its own): the step and the
+        error's first line, so that `scaletrain report` says failed, and why, instead of "unfinished"."""
+        if error is None or isinstance(error, (Interrupted, Preempted)) or self.services is None:
+            return
+        said = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        ours = type(error).__module__.startswith("scaletrain.")  # one line already; another's is named by type
+        line = said if ours else f"{type(error).__name__}: {said}".rstrip(": ")
+        with contextlib.suppress(OSError, DiskFull):  # the error itself matters more than its record
+            self.writer.write({"kind": "failed", "step": self.steps, "error": line[:500]})
 
 
 class _Trace(TraceFile):

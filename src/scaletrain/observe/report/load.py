@@ -47,6 +47,17 @@ class Run:
         return ranks.pop() if len(ranks) == 1 else None
 
     @property
+    def ended(self) -> dict[str, Any] | None:
+        """How the last attempt ended without a summary: its "failed" or "stopped" record (None: still
+        running, or killed before it could say)."""
+        for record in reversed(self.other):
+            if record.get("kind") in ("failed", "stopped"):
+                return record
+            if record.get("kind") in ("start", "resume"):  # a later attempt began after it
+                return None
+        return None
+
+    @property
     def global_batch(self) -> int | None:
         value = (self.summary or {}).get("global_batch")
         return value if isinstance(value, int) and value > 0 else None

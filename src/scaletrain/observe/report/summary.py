@@ -92,7 +92,7 @@ def _column(run: Run) -> dict[str, str]:
     stragglers = stragglers_of(run)
     col = {
         "run dir": str(run.path),
-        "status": "finished" if run.summary is not None else "no summary.json (unfinished or running)",
+        "status": _status(run),
         "steps": _fmt(steps, ",.0f") + (f" ({epochs})" if epochs != NONE else ""),
         "world size": NONE if world is None else f"{world}" + (f" ({where})" if where else ""),
         "global batch": _fmt(s.get("global_batch"), ",.0f"),
@@ -132,3 +132,14 @@ def summary_rows(runs: list[Run]) -> list[tuple[str, list[str]]]:
         names += [k for k in col if k not in names]
     rows = [(n, [col.get(n, NONE) for col in columns]) for n in names]
     return [(n, values) for n, values in rows if any(v != NONE for v in values)]
+
+
+def _status(run: Run) -> str:
+    if run.summary is not None:
+        return "finished"
+    ended = run.ended
+    if ended is None:
+        return "no summary.json (unfinished, running, or killed)"
+    if ended["kind"] == "stopped":
+        return f"stopped at step {ended.get('step')} ({ended.get('reason')}): the same command resumes it"
+    return f"failed at step {ended.get('step')}: {ended.get('error')}"
