@@ -63,3 +63,11 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], words: str, capsys) -
     assert main(["skypilot", "digits", *argv]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1
+
+
+def test_skypilots_a100_is_planned_as_the_40_gb_one(capsys) -> None:
+    """SkyPilot names the 40 GB A100 `A100` and the other `A100-80GB`; the plan took `A100` for the 80 GB one
+    and recommended DDP for gpt2-1.5b on 8 of them, which does not fit in 40 GB."""
+    assert main(["skypilot", "gpt2-1.5b", "--gpus", "A100:8"]) == 0
+    plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("# plan ("))
+    assert "--gpu a100-40gb" in plan and "fsdp" in plan

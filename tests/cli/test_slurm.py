@@ -127,6 +127,13 @@ def test_a_failed_activation_stops_the_script(tmp_path):
     (["--time", "4h"], ["--time = '4h'", "HH:MM:SS", "fix: --time 04:00:00"]),
     (["--port", "70000"], ["--port = '70000'", "[1, 65535]"]),
     (["--parallel.strategy=fsdp", "--memory.cpu_offload=maybe"], ["memory.cpu_offload = 'maybe'"]),
+    # found probing: each was said only on the cluster, after the queue, or named a flag slurm refuses
+    (["--nodes", "2", "--gpus-per-node", "3", "--train.global_batch=100"],
+     ["train.global_batch = 100", "32 x 6 = 192", "fix: --train.global_batch=192"]),
+    (["--nodes", "100000"], ["--nodes = '100000'", "at most 65,536", "fix: --nodes 2"]),
+    (["--signal-s", "100000"], ["--signal-s = '100000'", "at most 65535"]),
+    (["--time", "2", "--signal-s", "300"], ["--signal-s = 300", "--time 2 is 120 s", "fix: --signal-s 12"]),
+    (["--time", "1-12:00:00", "--signal-s", "200000"], ["at most 65535"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     assert main(["slurm", "digits", *argv]) == 2
@@ -172,3 +179,22 @@ def test_stopped_by_the_signal_it_is_requeued_and_resumes_without_losing_a_step(
     assert "resumed from run/checkpoints/step-00000008: step 8 of 24" in second.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 24
     assert (tmp_path / "requeued").read_text() == "4242\n"  # finished: not requeued again
+
+
+def test_slurm_time_limits_in_seconds():
+    from scaletrain.cluster.slurm import time_limit_s
+
+    assert [time_limit_s(t) for t in ("90", "0", "1:30", "04:00:00", "1-12", "1-12:30", "1-12:00:05")] == \
+        [5400, 0, 90, 14400, 129600, 131400, 129605]
+
+
+def test_srun_tasks_are_workers_whatever_the_configs_own_nproc(tmp_path, capsys):
+    """A TOML with [dist] nproc = 2 made each srun task launch a 2-worker job of its own (two jobs in one run
+    directory): the task's command says --nproc=1, after the config, so env.py adopts the Slurm task."""
+    toml = tmp_path / "two.toml"
+    toml.write_text('[data]\nsource = "digits"\n[model]\nname = "mlp"\n[dist]\nnproc = 2\n', encoding="utf-8")
+    out = tmp_path / "job.sbatch"
+    assert main(["slurm", str(toml), "--nodes", "2", "--gpus-per-node", "1", "--launcher", "srun",
+                 "--out", str(out)]) == 0
+    line = next(x for x in out.read_text().splitlines() if x.startswith("srun "))
+    assert f"scaletrain train {toml} --nproc=1 " in line

@@ -112,10 +112,12 @@ def load_job(config: str, overrides: dict[str, str], *, nproc: int, nnodes: int,
     ``endpoint``), its degrees checked against that world before anything is written or started."""
     from scaletrain.config import load
     from scaletrain.layout import check_layout
+    from scaletrain.train.batching import check_global_batch
 
     cfg = load(config, cli_overrides={**overrides, "dist.nproc": str(nproc), "dist.nnodes": str(nnodes),
                                       "dist.rdzv_endpoint": endpoint})
     check_layout(cfg.parallel, cfg.memory, nproc * nnodes, nnodes, cfg.model, cfg.data.batch_size)
+    check_global_batch(cfg, nproc * nnodes)
     return cfg
 
 

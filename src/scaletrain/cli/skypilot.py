@@ -85,7 +85,8 @@ def _plan_line(config: str, kind: str, gpus: int, nodes: int, price: str, overri
     from scaletrain.plan.catalog import ACCELERATORS
 
     key = kind.lower()
-    key = key if key in ACCELERATORS else {"a100": "a100-80gb"}.get(key, key)  # SkyPilot's A100 is the 80 GB one
+    # SkyPilot's accelerator names: A100 is the 40 GB one (A100-80GB the other), as `sky show-gpus` lists them
+    key = key if key in ACCELERATORS else {"a100": "a100-40gb"}.get(key, key)
     if key not in ACCELERATORS:
         return f"# plan: {kind} is not in the planner's catalog ({', '.join(ACCELERATORS)}): no time or cost"
     argv = ["plan", config, "--gpu", key, "--nproc", str(gpus), "--nnodes", str(nodes),

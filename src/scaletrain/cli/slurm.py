@@ -22,6 +22,8 @@ from scaletrain.errors import UserError
 HELP = ("Write an sbatch script that runs this training job on N machines x G GPUs under Slurm: one torchrun "
         "agent per machine, a checkpoint and a requeue before the time limit, resumed where it stopped.")
 # What the script sets itself, from --nodes and --gpus-per-node and Slurm's variables.
+MAX_NODES = 65536  # dist.nnodes' bound
+MAX_SIGNAL_S = 65535  # sbatch --signal=SIG@TIME: TIME is 0..65535 seconds
 _LAYOUT = {"dist.nproc": "--gpus-per-node", "dist.nnodes": "--nodes", "dist.rdzv_endpoint": "--nodes",
            "dist.rdzv_id": "--nodes"}
 
@@ -51,9 +53,11 @@ def add_parser(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
-    from scaletrain.cluster.slurm import SlurmJob, check_time, detect_env, sbatch_script
+    from scaletrain.cluster.slurm import SlurmJob, check_time, detect_env, sbatch_script, time_limit_s
 
     nodes = parse_count("--nodes", args.nodes, 1, "2")
+    if nodes > MAX_NODES:  # dist.nnodes' bound, said of the flag the user typed (slurm refuses --nnodes)
+        raise UserError(f"--nodes = {args.nodes!r}: expected at most {MAX_NODES:,} machines; fix: --nodes 2")
     gpus = parse_count("--gpus-per-node", args.gpus_per_node, 1, "8")
     if args.launcher not in ("torchrun", "srun"):
         raise UserError(f"--launcher = {args.launcher!r}: expected torchrun or srun; fix: --launcher srun")
@@ -61,6 +65,14 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     signal_s = parse_count("--signal-s", args.signal_s, 1, "120")
     port = parse_port(args.port)
     time = check_time(args.time)
+    if signal_s > MAX_SIGNAL_S:
+        raise UserError(f"--signal-s = {args.signal_s!r}: Slurm's --signal takes at most {MAX_SIGNAL_S} seconds; "
+                        "fix: --signal-s 120")
+    limit = time_limit_s(time)
+    if limit and signal_s >= limit:  # the warning would come at the start: each run saves, requeues, repeats
+        raise UserError(f"--signal-s = {signal_s}: the warning before the time limit must come after the job "
+                        f"starts, and --time {time} is {limit:,} s; fix: --signal-s {max(1, limit // 10)}, or a "
+                        "longer --time")
     if args.out and Path(args.out).exists():
         raise UserError(f"--out = {args.out!r}: the file exists, and is not overwritten; fix: another --out, or "
                         "remove it first")

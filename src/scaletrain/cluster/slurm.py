@@ -102,6 +102,19 @@ def check_time(text: str) -> str:
     return text
 
 
+def time_limit_s(text: str) -> int:
+    """Seconds in a --time that check_time accepted (0: no limit): MINUTES, MINUTES:SECONDS, H:M:S, D-H,
+    D-H:M, D-H:M:S, as sbatch reads them."""
+    days, _, rest = text.rpartition("-") if "-" in text else ("0", "", text)
+    parts = [int(x) for x in rest.split(":")]
+    if days != "0" or "-" in text:  # D-H, D-H:M, D-H:M:S
+        h, m, sec = (parts + [0, 0])[:3]
+        return int(days) * 86400 + h * 3600 + m * 60 + sec
+    if len(parts) == 3:
+        return parts[0] * 3600 + parts[1] * 60 + parts[2]
+    return parts[0] * 60 + (parts[1] if len(parts) == 2 else 0)
+
+
 def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str, env: PythonEnv) -> str:
     """The script's text. ``config`` and ``overrides`` (--section.key=value) are passed to every machine's
     `scaletrain train`, after the layout this function sets (nnodes, nproc, rendezvous, run dir); ``env`` is
@@ -118,7 +131,8 @@ def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str
     if job.account:
         directives.append(f"--account={job.account}")
     if srun_mode:  # each task a worker: env.py reads its rank and world from SLURM_PROCID and SLURM_NTASKS
-        train = ["scaletrain", "train", q(config), f"--run.dir={q(run_dir)}", *(q(o) for o in overrides)]
+        # --nproc=1: a config's own [dist] nproc would make each task a launcher of its own job
+        train = ["scaletrain", "train", q(config), "--nproc=1", f"--run.dir={q(run_dir)}", *(q(o) for o in overrides)]
         start = ["# one task per GPU, each a worker (no torchrun): rank and world from SLURM_PROCID and SLURM_NTASKS,",
                  "# the first machine's address and this port for the process group's store",
                  'export MASTER_ADDR="$head"', f"export MASTER_PORT={job.port}"]

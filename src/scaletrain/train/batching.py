@@ -67,6 +67,12 @@ def _accumulation(cfg: Config, world_size: int, resume: dict[str, Any] | None) -
                                f"{now} ({why}); {keep}")
 
 
+def check_global_batch(cfg: Config, world_size: int) -> None:
+    """train.global_batch (and accum_steps) against ``world_size`` ranks, for a job laid out before any data is
+    read (a Slurm script, a SkyPilot task, a rehearsal): the line the cluster would give, said now."""
+    _accumulation(cfg, dp_world_size(cfg.parallel, world_size), None)
+
+
 def _keeping(global_batch: int, batch_size: int, world_size: int, *, accum_set: bool) -> str:
     """The settings that keep ``global_batch`` on ``world_size`` ranks (a per-rank batch no larger than
     ``batch_size``, so that it still fits in memory), or that none can: it must be a multiple of the world."""
