@@ -7,13 +7,17 @@ a file) raises one of these with what was wrong, what is allowed and how to fix 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # training failed (a crash, a non-finite loss)
@@ -187,6 +191,20 @@ def report(err: BaseException, stream: TextIO | None = None) -> int:
             line = f"[rank {rank}] {line}"
     print(line, file=stream, flush=True)
     return exit_code(err)
+
+
+def says_errors(fn: F) -> F:
+    """A library entry point (fit, plan_fit) whose scaletrain errors, uncaught by its caller, end the program
+    as the CLI's do (install_excepthook); the caller can still catch them."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (Reported, Stopped):
+            install_excepthook()
+            raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 def install_excepthook() -> None:

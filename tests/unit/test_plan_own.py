@@ -100,3 +100,26 @@ def test_what_cannot_be_planned_is_one_line() -> None:
         scaletrain.plan_fit(Tagger, data, gpu="h1000")
     with pytest.raises(UserError, match=r"model: Linear\(\) is called with no arguments .* fix: pass a function"):
         scaletrain.plan_fit(nn.Linear, data)  # needs its sizes
+
+
+def test_an_uncaught_mistake_in_plan_fit_ends_as_fits_does(tmp_path) -> None:
+    """plan_fit(...) with a batch larger than the data, or an unknown gpu, was a traceback and exit 1 where
+    fit() says one line and exits 2; a caller can still catch the error."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "plan_mine.py"
+    script.write_text(
+        "import sys, torch, scaletrain, scaletrain.errors\n"
+        "x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))\n"
+        "try:\n"
+        "    scaletrain.plan_fit(lambda: torch.nn.Linear(4, 2), (x, y), gpu='rtx4090')\n"
+        "except scaletrain.errors.UserError:\n"
+        "    print('caught')\n"
+        "scaletrain.plan_fit(lambda: torch.nn.Linear(4, 2), (x, y), config={'data.batch_size': 100000})\n",
+        encoding="utf-8")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2 and proc.stdout.strip() == "caught", proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("scaletrain: error: data.batch_size = 100000")

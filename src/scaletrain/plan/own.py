@@ -22,9 +22,10 @@ from typing import Any
 from torch import nn
 
 from scaletrain.config import Config, ModelConfig
-from scaletrain.errors import UserError
+from scaletrain.errors import UserError, says_errors
 
 
+@says_errors
 def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h100",
          config: Config | Mapping[str, Any] | str | None = None, argv: list[str] | None = None,
          batch_fn: Callable[[Any], tuple[Any, Any]] | None = None,

@@ -16,7 +16,7 @@ from scaletrain import __version__, runtime
 from scaletrain.batch import BatchFn
 from scaletrain.config import Config
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory, train_size
-from scaletrain.errors import DiskFull, Reported, Stopped, TrainingFailed, install_excepthook
+from scaletrain.errors import DiskFull, Reported, TrainingFailed, says_errors
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import describe
 from scaletrain.observe.memory import (
@@ -433,6 +433,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
             runtime.close(rt)
 
 
+@says_errors
 def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_data: Any = None,
         loss_fn: LossFn | None = None, config: Config | Mapping[str, Any] | str | None = None,
         batch_fn: BatchFn | None = None, argv: list[str] | None = None,
@@ -458,12 +459,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     A scaletrain error that the caller does not catch ends the program as the CLI does: one line, exit code
     2 (1 when training failed), said once however many ranks raised it.
     """
-    try:
-        memory = {"data.source": "memory"}  # the data are the arguments, whatever a recipe or TOML file says
-        cfg = resolve_config(config, argv, defaults=memory, pinned=memory)
-        check_workers(cfg)
-        splits = in_memory(train_data, eval_data, cfg.data.val_fraction, collate_fn=collate_fn)
-        return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn)
-    except (Reported, Stopped):
-        install_excepthook()
-        raise
+    memory = {"data.source": "memory"}  # the data are the arguments, whatever a recipe or TOML file says
+    cfg = resolve_config(config, argv, defaults=memory, pinned=memory)
+    check_workers(cfg)
+    splits = in_memory(train_data, eval_data, cfg.data.val_fraction, collate_fn=collate_fn)
+    return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn)
