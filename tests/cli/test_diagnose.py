@@ -45,3 +45,20 @@ def test_diagnose_without_records_is_one_line(tmp_path: Path) -> None:
     found = _scaletrain("diagnose", str(tmp_path))
     assert found.returncode == 2 and "Traceback" not in found.stderr
     assert "no flight records" in found.stderr and len(found.stderr.strip().splitlines()) == 1
+
+
+def test_a_rank_killed_outright_is_named_from_the_jobs_world_size(tmp_path: Path, capsys) -> None:
+    """A SIGKILLed rank writes no flight record; diagnose took the ranks that did for the whole job and said
+    "every rank reached the same last collective". The job's world size comes from metrics.jsonl's start
+    record now, so the silent rank is named."""
+    from scaletrain.cli import main
+
+    (tmp_path / "flight").mkdir()
+    record = {"rank": 0, "host": "vm", "pid": 1, "reason": "its collective failed", "stack": [],
+              "recorder": {"entries": []}}
+    (tmp_path / "flight" / "rank-00000.json").write_text(json.dumps(record))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "start", "step": 0, "world_size": 2}) + "\n")
+    assert main(["diagnose", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "rank(s) 1 wrote no record: dead or killed (the others' last collectives match)"
+    assert out[-1].strip() == "rank 1: wrote no record (dead, or killed before it could)"

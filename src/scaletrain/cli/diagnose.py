@@ -25,8 +25,27 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: not a directory; fix: scaletrain diagnose runs/NAME (the job's --run.dir)")
-    finding = diagnose(run_dir)
+    finding = diagnose(run_dir, _world_size(run_dir))
     print(finding.line)
     for line in finding.details:
         print(f"  {line}")
     return 0
+
+
+def _world_size(run_dir: Path) -> int | None:
+    """The job's world size from the last attempt's start record in metrics.jsonl: a rank killed outright writes
+    no flight record, and without it the ranks that did would look like the whole job."""
+    import json
+
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("kind") == "start" and isinstance(record.get("world_size"), int):
+            return record["world_size"]
+    return None
