@@ -71,3 +71,11 @@ def test_skypilots_a100_is_planned_as_the_40_gb_one(capsys) -> None:
     assert main(["skypilot", "gpt2-1.5b", "--gpus", "A100:8"]) == 0
     plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("# plan ("))
     assert "--gpu a100-40gb" in plan and "fsdp" in plan
+
+
+def test_short_runs_keep_their_hours() -> None:
+    """A 0.13 h run on 3 GPUs said '(0 GPU-hours)'."""
+    from scaletrain.cli.skypilot import _hours
+
+    assert [_hours(h) for h in (0.39, 0.13, 3.7, 30.4, 1234.5, 5.6e-8)] == \
+        ["0.39", "0.13", "3.7", "30", "1,234", "under 0.01"]

@@ -104,9 +104,18 @@ def _plan_line(config: str, kind: str, gpus: int, nodes: int, price: str, overri
         return f"# plan ({shlex.join(['scaletrain', *argv])}): no layout fits: {record.get('reason', '')}"
     layout = f"{chosen['strategy']}, checkpointing {chosen['checkpointing']}"
     hours, cost = chosen["run_hours"], chosen.get("cost")
-    money = f", ${cost:,.0f} at ${float(price):g}/GPU-hour" if cost is not None else ""
-    return (f"# plan ({shlex.join(['scaletrain', *argv])}): {layout}, {hours:,.1f} h for the run"
-            f" ({hours * gpus * nodes:,.0f} GPU-hours){money}")
+    gpu_hours = hours * gpus * nodes
+    money = ""
+    if cost is not None:
+        dollars = "under $0.01" if cost < 0.01 else f"${cost:,.{0 if cost >= 10 else 2}f}"
+        money = f", {dollars} at ${float(price):g}/GPU-hour"
+    return (f"# plan ({shlex.join(['scaletrain', *argv])}): {layout}, {_hours(hours)} h for the run"
+            f" ({_hours(gpu_hours)} GPU-hours){money}")
+
+
+def _hours(value: float) -> str:
+    """Hours to the precision they have: a short run's 0.3 GPU-hours were said as 0."""
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2g}" if value >= 0.01 else "under 0.01"
 
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
