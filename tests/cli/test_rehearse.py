@@ -110,3 +110,15 @@ def test_network_namespaces_say_in_one_line_why_they_cannot_be_made(monkeypatch:
     monkeypatch.setattr(netns, "_capable", lambda: True)
     monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else "/sbin/" + tool)
     assert netns.unavailable() is None and netns.unavailable(shaped=True) == "iproute2's 'tc' is not on PATH"
+
+
+def test_the_agent_whose_worker_was_killed_is_named_not_the_one_that_lost_a_peer(tmp_path) -> None:
+    """A rank killed on node 1 made node 0's worker fail too, and the rehearsal's line led with agent 0 ('worker
+    rank 0 failed with exit code 1'): the agent whose worker was killed by a signal is the cause."""
+    from scaletrain.cli.cluster import _first_cause
+
+    logs = [tmp_path / "train-node0.log", tmp_path / "train-node1.log"]
+    logs[0].write_text("scaletrain: worker rank 0 failed with exit code 1\n")
+    logs[1].write_text("scaletrain: worker rank 1 was killed by SIGKILL (1 of 2 workers stopped with an error)\n")
+    assert _first_cause([1, 1], logs) == 1
+    assert _first_cause([1, 0], logs) == 0 and _first_cause([0, 0], logs) == 0

@@ -198,7 +198,7 @@ def _rehearse(config: str, cfg: Any, overrides: dict[str, str], nodes: int, npro
     net_logs = [out / f"net-node{i}.log" for i in range(nodes)]
     codes = _agents(net, net_logs, timeout_s=max(120, cfg.dist.timeout_s), drop=drop)
     if any(codes):
-        bad = next(i for i, c in enumerate(codes) if c)
+        bad = _first_cause(codes, net_logs)
         raise TrainingFailed(f"rehearsal: the network check failed on agent {bad} (exit {codes[bad]}): "
                              f"{_tail(net_logs[bad])}; its log: {net_logs[bad]}")
     netinfo = json.loads((out / "net.json").read_text())
@@ -213,7 +213,7 @@ def _rehearse(config: str, cfg: Any, overrides: dict[str, str], nodes: int, npro
     train_logs = [out / f"train-node{i}.log" for i in range(nodes)]
     codes = _agents(train, train_logs, timeout_s=max(600, cfg.dist.timeout_s), drop=drop)
     if any(codes) or not (run_dir / "summary.json").exists():
-        bad = next((i for i, c in enumerate(codes) if c), 0)
+        bad = _first_cause(codes, train_logs)
         raise TrainingFailed(f"rehearsal: the short run failed on agent {bad} (exit {codes[bad]}): "
                              f"{_tail(train_logs[bad])}; its log: {train_logs[bad]}")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -270,3 +270,14 @@ def _links(speeds: list[float]) -> str:
         return ""
     return f", links of {speeds[0]:g} Gbit/s" if len(speeds) == 1 else \
         f", links of {' to '.join(f'{g:g}' for g in (speeds[0], speeds[-1]))} Gbit/s"
+
+
+def _first_cause(codes: list[int], logs: list[Path]) -> int:
+    """The agent to name when the rehearsal failed: one whose worker was killed by a signal (the others only
+    lost a peer: their "rank 0 failed" is the consequence), else the first that failed, else agent 0."""
+    failed = [i for i, c in enumerate(codes) if c]
+    for i in failed:
+        with contextlib.suppress(OSError):
+            if "was killed by " in logs[i].read_text(errors="replace"):
+                return i
+    return failed[0] if failed else 0
