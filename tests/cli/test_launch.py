@@ -218,7 +218,9 @@ def test_launch_rendezvous_failure_is_one_line_and_exit_1(monkeypatch: pytest.Mo
         "--dist.rdzv_timeout_s)"), (
         "scaletrain: rendezvous at node0.example:29500 failed (RendezvousConnectionError: The connection to the "
         "C10d store has failed. The client socket has timed out after 60000ms while trying to connect); fix: "
-        "check that the endpoint is reachable from every machine and that all 2 machines run the same command")]
+        "if the job had started, it ended on the machine hosting the rendezvous: see that machine's output (or "
+        "scaletrain diagnose RUN_DIR); else check that the endpoint is reachable from every machine and that all "
+        "2 machines run the same command")]
 
 
 def test_an_endpoint_that_cannot_work_is_one_line_before_any_agent_starts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -301,7 +301,12 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
         if type(err).__name__ == "RendezvousTimeoutError" and not why:
             why = f"not every machine arrived within {cfg.rdzv_timeout_s} s (--dist.rdzv_timeout_s)"
         where = cfg.rdzv_endpoint or "this machine"
-        print(f"scaletrain: rendezvous at {where} failed ({type(err).__name__}: {why}); fix: check that "
+        # A lost connection also ends every other machine's agent once the job has failed or stopped on the
+        # machine that hosts the rendezvous (its agent exits and takes the store with it): say both.
+        lost = "if the job had started, it ended on the machine hosting the rendezvous: see that machine's " \
+            "output (or scaletrain diagnose RUN_DIR); else " if type(err).__name__ == "RendezvousConnectionError" \
+            and cfg.nnodes > 1 else ""
+        print(f"scaletrain: rendezvous at {where} failed ({type(err).__name__}: {why}); fix: {lost}check that "
               f"the endpoint is reachable from every machine and that all {cfg.nnodes} machines run the "
               "same command", file=sys.stderr)
         return 1
