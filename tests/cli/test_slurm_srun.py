@@ -77,7 +77,8 @@ def test_srun_tasks_train_as_torchrun_workers_and_resume_after_the_signal(tmp_pa
                  str(free_port()), "--out", str(script), "--run.dir=run", *RUN, "--chaos.signal_rank=0",
                  "--chaos.signal_step=5"]) == 0
     text = script.read_text()
-    assert "#SBATCH --ntasks-per-node=2" in text and "--nproc" not in text
+    assert "#SBATCH --ntasks-per-node=2" in text and text.count("--nproc") == 1  # =1: each task a worker
+    assert "scaletrain train digits --nproc=1 " in text
     env = {**os.environ, "PATH": os.pathsep.join([str(stubs), str(Path(sys.executable).parent), os.environ["PATH"]]),
            "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
            "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node01",

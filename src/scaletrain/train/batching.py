@@ -14,7 +14,6 @@ from typing import Any
 from scaletrain.config import Config
 from scaletrain.errors import ConfigError
 from scaletrain.layout import dp_world_size
-from scaletrain.train.lr import scaled_lr
 
 
 @dataclass(frozen=True)
@@ -134,6 +133,8 @@ def plan_batches(cfg: Config, world_size: int, train_size: int | None,
     total = _total_steps(cfg, steps_per_epoch, step_samples, train_size, resume)
     lr = cfg.optim.lr
     if cfg.optim.scale_lr:
+        from scaletrain.train.lr import scaled_lr  # torch's optimizers: not for a Slurm script's check
+
         lr = scaled_lr(lr, step_samples, cfg.optim.base_batch)
     readers = "data-parallel rank" if cfg.parallel.tp * cfg.parallel.pp > 1 else "rank"
     return BatchPlan(b, world_size, accum, steps_per_epoch, total, lr, note, readers)
