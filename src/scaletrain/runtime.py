@@ -13,7 +13,9 @@ import random
 import socket
 import sys
 import time
+import uuid
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -92,10 +94,12 @@ def init(cfg: DistConfig) -> Runtime:
         die_with_launcher()  # a script's worker too (scaletrain launch, torchrun): not an orphan of a dead agent
         flight.enable(cfg.flight_recorder)
         timeout = timedelta(seconds=cfg.timeout_s)
-        store = _attempt_store(world, timeout)
-        extra = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
+        met = _group_store(rank, world, timeout)
+        extra = {"store": met[0], "rank": rank, "world_size": world} if met is not None else {}
         dist.init_process_group(backend=backend, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None, **extra)
+        if met is not None:
+            _remember(met[1])
         owns = True
     elif not under_launcher():
         backend = "none"
@@ -160,32 +164,127 @@ def speak_once(rank: int) -> None:
         warnings.simplefilter("ignore")
 
 
-def _attempt_store(world: int, timeout: timedelta) -> dist.Store | None:
-    """Under torchrun's agent store, the process group's keys in a namespace of their own per restart.
+def _group_store(rank: int, world: int, timeout: timedelta) -> tuple[dist.Store, int] | None:
+    """Under torchrun's agent store: the store the process group meets in, a namespace of torchrun's agent store
+    that no earlier group of the job used, and that group's number (see _meet); None elsewhere (torch's own
+    env:// store, fresh for each group).
 
-    The agent keeps one store for the whole job; the keys through which Gloo ranks exchange their addresses
-    would otherwise be the same in every attempt, and a rank of a restarted group could read the address of a
-    worker that was killed (seen here: "Gloo connectFullMesh failed ... Connection refused" after a restart).
+    The agent's store lives as long as the job, across its restarts, and the keys through which Gloo ranks
+    exchange their addresses would otherwise be the same for every group: a rank of a restarted group read the
+    address of a worker that was killed ("Gloo connectFullMesh failed ... Connection refused"), as did the second
+    group of one process (fit() after fit()). A namespace per TORCHELASTIC_RESTART_COUNT did not do: each agent
+    counts its own restarts (the agent whose worker died counts 1, another restarts its workers because the
+    membership changed and still counts 0), so the ranks of one group waited on different keys until
+    dist.timeout_s.
     """
-    global _GROUPS
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                         timeout=timeout)
-    _GROUPS += 1  # every rank opens as many groups as the others (a script's fit() after fit() runs on all)
-    return dist.PrefixStore(f"scaletrain/attempt-{_attempt()}/group-{_GROUPS}", base)
+    agent = _agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
+    number = _meet(agent, rank, world, timeout)
+    return dist.PrefixStore(f"{_namespace_of(number)}/pg", agent), number
 
 
-# Process groups this process opened in the agent's store, for their keys' namespace: a second group of the same
-# attempt (fit() called twice, two sessions in a row) read the first one's Gloo addresses, dead by then, and hung
-# in init_process_group until dist.timeout_s ("connectFullMesh failed ... Connection refused").
-_GROUPS = 0
+def _agent_store(host: str, port: int, timeout: timedelta) -> dist.Store:
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+_JOIN = "scaletrain/join"  # the keys through which the ranks of a new group meet (in the agent's store)
+
+
+def _meet(agent: dist.Store, rank: int, world: int, timeout: timedelta) -> int:
+    """The number of the group these ``world`` ranks form, the same on every rank, one no earlier group of the
+    job had (the job's count of groups, one more on each). Rank 0 takes it; each other rank writes a nonce of its
+    own (uuid4) under its rank and waits for rank 0's answer under that nonce, then says it joined. Rank 0 answers
+    every nonce it reads until all the others joined this number: a nonce an earlier rank left (a dead worker of
+    an earlier round, this process's previous group) gets an answer nobody waits for, and a "joined" under an
+    earlier number does not count. No counter of any one agent, nothing read that an earlier group could have
+    written. Past ``timeout``, a TrainingFailed naming who did not come."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    fix = (f"fix: see that rank's output (a worker that did not start, or a machine that cannot reach the store at "
+           f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}); --dist.timeout_s="
+           f"{timeout.total_seconds():.0f} bounds the wait")
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        agent.set(f"{_JOIN}/hello/{rank}", nonce)
+        answer = f"{_JOIN}/answer/{nonce}"
+        try:
+            agent.wait([answer], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except dist.DistError:
+            raise TrainingFailed(f"rank {rank} could not join the process group: no answer from rank 0 within "
+                                 f"{timeout.total_seconds():.0f} s; {fix}") from None
+        number = int(agent.get(answer))
+        agent.delete_key(answer)
+        agent.set(f"{_namespace_of(number)}/joined/{rank}", nonce)
+        agent.add(f"{_namespace_of(number)}/joined", 1)
+        return number
+    number = int(agent.add("scaletrain/groups", 1))
+    joined = f"{_namespace_of(number)}/joined"
+    hellos = [f"{_JOIN}/hello/{r}" for r in range(1, world)]
+    answered: set[bytes] = set()
+    while world > 1:
+        left = deadline - time.monotonic()
+        if left > 0 and agent.check(hellos):
+            new = [n for n in agent.multi_get(hellos) if n not in answered]
+            if new:
+                agent.multi_set([f"{_JOIN}/answer/{n.decode()}" for n in new], [str(number)] * len(new))
+                answered.update(new)
+            if int(agent.add(joined, 0)) >= world - 1:
+                break
+        if left <= 0:
+            absent = [str(r) for r in range(1, world) if not agent.check([f"{joined}/{r}"])]
+            if not absent:  # the last one joined as time ran out
+                break
+            who = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {', '.join(absent)}"
+            raise TrainingFailed(f"rank 0 could not form the process group: {who} did not join within "
+                                 f"{timeout.total_seconds():.0f} s; {fix}")
+        time.sleep(0.02)
+    return number
+
+
+# The process group init() started under the agent's store (a weak reference: runtime.close must be able to free
+# it) and its number (_meet): while that group is the default one, scaletrain's own keys (host names, failure
+# records) are that group's, and the group before it is the one whose failure a restarted group reports.
+_GROUP: tuple[weakref.ref[Any], int] | None = None
+
+
+def _remember(number: int) -> None:
+    global _GROUP
+    _GROUP = (weakref.ref(dist.group.WORLD), number)
+
+
+def _namespace_of(number: int) -> str:
+    return f"scaletrain/group-{number}"
+
+
+def _number() -> int | None:
+    """The number of the current group (_meet), or None where it is not one init() met through the agent's store."""
+    if _GROUP is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    ref, number = _GROUP
+    return number if ref() is dist.group.WORLD else None
+
+
+def _namespace() -> str:
+    """Where this group's scaletrain keys are in the job's store: its own namespace (the same on every rank, see
+    _meet), else, for a group init() did not meet (the user's own, one started by env:// under Slurm), the
+    launcher's restart count."""
+    number = _number()
+    return _namespace_of(number) if number is not None else f"scaletrain/{_attempt()}"
+
+
+def _previous() -> str | None:
+    """The namespace of the group before this one in the job (that of the attempt before, for a group init() did
+    not meet), or None for the job's first."""
+    number = _number()
+    if number is not None:
+        return _namespace_of(number - 1) if number > 1 else None
+    return f"scaletrain/{int(_attempt()) - 1}" if int(_attempt()) > 0 else None
 
 
 def _store() -> dist.Store | None:
     """The job's key-value store (torchrun's agent store, kept across restarts), or None. The process group
-    sees it through prefixes (per attempt, per group); scaletrain's keys carry the attempt themselves, so that
-    a restarted group can read what the previous attempt wrote."""
+    sees it through a prefix (_group_store); scaletrain's keys carry the group's namespace themselves
+    (_namespace), so that a restarted group can read what the previous one wrote (_previous)."""
     try:
         store = dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError, AttributeError):
@@ -206,17 +305,17 @@ def _announce(rt: Runtime) -> None:
     if store is None:
         return
     host = socket.gethostname()
-    store.set(f"scaletrain/{_attempt()}/host/{rt.rank}", host)
-    store.set(f"scaletrain/{_attempt()}/rank-of/{host}/{os.getpid()}", str(rt.rank))
-    if rt.local_rank == 0 and int(_attempt()) > 0 and FAILED_WORKER_ENV in os.environ:
-        _pass_on_failure(store, host, os.environ[FAILED_WORKER_ENV])
+    here, prev = _namespace(), _previous()
+    store.set(f"{here}/host/{rt.rank}", host)
+    store.set(f"{here}/rank-of/{host}/{os.getpid()}", str(rt.rank))
+    if rt.local_rank == 0 and prev is not None and FAILED_WORKER_ENV in os.environ:
+        _pass_on_failure(store, prev, host, os.environ[FAILED_WORKER_ENV])
 
 
-def _pass_on_failure(store: dist.Store, host: str, failed: str) -> None:
-    """``failed`` ("PID EXITCODE", from this machine's launcher) becomes the previous attempt's "died" record
+def _pass_on_failure(store: dist.Store, prev: str, host: str, failed: str) -> None:
+    """``failed`` ("PID EXITCODE", from this machine's launcher) becomes the previous group's "died" record
     (rank, pid, exit code) if that pid was a rank of it that did not report a failure itself: a rank that did
     was stopped by another one's death (a launcher names the first of its own workers to fail)."""
-    prev = f"scaletrain/{int(_attempt()) - 1}"
     pid, exitcode = failed.split()
     key = f"{prev}/rank-of/{host}/{pid}"
     if store.check([key]):
@@ -232,7 +331,7 @@ def missing_peers(rt: Runtime, step: int, wait_s: float = 2.0) -> list[tuple[int
     store = _store() if rt.distributed else None
     if store is None:
         return []
-    prefix = f"scaletrain/{_attempt()}"
+    prefix = _namespace()
     try:
         store.set(f"{prefix}/failed/{rt.rank}", str(step))
         store.set(f"{prefix}/failed-at", str(step))  # for a restarted group: the step the failure stopped
@@ -288,7 +387,7 @@ def _ask_for_records(rt: Runtime, run_dir: Path, step: int) -> None:
     store = _store()
     try:
         if store is not None:
-            store.compare_set(f"scaletrain/{_attempt()}/{flight.FLAG}", "", str(rt.rank))
+            store.compare_set(f"{_namespace()}/{flight.FLAG}", "", str(rt.rank))
         flight.dump(run_dir, rt.rank, reason="its collective failed", step=step)
     except (RuntimeError, dist.DistError, OSError):  # the store is gone, or the disk: the one line still comes
         pass
@@ -299,18 +398,19 @@ def watch_for_failures(rt: Runtime, run_dir: Path, step: Callable[[], int]) -> f
     store = _store() if rt.distributed else None
     if store is None or not flight.enabled():
         return None
-    return flight.Watcher(store, f"scaletrain/{_attempt()}/{flight.FLAG}", run_dir, rt.rank, step)
+    return flight.Watcher(store, f"{_namespace()}/{flight.FLAG}", run_dir, rt.rank, step)
 
 
 def previous_failure(rt: Runtime) -> dict[str, Any]:
     """After torchrun restarted the group: what the store holds about the failure that ended the previous
-    attempt. ``rank``, ``pid``, ``exitcode`` of the worker that died (when its machine's launcher passed them
-    on: scaletrain's does, plain torchrun does not); ``step``, the step the survivors were in; ``missing``, the
-    ranks that never answered them. Empty on a first attempt or when nothing was recorded."""
+    attempt (the job's group before this one, _previous). ``rank``, ``pid``, ``exitcode`` of the worker that died
+    (when its machine's launcher passed them on: scaletrain's does, plain torchrun does not); ``step``, the step
+    the survivors were in; ``missing``, the ranks that never answered them. Empty for the job's first group or
+    when nothing was recorded."""
     store = _store() if rt.distributed else None
-    if store is None or int(_attempt()) == 0:
+    prev = _previous() if store is not None else None
+    if prev is None:
         return {}
-    prev = f"scaletrain/{int(_attempt()) - 1}"
     found: dict[str, Any] = {}
     try:
         if store.check([f"{prev}/died"]):
