@@ -61,7 +61,10 @@ def test_the_restart_line_says_what_is_known_and_nothing_else(monkeypatch, known
     assert preempt.restart_line(RT, None).endswith("restarting from step 0 (no checkpoint to resume) (restart 1 of 3)")
     other = runtime.Runtime(1, 1, 2, 2, torch.device("cpu"), "gloo")
     assert preempt.restart_line(other, 8) is None  # rank 0 says it, once
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # rank 0's launcher restarted for another's failure
+    if known:
+        assert preempt.restart_line(RT, 8) == line.replace("restart 1 of 3", "restarted by another machine's launcher")
+    monkeypatch.setattr(runtime, "previous_failure", lambda rt: {})
     assert preempt.restart_line(RT, 8) is None  # a first attempt has nothing to explain
 
 
