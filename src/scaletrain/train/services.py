@@ -30,7 +30,7 @@ from scaletrain.observe.goodput import earlier_attempts
 from scaletrain.observe.metrics import MetricsWriter, write_whole
 from scaletrain.observe.stragglers import StragglerDetector, hosts, straggler_line
 from scaletrain.observe.timing import PHASES
-from scaletrain.runtime import Runtime
+from scaletrain.runtime import Runtime, previous_failure
 from scaletrain.train.checkpointing import Checkpointer, Resume, SaveResult
 from scaletrain.train.preempt import PreemptFlag, StepAgreement
 from scaletrain.train.resume import truncate_metrics
@@ -69,9 +69,12 @@ class RunServices:
         if cfg.log.tensorboard:
             check_tensorboard()
         began = time.time() - (time.perf_counter() - started if started is not None else 0.0)
-        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
         earlier: list[Any] = [None]
         if rt.is_main:
+            # torchrun restarted the group: this agent counted it, or (several machines) another agent did and
+            # the group before this one recorded its failure
+            restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0") or \
+                bool(previous_failure(rt))
             sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard else []
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(run_dir / "config.toml", cfg.to_toml())  # unchanged on resume: nothing written
