@@ -62,11 +62,13 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180,
-              start_method: str = "forkserver") -> list[Any]:
+              start_method: str = "forkserver", store: dist.TCPStore | None = None) -> list[Any]:
     """fn(rank, world, *args) on `world` processes; returns [result of rank 0, rank 1, ...]. start_method
     "spawn" gives each rank a fresh interpreter, for a test of what a process does from its start (its peak
-    RSS, the malloc settings it read from its environment)."""
-    store = dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
+    RSS, the malloc settings it read from its environment). ``store``: the agent's store, given to outlive the
+    ranks (a job's rounds of workers, as torchrun's agent keeps its store across restarts); a new one by
+    default."""
+    store = store or dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(_entry, args=(fn, world, store.port, out, args, dict(os.environ)), nprocs=world,
                                  join=False, start_method=start_method)

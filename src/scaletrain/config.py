@@ -877,13 +877,14 @@ def read_source(source: str) -> tuple[str, dict[str, Any], str]:
                               "not found")
         origin, name = str(path), path.stem
         try:
-            text = path.read_bytes().decode("utf-8")
+            raw = path.read_bytes()
         except OSError as err:
             raise ConfigError("config", source, "a file this process can read", "check its permissions",
                               f"{type(err).__name__}: {err.strerror}") from None
+        try:
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:  # TOML is UTF-8; Windows editors save UTF-16 with a byte-order mark
-            raw = path.read_bytes()[:2]
-            seen = "UTF-16 (it starts with a byte-order mark)" if raw in (b"\xff\xfe", b"\xfe\xff") else \
+            seen = "UTF-16 (it starts with a byte-order mark)" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else \
                 "not text in UTF-8"
             raise ConfigError("config", source, "a TOML file in UTF-8", "save it as UTF-8 (in most editors: "
                               "Save As, encoding UTF-8)", seen) from None

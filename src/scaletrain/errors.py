@@ -143,6 +143,13 @@ def one_line(err: BaseException) -> str:
     return f"scaletrain: {what}: {err}"
 
 
+def first_line(err: BaseException) -> str:
+    """``err`` in one line for a record or a warning: scaletrain's own message (one line already), another's
+    type and the first line of its message."""
+    text = str(err) if isinstance(err, Reported) else f"{type(err).__name__}: {err}"
+    return text.strip().splitlines()[0] if text.strip() else type(err).__name__
+
+
 def _env_int(name: str, default: int) -> int:
     try:
         return int(os.environ.get(name, default))

@@ -401,6 +401,15 @@ def watch_for_failures(rt: Runtime, run_dir: Path, step: Callable[[], int]) -> f
     return flight.Watcher(store, f"{_namespace()}/{flight.FLAG}", run_dir, rt.rank, step)
 
 
+def after_restart(rt: Runtime) -> dict[str, Any] | None:
+    """After torchrun restarted the group: what the previous one recorded of its failure (previous_failure,
+    empty when nothing was); None for the job's first group. This machine's launcher counted the restart, or, on
+    several machines, another's did (this one restarted its workers for the changed membership and counts none)
+    and the group before this one left its failure record."""
+    failure = previous_failure(rt)
+    return failure if failure or int(_attempt()) > 0 else None
+
+
 def previous_failure(rt: Runtime) -> dict[str, Any]:
     """After torchrun restarted the group: what the store holds about the failure that ended the previous
     attempt (the job's group before this one, _previous). ``rank``, ``pid``, ``exitcode`` of the worker that died

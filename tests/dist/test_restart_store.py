@@ -12,17 +12,14 @@ a row (fit() twice), its last group recording a failure; then a second round who
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from spawn_ranks import _entry
+from spawn_ranks import run_ranks
 
 from scaletrain.errors import TrainingFailed
 
@@ -49,30 +46,17 @@ def _rank(rank: int, world: int, counts: tuple[int, ...], record_failure: bool) 
     return seen
 
 
-def _round(port: int, counts: tuple[int, ...], record_failure: bool = False) -> list[Any]:
-    """Both ranks of one round, as spawn_ranks.run_ranks starts them, but against the given agent store."""
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, args=(_rank, WORLD, port, out, (counts, record_failure), dict(os.environ)),
-                                 nprocs=WORLD, join=False, start_method="forkserver")
-        deadline = time.monotonic() + 3 * TIMEOUT_S
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks still running after {3 * TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+def _round(agent: dist.TCPStore, counts: tuple[int, ...], record_failure: bool = False) -> list[Any]:
+    """Both ranks of one round against the job's agent store."""
+    return run_ranks(_rank, WORLD, counts, record_failure, timeout_s=3 * TIMEOUT_S, store=agent)
 
 
 def test_a_restarted_group_whose_agents_count_restarts_differently_meets_in_one_namespace():
     agent = dist.TCPStore("127.0.0.1", 0, world_size=WORLD, is_master=True, wait_for_workers=False)
-    first = _round(agent.port, (0, 0), record_failure=True)
+    first = _round(agent, (0, 0), record_failure=True)
     assert [g["sum"] for r in first for g in r] == [3.0] * 4
     started = time.monotonic()
-    second = _round(agent.port, (1, 0))  # the agent of rank 0 counted the failure, rank 1's did not
+    second = _round(agent, (1, 0))  # the agent of rank 0 counted the failure, rank 1's did not
     assert time.monotonic() - started < TIMEOUT_S  # no rank waited on keys nobody else writes
     assert [g["sum"] for r in second for g in r] == [3.0] * 4
     # What the first round's last group recorded, read by the next group of the job on every rank alike; the

@@ -209,14 +209,16 @@ def set_aside(path: Path) -> Path:
     return aside
 
 
-def latest_valid(root: Path, warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint whose manifest matches its files. Newer bad ones are reported and set aside."""
+def latest_valid(root: Path, warn: Callable[[str], None], *,
+                 move: bool = True) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint whose manifest matches its files. Newer bad ones are reported and (``move``: a
+    resume's; an export only reads) set aside."""
     for _, path in reversed(committed(root)):
         try:
             return path, verify(path)
         except CheckpointError as err:
-            aside = set_aside(path)
-            warn(f"{err.args[0].split('; fix:')[0]}; moved aside to {aside.name}, falling back to the previous one")
+            aside = f"moved aside to {set_aside(path).name}, " if move else ""
+            warn(f"{err.args[0].split('; fix:')[0]}; {aside}falling back to the previous one")
     return None
 
 

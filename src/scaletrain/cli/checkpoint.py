@@ -48,23 +48,19 @@ def _checkpoints(path: Path) -> list[Path]:
 
 
 def _newest_sound(path: Path) -> tuple[Path, dict[str, Any]]:
-    """The newest checkpoint under ``path`` whose files match their manifest, and that manifest, as a resume
-    takes it: a damaged newer one is said on stderr and passed over; a step directory given by name is that
-    one or its error."""
+    """The checkpoint to export and its manifest: one named by its step directory, or else the newest of a run
+    whose files match their manifest, as a resume takes it (a damaged newer one said on stderr and passed over,
+    not moved: export only reads). None sound: the newest one's error."""
     from scaletrain.checkpoint import commit
 
-    newest_first = _checkpoints(path)[::-1]
-    for i, step in enumerate(newest_first):
-        try:
-            return step, commit.verify(step)
-        except CheckpointError as err:
-            if i + 1 == len(newest_first):  # none is sound (or the one named): the newest one's problem
-                if i:
-                    commit.verify(newest_first[0])
-                raise
-            print(f"scaletrain: warning: {str(err).partition('; fix:')[0]}: exporting an earlier checkpoint",
-                  file=sys.stderr)
-    raise AssertionError("_checkpoints finds at least one checkpoint or raises")
+    found = _checkpoints(path)
+    if len(found) > 1 and (sound := commit.latest_valid(found[-1].parent, _warn, move=False)) is not None:
+        return sound
+    return found[-1], commit.verify(found[-1])
+
+
+def _warn(line: str) -> None:
+    print(f"scaletrain: warning: {line}", file=sys.stderr)
 
 
 def _describe(path: Path, hashes: bool) -> dict[str, Any]:

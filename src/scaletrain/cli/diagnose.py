@@ -35,17 +35,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
 def _world_size(run_dir: Path) -> int | None:
     """The job's world size from the last attempt's start record in metrics.jsonl: a rank killed outright writes
     no flight record, and without it the ranks that did would look like the whole job."""
-    import json
+    from scaletrain.observe.metrics import read_records
 
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and record.get("kind") == "start" and isinstance(record.get("world_size"), int):
-            return record["world_size"]
-    return None
+    starts = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "start"]
+    world = starts[-1].get("world_size") if starts else None
+    return world if isinstance(world, int) else None

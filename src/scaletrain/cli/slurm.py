@@ -22,7 +22,6 @@ from scaletrain.errors import UserError
 HELP = ("Write an sbatch script that runs this training job on N machines x G GPUs under Slurm: one torchrun "
         "agent per machine, a checkpoint and a requeue before the time limit, resumed where it stopped.")
 # What the script sets itself, from --nodes and --gpus-per-node and Slurm's variables.
-MAX_NODES = 65536  # dist.nnodes' bound
 MAX_SIGNAL_S = 65535  # sbatch --signal=SIG@TIME: TIME is 0..65535 seconds
 _LAYOUT = {"dist.nproc": "--gpus-per-node", "dist.nnodes": "--nodes", "dist.rdzv_endpoint": "--nodes",
            "dist.rdzv_id": "--nodes"}
@@ -54,10 +53,12 @@ def add_parser(sub: Any, name: str) -> None:
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.cluster.slurm import SlurmJob, check_time, detect_env, sbatch_script, time_limit_s
+    from scaletrain.config import spec
 
     nodes = parse_count("--nodes", args.nodes, 1, "2")
-    if nodes > MAX_NODES:  # dist.nnodes' bound, said of the flag the user typed (slurm refuses --nnodes)
-        raise UserError(f"--nodes = {args.nodes!r}: expected at most {MAX_NODES:,} machines; fix: --nodes 2")
+    most = int(spec("dist.nnodes").most)  # type: ignore[union-attr]  # said of the flag typed (--nnodes is refused)
+    if nodes > most:
+        raise UserError(f"--nodes = {args.nodes!r}: expected at most {most:,} machines; fix: --nodes 2")
     gpus = parse_count("--gpus-per-node", args.gpus_per_node, 1, "8")
     if args.launcher not in ("torchrun", "srun"):
         raise UserError(f"--launcher = {args.launcher!r}: expected torchrun or srun; fix: --launcher srun")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from scaletrain.config import Config, load
-from scaletrain.errors import UserError
+from scaletrain.errors import UserError, first_line
 
 Rule = Literal["linear", "sqrt", "none"]
 RULES: tuple[Rule, ...] = ("linear", "sqrt", "none")
@@ -189,18 +189,11 @@ def train(spec: RunSpec, recipe: str, nproc: int) -> dict[str, Any]:
         (spec.dir / MARK).write_text(json.dumps(mark, indent=2) + "\n", encoding="utf-8")
         failed = _subprocess(spec, recipe, nproc) if nproc > 1 else _in_process(spec, recipe)
     except Exception as err:  # noqa: BLE001 -- any failure of one run is its row, not the end of the lab
-        failed = _one_line(err)
+        failed = first_line(err)
     summary = read_summary(spec.dir)
     if summary is None:
         return {"failed": failed or "the run left no summary.json"}
     return {"summary": summary, "reused": False}
-
-
-def _one_line(err: BaseException) -> str:
-    from scaletrain.errors import Reported
-
-    text = str(err) if isinstance(err, Reported) else f"{type(err).__name__}: {err}"
-    return text.strip().splitlines()[0] if text.strip() else type(err).__name__
 
 
 def _in_process(spec: RunSpec, recipe: str) -> str:

@@ -74,3 +74,18 @@ def write_whole(path: Path, needed: int, write: Callable[[Path], object]) -> Non
             raise
         raise DiskFull.at(path, needed) from None
     tmp.replace(path)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's whole records (a line cut short by a crash is skipped)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_bytes().splitlines():
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records

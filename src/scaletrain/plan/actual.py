@@ -57,6 +57,7 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
     from scaletrain.plan.estimate import (
         OWN,
         ModelFacts,
+        activation_key,
         compile_ratio,
         layout,
         layout_memory,
@@ -89,7 +90,7 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
     predicted: dict[str, Any] = dict(zip(("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes",
                                           "fsdp_buffers_bytes"), parts))
     predicted.update(model_state_bytes=sum(parts[:3]), total_bytes=sum(parts),
-                     compile_ratio=compile_ratio(cfg, facts.params, _key(strategy, checkpointing)))
+                     compile_ratio=compile_ratio(cfg, facts.params, activation_key(strategy, checkpointing)))
     if device.type != "cuda" or not buildable:  # not planned where not compared
         del predicted["activations_bytes"], predicted["total_bytes"], predicted["compile_ratio"]
     counted = sum(int(state.get(k, 0)) for k in ("params_bytes", "grads_bytes", "optim_bytes"))
@@ -124,11 +125,6 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
                        "batch_size": batch_size, "accum_steps": accum_steps, "precision": cfg.train.precision},
             "accelerator": acc.key if acc else None, "predicted": predicted, "actual": actual, "error": error,
             "notes": notes}
-
-
-def _key(strategy: str, checkpointing: str) -> str:
-    """ModelFacts' activation key of a layout (layout_memory's: FSDP's on any number of ranks)."""
-    return checkpointing if strategy == "ddp" else f"sharded-{checkpointing}"
 
 
 def describe(record: dict[str, Any]) -> str:

@@ -105,11 +105,16 @@ COMPILED_ACTIVATIONS = (
 def compiled_activations(*, whole: bool, loss: str, bias: bool, params: float) -> CompiledActivations | None:
     """The measured ratio nearest in size (log scale) with this compile scope and loss, the same model.bias
     first among runs of one size; None where none."""
+    runs = [m for m in COMPILED_ACTIVATIONS if m.whole == whole and m.loss == loss]
+    return min(runs, key=lambda m: (_size_distance(params, m.params), m.bias != bias)) if runs else None
+
+
+def _size_distance(params: float, measured: float) -> float:
+    """How far a model of ``params`` parameters is from a measured one, on a log scale (rounded, so that runs
+    of one size tie and the second key decides)."""
     import math
 
-    runs = [m for m in COMPILED_ACTIVATIONS if m.whole == whole and m.loss == loss]
-    return min(runs, key=lambda m: (round(abs(math.log(max(params, 1.0) / m.params)), 6), m.bias != bias)) \
-        if runs else None
+    return round(abs(math.log(max(params, 1.0) / measured)), 6)
 
 
 def default_mfu(accelerator: str, *, compiled: bool, params: float, tokens: float = 0) -> tuple[float, str]:
@@ -123,8 +128,7 @@ def default_mfu(accelerator: str, *, compiled: bool, params: float, tokens: floa
                               f"assumed; --mfu or --calibrate with your own runs")
 
     def distance(m: MeasuredMfu) -> tuple[float, float]:
-        size = round(abs(math.log(max(params, 1.0) / m.params)), 6)
-        return size, abs(math.log(tokens / m.tokens)) if tokens > 0 else 0.0
+        return _size_distance(params, m.params), abs(math.log(tokens / m.tokens)) if tokens > 0 else 0.0
 
     near = min(runs, key=distance)
     return near.mfu, f"the nearest measured run: {near.source}"

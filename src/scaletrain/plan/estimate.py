@@ -280,8 +280,6 @@ def compile_ratio(cfg: Config, params: float, key: str) -> float:
 
 def _compiled(cfg: Config, facts: ModelFacts) -> ModelFacts:
     """Activations as torch.compile keeps them: the eager measurement times compile_ratio."""
-    if not cfg.train.compile or cfg.model.name != "gpt":
-        return facts
     return facts.scaled(lambda key: compile_ratio(cfg, facts.params, key))
 
 
@@ -541,6 +539,12 @@ def layout(facts: ModelFacts, strategy: str, checkpointing: str, *, acc: Acceler
     return Layout(strategy, checkpointing, *memory, compute, comm, sum(memory) <= usable_bytes(acc))
 
 
+def activation_key(strategy: str, checkpointing: str) -> str:
+    """ModelFacts' activation key of a layout: FSDP's ("sharded-") on any number of ranks, one too (its bf16
+    parameters, and torch.compile block by block)."""
+    return checkpointing if strategy == "ddp" else f"sharded-{checkpointing}"
+
+
 def layout_memory(facts: ModelFacts, strategy: str, checkpointing: str, *, shard: int, precision: str,
                   optimizer: str) -> tuple[int, int, int, int, int]:
     """Bytes per GPU of one layout, its model state sharded over ``shard`` ranks: parameters, gradients,
@@ -548,8 +552,7 @@ def layout_memory(facts: ModelFacts, strategy: str, checkpointing: str, *, shard
     p32, g32 = 4 * facts.params, 4 * facts.trainable
     k = OPTIM_STATES.get(optimizer, 2)
     buffers = 0 if strategy == "ddp" or shard == 1 else facts.largest_unit * (2 * compute_bytes(precision) + 4)
-    acts = facts.activations[checkpointing if strategy == "ddp" else f"sharded-{checkpointing}"]  # FSDP on one
-    # rank too: its bf16 parameters, and torch.compile block by block
+    acts = facts.activations[activation_key(strategy, checkpointing)]
     return math.ceil(p32 / shard), math.ceil(g32 / shard), math.ceil(k * g32 / shard), acts, buffers
 
 

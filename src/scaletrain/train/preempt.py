@@ -199,15 +199,10 @@ def restart_line(rt: runtime.Runtime, resumed_step: int | None) -> str | None:
     """Rank 0's one line after torchrun restarted the group: which worker failed, how, at which step, and
     where the job goes on from, e.g. ``worker rank 1 (pid 4242) died by SIGKILL at step 13; restarting from
     checkpoint step 8 (restart 1 of 3)``. Says less when less is known (under plain torchrun nobody passes on
-    the pid and exit code). None on other ranks and on a first attempt. On several machines rank 0's launcher
-    may count no restart of its own (it restarted its workers because another machine's died): the previous
-    group's failure record says there was one."""
+    the pid and exit code). None on other ranks and on the job's first group (runtime.after_restart)."""
+    if not rt.is_main or (failure := runtime.after_restart(rt)) is None:
+        return None
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if not rt.is_main:
-        return None
-    failure = runtime.previous_failure(rt)
-    if attempt == 0 and not failure:
-        return None
     at = f" at step {failure['step']}" if "step" in failure else ""
     if "rank" in failure:
         who = f"worker rank {failure['rank']} (pid {failure['pid']}) {_exit_words(failure['exitcode'])}{at}"

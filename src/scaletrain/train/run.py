@@ -16,7 +16,7 @@ from scaletrain import __version__, runtime
 from scaletrain.batch import BatchFn
 from scaletrain.config import Config
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory, train_size
-from scaletrain.errors import DiskFull, Reported, TrainingFailed, says_errors
+from scaletrain.errors import DiskFull, Reported, TrainingFailed, first_line, says_errors
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import describe
 from scaletrain.observe.memory import (
@@ -141,10 +141,8 @@ def _summarize(job: Job, splits: Splits, model_given: bool) -> Callable[[dict[st
             except Exception as err:  # a model of one's own that fake tensors cannot build: the run's outputs first
                 if not model_given or isinstance(err, Reported):
                     raise
-                said = str(err).strip().splitlines()[0] if str(err).strip() else ""
                 job.st.console.print(f"warning: plan vs actual not recorded: the model could not be measured on "
-                                     f"fake tensors ({type(err).__name__}: {said}); --log.plan_vs_actual=false "
-                                     "skips it")
+                                     f"fake tensors ({first_line(err)}); --log.plan_vs_actual=false skips it")
         return summary
     return add
 

@@ -14,7 +14,6 @@ What differs between the loops (how a step runs, what is logged, the checkpoint'
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +26,10 @@ from scaletrain.config import Config
 from scaletrain.errors import DiskFull, TrainingFailed
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import earlier_attempts
-from scaletrain.observe.metrics import MetricsWriter, write_whole
+from scaletrain.observe.metrics import MetricsWriter, read_records, write_whole
 from scaletrain.observe.stragglers import StragglerDetector, hosts, straggler_line
 from scaletrain.observe.timing import PHASES
-from scaletrain.runtime import Runtime, previous_failure
+from scaletrain.runtime import Runtime, after_restart
 from scaletrain.train.checkpointing import Checkpointer, Resume, SaveResult
 from scaletrain.train.preempt import PreemptFlag, StepAgreement
 from scaletrain.train.resume import truncate_metrics
@@ -71,10 +70,7 @@ class RunServices:
         began = time.time() - (time.perf_counter() - started if started is not None else 0.0)
         earlier: list[Any] = [None]
         if rt.is_main:
-            # torchrun restarted the group: this agent counted it, or (several machines) another agent did and
-            # the group before this one recorded its failure
-            restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0") or \
-                bool(previous_failure(rt))
+            restarted = after_restart(rt) is not None
             sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard else []
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(run_dir / "config.toml", cfg.to_toml())  # unchanged on resume: nothing written
@@ -161,21 +157,6 @@ class RunServices:
                 self.checkpointer.close()
         finally:
             self.writer.close()
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's whole records (a line cut short by a crash is skipped)."""
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_bytes().splitlines():
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
 
 
 def write_outputs(step: int, checkpointer: Checkpointer | None, writes: list[tuple[str, Callable[[], None]]]) -> None:

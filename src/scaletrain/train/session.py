@@ -97,6 +97,7 @@ from scaletrain.errors import (
     DiskFull,
     TrainingFailed,
     UserError,
+    first_line,
     install_excepthook,
 )
 from scaletrain.layout import check_pipeline
@@ -1306,11 +1307,8 @@ class Session:
         error's first line, so that `scaletrain report` says failed, and why, instead of "unfinished"."""
         if error is None or isinstance(error, (Interrupted, Preempted)) or self.services is None:
             return
-        said = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        ours = type(error).__module__.startswith("scaletrain.")  # one line already; another's is named by type
-        line = said if ours else f"{type(error).__name__}: {said}".rstrip(": ")
         with contextlib.suppress(OSError, DiskFull):  # the error itself matters more than its record
-            self.writer.write({"kind": "failed", "step": self.steps, "error": line[:500]})
+            self.writer.write({"kind": "failed", "step": self.steps, "error": first_line(error)[:500]})
 
 
 class _Trace(TraceFile):
