@@ -217,27 +217,29 @@ def dp_world_size(cfg: ParallelConfig, world_size: int) -> int:
 
 
 def check_layout(cfg: ParallelConfig, memory: MemoryConfig, world_size: int, nnodes: int = 1,
-                 model: ModelConfig | None = None, batch_size: int = 0) -> None:
+                 model: ModelConfig | None = None, batch_size: int = 0, seq_len: int = 0) -> None:
     """The layout checks that need no built model, as one-line ConfigErrors. Call it before starting workers,
     so a mistake is reported once rather than by every rank (each worker resolves its Layout once).
     ``model``: the built-in model's config, whose heads and layers the tensor and pipeline degrees split;
     ``batch_size``: the per-rank batch a pipeline splits into micro-batches (the trainer's checks: the planner
-    plans layouts the trainer does not run yet)."""
+    plans layouts the trainer does not run yet); ``seq_len``: the sequence the Llama's sequence parallelism splits."""
     _check_offload(memory, cfg.strategy)
     if cfg.strategy != "auto":
         resolve_layout(cfg, memory, world_size, nnodes)
     else:
         _model_parallel_share(cfg, world_size, nnodes)
     if model is not None:
-        check_split(cfg, model)
+        check_split(cfg, model, seq_len)
     check_pipeline(cfg, batch_size)
 
 
 def check_tp_split(tp: int, name: str, heads: tuple[tuple[str, int], ...], *, hidden: int | None = None,
-                   loss: str = "split") -> None:
+                   loss: str = "split", seq_len: int = 0) -> None:
     """Tensor parallelism can split model ``name`` (model.name, or a module's class name) ``tp`` ways, or a
-    one-line ConfigError: ``heads`` (config key, count) and the MLP's ``hidden`` width (when known) divided
-    whole; the GPT not with its fused loss. Read from the config before workers start (check_split) and from the built model by parallel/tensor.py."""
+    one-line ConfigError: ``heads`` (config key, count), the MLP's ``hidden`` width (when known) and the
+    ``seq_len`` positions a sequence-parallel residual stream splits (when given) divided whole; the GPT not
+    with its fused loss. Read from the config before workers start (check_split) and from the built model by
+    parallel/tensor.py."""
     if tp == 1:
         return
     if name not in ("gpt", "llama"):
@@ -253,6 +255,10 @@ def check_tp_split(tp: int, name: str, heads: tuple[tuple[str, int], ...], *, hi
     if hidden is not None and hidden % tp:
         raise ConfigError("parallel.tp", tp, f"a divisor of the MLP's width {hidden}",
                           f"--parallel.tp={_divisor_below(hidden, tp)}")
+    if seq_len % tp:  # gloo aborted the worker on the uneven shards (NCCL would hang)
+        raise ConfigError("data.seq_len", seq_len, f"a multiple of parallel.tp = {tp} (sequence parallelism gives "
+                          f"each rank seq_len / tp positions of the residual stream)",
+                          f"--data.seq_len={max(tp, seq_len // tp * tp)}, or --parallel.tp={_divisor_below(seq_len, tp)}")
 
 
 def _divisor_below(n: int, tp: int) -> int:
@@ -310,11 +316,13 @@ def check_pipeline(cfg: ParallelConfig, batch_size: int = 0) -> int:
     return m
 
 
-def check_split(cfg: ParallelConfig, model: ModelConfig) -> None:
-    """The built-in model can be split tp ways by heads and pp ways by blocks, or a one-line ConfigError."""
+def check_split(cfg: ParallelConfig, model: ModelConfig, seq_len: int = 0) -> None:
+    """The built-in model can be split tp ways by heads (and the Llama's ``seq_len`` positions: its sequence
+    parallelism) and pp ways by blocks, or a one-line ConfigError."""
     tp, pp = cfg.tp, cfg.pp
     kv = (("model.n_kv_head", model.n_kv_head or model.n_head),) if model.name == "llama" else ()
-    check_tp_split(tp, model.name, (("model.n_head", model.n_head), *kv), loss=model.loss)
+    check_tp_split(tp, model.name, (("model.n_head", model.n_head), *kv), loss=model.loss,
+                   seq_len=seq_len if model.name == "llama" else 0)
     if pp > 1 and model.name not in ("gpt", "llama"):
         raise ConfigError("parallel.pp", pp, f"1 with model.name = {model.name}: pipeline stages split the "
                           "built-in GPT and Llama", "--parallel.pp=1, or --model.name=llama")

@@ -99,6 +99,8 @@ def test_layout_places_tp_innermost_and_pp_outermost():
     ({"tp": 2}, {"name": "mlp"}, 2, 1, "parallel.tp = 2: expected 1 with model.name = mlp"),
     ({"tp": 4}, {"name": "llama", "n_head": 4, "n_kv_head": 2}, 4, 1,
      "parallel.tp = 4: expected a divisor of model.n_kv_head = 2"),
+    ({"tp": 2}, {"name": "llama", "seq_len": 63}, 2, 1,  # gloo aborted the worker on uneven sequence shards
+     "data.seq_len = 63: expected a multiple of parallel.tp = 2 (sequence parallelism"),
     ({"tp": 2, "strategy": "ddp"}, {"name": "llama"}, 4, 1, "parallel.strategy = 'ddp': expected fsdp or hsdp"),
     ({"pp": 4}, {"name": "llama", "n_layer": 2}, 4, 1, "parallel.pp = 4: expected at most model.n_layer = 2"),
     ({"pp": 2}, {"name": "mlp"}, 2, 1, "parallel.pp = 2: expected 1 with model.name = mlp"),
@@ -114,10 +116,10 @@ def test_layout_places_tp_innermost_and_pp_outermost():
      "parallel.microbatches = 5: expected whole rounds of parallel.pp = 2 with parallel.pp_schedule=interleaved"),
 ])
 def test_bad_layouts_fail_in_one_line(parallel, model, world, nnodes, message):
-    batch = model.pop("batch_size", 0)
+    batch, seq_len = model.pop("batch_size", 0), model.pop("seq_len", 64)
     with pytest.raises(ConfigError) as err:
         check_layout(ParallelConfig(**parallel), MemoryConfig(), world, nnodes,
-                     ModelConfig(**{"n_embd": 32, **model}), batch_size=batch)
+                     ModelConfig(**{"n_embd": 32, **model}), batch_size=batch, seq_len=seq_len)
     assert str(err.value).startswith(message) and "\n" not in str(err.value) and "fix: " in str(err.value)
 
 

@@ -208,7 +208,10 @@ def test_llama3_70b_on_64_h100s_has_a_recommendation_that_fits(llama70b_on_64):
     (["llama-tiny", "--nproc", "8", "--parallel.tp=3"],
      ["parallel.tp = 3", "a divisor of the 8 GPUs of a machine", "fix: --parallel.tp=2"]),
     (["llama-tiny", "--nproc", "8", "--parallel.tp=4"],
-     ["parallel.tp = 4", "a divisor of the heads, key/value heads and MLP width 4/2/192", "fix: --parallel.tp=2"]),
+     ["parallel.tp = 4", "a divisor of the heads, key/value heads, MLP width and sequence length 4/2/192/64",
+      "fix: --parallel.tp=2"]),
+    (["llama-tiny", "--nproc", "2", "--parallel.tp=2", "--data.seq_len=63"],  # sequence parallelism splits it
+     ["parallel.tp = 2", "sequence length 4/2/192/63", "fix: --parallel.tp=1"]),
     (["gpt-stdlib", "--nproc", "8", "--parallel.tp=8"],
      ["parallel.tp = 8", "a divisor of the heads and MLP width 4/512", "fix: --parallel.tp=4"]),
     (["llama-tiny", "--nproc", "2", "--parallel.pp=3"], ["parallel.pp = 3", "at most model.n_layer = 2"]),

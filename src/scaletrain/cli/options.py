@@ -116,7 +116,8 @@ def load_job(config: str, overrides: dict[str, str], *, nproc: int, nnodes: int,
 
     cfg = load(config, cli_overrides={**overrides, "dist.nproc": str(nproc), "dist.nnodes": str(nnodes),
                                       "dist.rdzv_endpoint": endpoint})
-    check_layout(cfg.parallel, cfg.memory, nproc * nnodes, nnodes, cfg.model, cfg.data.batch_size)
+    check_layout(cfg.parallel, cfg.memory, nproc * nnodes, nnodes, cfg.model, cfg.data.batch_size,
+                 cfg.data.seq_len)
     check_global_batch(cfg, nproc * nnodes)
     return cfg
 

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from scaletrain.plan.estimate import ModelFacts, Plan
     from scaletrain.plan.parallel import Parallel, Search, Setting, Structure
 
-_SPLIT_BY = {2: "heads and MLP width", 3: "heads, key/value heads and MLP width"}  # Structure.tp_divides: GPT, Llama
+# Structure.tp_divides: the GPT's, the Llama's
+_SPLIT_BY = {2: "heads and MLP width", 4: "heads, key/value heads, MLP width and sequence length"}
 PARALLEL_CAPTION = ("m: micro-batches of data.batch_size per pipeline (accumulation steps at pp 1), the global batch "
                     "held; ckpt: none, selective (x7/6 compute), full (x4/3); "
                     "step = max(compute x (1 + bubble), dp comm) + tp+pp comm (exposed); bubble (pp-1)/m; "

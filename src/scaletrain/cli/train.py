@@ -35,7 +35,8 @@ def preflight(cfg: Config, world: int) -> None:
     from scaletrain.train.precision import check_precision
 
     check_precision(cfg.train.precision, pick_device(cfg.dist, 0), cfg.parallel.strategy)
-    check_layout(cfg.parallel, cfg.memory, world, max(1, cfg.dist.nnodes), cfg.model, cfg.data.batch_size)
+    check_layout(cfg.parallel, cfg.memory, world, max(1, cfg.dist.nnodes), cfg.model, cfg.data.batch_size,
+                 cfg.data.seq_len)
     cfg.chaos.check_world(world)
     if cfg.log.grad_noise_scale:
         from scaletrain.observe.noise_scale import check_measurable

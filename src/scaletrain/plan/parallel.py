@@ -66,7 +66,7 @@ class Structure:
     n_embd: int
     n_head: int
     seq_len: int
-    tp_divides: tuple[int, ...]  # the counts a tensor-parallel degree must divide (heads, key/value heads, MLP)
+    tp_divides: tuple[int, ...]  # what a tensor-parallel degree must divide (heads, key/value heads, MLP, sequence)
     tp_why_not: str = ""  # why this model cannot be split by tensor parallelism ("" if it can)
 
     @property
@@ -97,7 +97,8 @@ def structure(model: Any, seq_len: int) -> Structure:
     if isinstance(model, Llama):
         att, ffn = block.attention, block.feed_forward
         tied, n_head = 0, att.n_head
-        divides, why = (att.n_head, att.n_kv_head, ffn.w1.out_features), ""
+        # its sequence-parallel residual stream gives each rank seq_len / tp positions
+        divides, why = (att.n_head, att.n_kv_head, ffn.w1.out_features, seq_len), ""
     else:
         tied = model.head.weight.numel() if model.head.weight is model.tok_emb.weight else 0
         # parallel/tensor.py splits its fused q, k, v part by part (and the column-split biases with them,
