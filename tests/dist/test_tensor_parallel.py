@@ -123,6 +123,23 @@ def test_bad_layouts_fail_in_one_line(parallel, model, world, nnodes, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value) and "fix: " in str(err.value)
 
 
+def test_a_model_of_ones_own_named_gpt_is_not_taken_for_the_built_in_one():
+    """nanoGPT's class is called GPT too: the refusal names it as the user's, not 'model.name = GPT'."""
+    from scaletrain.parallel.tensor import check_tp
+
+    class GPT(torch.nn.Module):  # noqa: N801 - nanoGPT's name
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = torch.nn.Linear(4, 4)
+
+    check_tp(GPT(), 1)  # nothing to split
+    with pytest.raises(ConfigError) as err:
+        check_tp(GPT(), 2)
+    assert str(err.value) == ("parallel.tp = 2: expected 1 for a GPT (a model of yours): tensor parallelism splits "
+                              "the built-in GPT and Llama (model.name=gpt or llama); fix: --parallel.tp=1, and "
+                              "--parallel.strategy=fsdp for a model that does not fit one device")
+
+
 def _loss_parallel_run(rank: int, world: int, name: str) -> dict:
     """One forward and backward of the default cross-entropy, logits split by vocabulary (loss parallel) and
     gathered whole, on the same weights and batch."""

@@ -214,7 +214,10 @@ def test_llama3_70b_on_64_h100s_has_a_recommendation_that_fits(llama70b_on_64):
      ["parallel.tp = 2", "sequence length 4/2/192/63", "fix: --parallel.tp=1"]),
     (["gpt-stdlib", "--nproc", "8", "--parallel.tp=8"],
      ["parallel.tp = 8", "a divisor of the heads and MLP width 4/512", "fix: --parallel.tp=4"]),
-    (["llama-tiny", "--nproc", "2", "--parallel.pp=3"], ["parallel.pp = 3", "at most model.n_layer = 2"]),
+    (["llama-tiny", "--nproc", "2", "--parallel.pp=3"], ["parallel.pp = 3", "at most model.n_layer = 2",
+                                                         "fix: --parallel.pp=2"]),
+    (["gpt-stdlib", "--nproc", "8", "--parallel.pp=8"], ["parallel.pp = 8", "at most model.n_layer = 4",
+                                                         "fix: --parallel.pp=4"]),  # not pp=1
     (["digits", "--search"], ["--search = True", "a model of identical blocks"]),
     (["llama-tiny", "--tokens", "lots"], ["--tokens = 'lots'", "like 1e9, 2B, 300B", "fix: --tokens 2B"]),
     (["digits", "--tokens", "2B"], ["--tokens = '2B'", "reads no tokens", "fix: --train.max_steps"]),

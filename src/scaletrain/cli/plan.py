@@ -130,9 +130,10 @@ def _structure(cfg: Config, task: str, info: dict[str, Any], search: bool) -> St
         good = max(d for d in range(1, tp) if per_node % d == 0 and all(n % d == 0 for n in shape.tp_divides))
         raise ConfigError("parallel.tp", tp, what, f"--parallel.tp={good}")
     if pp > shape.n_layer or world % (tp * pp):
+        good = max(d for d in range(1, min(pp, shape.n_layer + 1)) if world % (tp * d) == 0)
         raise ConfigError("parallel.pp", pp, f"at most model.n_layer = {shape.n_layer} stages, with pp x tp "
                           f"dividing the {world} GPUs (here {pp} x {tp} = {pp * tp})",
-                          "--parallel.pp=1, or --nproc/--nnodes a multiple of pp x tp")
+                          f"--parallel.pp={good}, or --nproc/--nnodes a multiple of pp x tp")
     return shape
 
 

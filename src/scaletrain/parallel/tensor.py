@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from scaletrain.errors import ConfigError
 from scaletrain.layout import check_tp_split
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,10 @@ def check_tp(model: nn.Module, tp: int) -> None:
         first = model.blocks[0] if isinstance(model, GPT) else next(iter(model.blocks.values()))
         check_tp_split(tp, "gpt", (("model.n_head", first.attn.n_head),), hidden=first.mlp[0].out_features,
                        loss="fused" if getattr(model, "fused_loss", False) else "split")
-    else:
-        check_tp_split(tp, type(model).__name__, ())
+    elif tp > 1:  # a model of the user's (fit(), a session): nothing says how to split its matrices
+        raise ConfigError("parallel.tp", tp, f"1 for a {type(model).__name__} (a model of yours): tensor parallelism "
+                          "splits the built-in GPT and Llama (model.name=gpt or llama)", "--parallel.tp=1, and "
+                          "--parallel.strategy=fsdp for a model that does not fit one device")
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
