@@ -52,7 +52,7 @@ from scaletrain.config import CheckpointConfig
 from scaletrain.errors import CheckpointError, ConfigError, DiskFull, TrainingFailed, is_disk_full
 from scaletrain.observe.memory import local_shard
 from scaletrain.runtime import Runtime, rank0_decides
-from scaletrain.train.state import dedupe, differing, plain_digests, tied
+from scaletrain.train.state import differing, plain_digests, stored_once, tied
 
 FORMAT_FULL, FORMAT_DCP = "full", "dcp"
 MODEL, OPTIMIZER, TRAINER = "model.safetensors", "optimizer.safetensors", "trainer.json"
@@ -250,7 +250,7 @@ class Checkpointer:
 
         started = time.perf_counter()
         self._settle()
-        model, aliases = dedupe(get_model_state_dict(module))
+        model, aliases = stored_once(module, get_model_state_dict(module), sharded=True)  # a tied DTensor: once
         optim = get_optimizer_state_dict(module, optimizer)
         copies = getattr(module, "tied_aliases", {})  # a pipeline stage's copy of a weight: stored once, by its owner
         for name, kept in copies.items():

@@ -43,9 +43,9 @@ from scaletrain.train.checkpointing import (
 )
 from scaletrain.train.job import Job
 from scaletrain.train.state import (
-    dedupe,
     keep_implementation,
     sorted_by_name,
+    stored_once,
     with_aliases,
 )
 
@@ -262,7 +262,9 @@ def load_dcp(module: torch.nn.Module, optimizers: Optimizer | list[Optimizer], r
     sharded or not, at any world size: DCP reshards, and reads only the keys the module has (a session loads
     one model of several). Every rank reads the shards it needs (the files were verified by rank 0 already).
     ``groups``: the saved param groups of these optimizers, in order (default: all the checkpoint's)."""
-    model, aliases = dedupe(get_model_state_dict(module))
+    # a tied weight under tensor parallelism is one DTensor the state dict lists twice as separate objects:
+    # read once, under the name it is stored by (a pipeline's checkpoint holds it under the embedding's only)
+    model, aliases = stored_once(module, get_model_state_dict(module), sharded=True)
     optim = get_optimizer_state_dict(module, optimizers)  # materializes the optimizer's state to load into
     # A pipeline stage's copy of a weight (GPT's head on the last stage) is read from the name it is stored under
     copies = getattr(module, "tied_aliases", {})
