@@ -280,3 +280,18 @@ def test_a_checkpoint_of_fit_before_it_ran_on_the_session_resumes_exactly(tmp_pa
         return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
 
     assert losses(tmp_path / "old") == losses(tmp_path / "ref")  # step 4's mean counts step 3's saved loss
+
+
+def test_a_resume_at_another_global_batch_counts_the_samples_each_part_drew(tmp_path):
+    """3 steps of 16 samples, then (resumed with batches of 32) 3 of 32: 144 samples, not 6 x 32 = 192 (the
+    summary multiplied the steps by the last global batch), and the epoch fraction is where the loader is."""
+    from scaletrain.data import build_splits
+
+    base = {"train.max_steps": 6, "log.every": 3, "checkpoint.every": 100, "train.progress": False,
+            "train.eval_batches": 1, "run.dir": str(tmp_path / "run")}
+    assert run(load("digits", {**base, "data.batch_size": 16, "chaos.interrupt_step": 3}))["stopped"]
+    cfg = load("digits", {**base, "data.batch_size": 32})
+    summary = run(cfg)
+    assert summary["steps"] == 6 and summary["samples"] == 3 * 16 + 3 * 32
+    size = len(build_splits(cfg.data, cfg.model).train)
+    assert summary["epochs"] == pytest.approx(144 / (48 + (size - 48) // 32 * 32), rel=1e-12)

@@ -337,6 +337,11 @@ class Session:
         self._rank_state = _rank_as_session(self._read_rank_state())
         self.steps = int(self._trainer.get("step", 0))  # optimizer steps completed (st.step() blocks)
         self.train_time = float(self._trainer.get("train_time_s", 0.0))
+        # (step, samples drawn by then): a resume at another global batch goes on counting from the saved count
+        # (a checkpoint from before the count was saved: its steps at its own global batch)
+        drawn = self._trainer.get("samples")
+        self._drawn_at = (self.steps, int(drawn) if drawn is not None else
+                          self.steps * int(self.resume.meta.get("global_batch", 0)) if self.resume else 0)
         self.services = services = RunServices.open(cfg, rt, self.console, self.resume, started=self.started)
         self.writer, self.checkpointer = services.writer, services.checkpointer
         if self.layout is not None and self.layout.pp > 1:  # a stage's replicas are its straggler peers
@@ -1033,13 +1038,21 @@ class Session:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
 
+    def samples_drawn(self) -> int:
+        """Training samples the first st.loader handed out over the whole run, all ranks and every attempt: a
+        resume at another world size changes the global batch, not what was drawn before it."""
+        steps, drawn = self._drawn_at
+        first = self._loaders[0].inner if self._loaders else None
+        return drawn + (self.steps - steps) * first.step_samples if first is not None else drawn
+
     def _save(self, *, final: bool) -> None:
         ckpt = self.checkpointer
         assert ckpt is not None
         if not self._models or self.steps == 0:
             return
         partial = time.perf_counter() - self._interval_started if self._ran else 0.0  # since the last log step
-        trainer = {"step": self.steps, "loaders": [loader.inner.state_dict() for loader in self._loaders],
+        trainer = {"step": self.steps, "samples": self.samples_drawn(),
+                   "loaders": [loader.inner.state_dict() for loader in self._loaders],
                    "train_time_s": self.train_time + partial, "models": [m.name for m in self._models],
                    "tracked": {name: _held(obj.state_dict()) for name, obj in self._tracked.items()},
                    "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
@@ -1243,7 +1256,7 @@ class Session:
         if "mfu" in rates and cfg.memory.activation_checkpointing == "full":
             rates["hfu"] = rates["mfu"] * 4 / 3  # the hardware also recomputes each block's forward in backward
         first = self._loaders[0].inner if self._loaders else None
-        counted: dict[str, Any] = {"samples": self.steps * first.step_samples} if first is not None else {}
+        counted: dict[str, Any] = {"samples": self.samples_drawn()} if first is not None else {}
         if not self._seen[0]:  # no batch came through st.loader: nothing was counted, so no rate (not 0 samples/s)
             rate = overall = None
             rates = {k: None for k in rates if k.startswith(("samples", "tokens", "flops", "mfu", "hfu"))}
