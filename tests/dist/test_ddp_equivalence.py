@@ -8,6 +8,7 @@ is float summation order (gradient averaging across ranks vs within a batch).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -15,10 +16,9 @@ import torch.distributed as dist
 from spawn_ranks import run_ranks, trained_digits_job
 
 from scaletrain import runtime
-from scaletrain.config import DistConfig, load
+from scaletrain.config import load
 from scaletrain.data import digits
 from scaletrain.observe.console import Console
-from scaletrain.observe.metrics import MetricsWriter
 from scaletrain.train.run import _train as train_to_the_end
 from scaletrain.train.run import open_stepper
 
@@ -147,3 +147,46 @@ def test_a_batchnorm_model_under_ddp_is_loaded_as_saved_on_every_rank(tmp_path: 
         assert loaded["step"] == 2 and all(loaded[f] == saved[f] for f in STATE_FIELDS), (rank, loaded, saved)
         after = [r for r in parts[rank] if "event" not in r and r["step"] > 2]
         assert after == [r for r in straight[rank] if "event" not in r and r["step"] > 2], rank
+
+
+def _precision_loops(rank: int, world: int, where: str) -> dict:
+    """The same DDP loop three ways: bf16-mixed without st.autocast(), bf16-mixed inside it, fp32."""
+    import scaletrain
+
+    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
+    found: dict = {}
+    for name, precision, opened in (("bare", "bf16-mixed", False), ("opened", "bf16-mixed", True),
+                                    ("fp32", "fp32", False)):
+        cfg = {"run.dir": str(Path(where) / name), "train.max_steps": 4, "checkpoint.every": 100, "log.every": 2,
+               "data.batch_size": 8, "train.precision": precision, "train.progress": False}
+        losses, dtypes = [], set()
+        with scaletrain.session(cfg) as st:
+            model, opt = st.setup(_WithBatchNorm(), lambda p: torch.optim.SGD(p, lr=0.1))
+            loader = st.loader((x, (x[:, 0] > 0).long()))
+            while not st.done:
+                for xb, yb in loader:
+                    with st.step():
+                        with st.autocast() if opened else contextlib.nullcontext():
+                            out = model(xb)
+                            loss = torch.nn.functional.cross_entropy(out, yb)
+                        dtypes.add(str(out.dtype))
+                        st.backward(loss)
+                        opt.step()
+                        opt.zero_grad()
+                        losses.append(loss.item())
+                    if st.done:
+                        break
+        found[name] = (losses, sorted(dtypes))
+    return found
+
+
+def test_a_loop_of_ones_own_gets_the_runs_precision_without_opening_autocast(tmp_path: Path) -> None:
+    """--train.precision=bf16-mixed under DDP was an autocast only a loop that opened st.autocast() got: one that
+    did not trained in fp32, silently. The set-up model's forward now runs in the run's autocast when called
+    outside one, its bf16 outputs handed back in fp32 (as Accelerate and Lightning Fabric do), so the loop
+    computes what it computes inside st.autocast(), to the bit; inside one nothing changes."""
+    for found in run_ranks(_precision_loops, 2, str(tmp_path)):
+        bare, opened, fp32 = found["bare"], found["opened"], found["fp32"]
+        assert bare[1] == ["torch.float32"] and opened[1] == ["torch.bfloat16"]
+        assert bare[0] == opened[0] and len(bare[0]) == 4
+        assert max(abs(a - b) for a, b in zip(bare[0], fp32[0])) > 1e-4  # bf16's rounding, not fp32's

@@ -127,7 +127,7 @@ def test_a_model_of_ones_own_named_gpt_is_not_taken_for_the_built_in_one():
     """nanoGPT's class is called GPT too: the refusal names it as the user's, not 'model.name = GPT'."""
     from scaletrain.parallel.tensor import check_tp
 
-    class GPT(torch.nn.Module):  # noqa: N801 - nanoGPT's name
+    class GPT(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.lm_head = torch.nn.Linear(4, 4)

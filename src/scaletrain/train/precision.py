@@ -8,7 +8,10 @@ whether the fp32 matmuls and convolutions that remain (all of them in an fp32 ru
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -44,6 +47,42 @@ def autocast(precision: str, device: torch.device, *, sharded: bool = False) -> 
     if precision == "fp32" or sharded:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+def autocast_forward(module: torch.nn.Module, context: Callable[[], AbstractContextManager]) -> None:
+    """``module``'s forward, called outside an autocast, runs inside ``context()`` (the run's autocast) and
+    returns its half-precision floating outputs as fp32, so a loss computed after it is computed in fp32, as
+    it would be inside the autocast. Called inside one (``with st.autocast():``, the trainer's own step), it is
+    the forward as it was: nothing converted."""
+    forward = module.forward
+    param = next(module.parameters(), None)
+    device_type = param.device.type if param is not None else "cpu"
+
+    @functools.wraps(forward)
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_autocast_enabled(device_type):
+            return forward(*args, **kwargs)
+        with context():
+            return _to_fp32(forward(*args, **kwargs))
+
+    module.forward = autocast_forward  # type: ignore[method-assign]
+
+
+def _to_fp32(out: Any) -> Any:
+    """bf16/fp16 tensors in ``out`` (a tensor, a tuple, a list or a dict: a ModelOutput is updated in place) as fp32."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
+    if isinstance(out, dict):
+        for key, value in list(out.items()):
+            if isinstance(value, (torch.Tensor, tuple, list, dict)):
+                out[key] = _to_fp32(value)
+        return out
+    if isinstance(out, tuple):
+        items = [_to_fp32(v) for v in out]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    if isinstance(out, list):
+        return [_to_fp32(v) for v in out]
+    return out
 
 
 def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:

@@ -146,7 +146,7 @@ from scaletrain.train.checkpointing import (
 )
 from scaletrain.train.guard import NonFiniteGuard, clipped_norm, nonfinite_where, supports_device_skip
 from scaletrain.train.interval import RankReport, gather
-from scaletrain.train.precision import autocast, check_precision, grad_scaler, slow_here
+from scaletrain.train.precision import autocast, autocast_forward, check_precision, grad_scaler, slow_here
 from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, restart_line
 from scaletrain.train.resume import load_dcp, load_full_into_sharded, model_misfit, saved_model_shapes
 from scaletrain.train.rundir import agree_run_dir
@@ -497,6 +497,10 @@ class Session:
                            blocks=cfg.memory.activation_checkpointing != "none" or self.compiled)
         if units and self._opened is None:  # scaletrain train / fit() name the units in their header
             self.console.print(f"{name} ({type(model).__name__.removeprefix('FSDP')}): {units}")
+        if self._opened is None and self._stage is None and not is_fsdp(wrapped) and cfg.train.precision != "fp32":
+            # A loop of one's own gets the run's precision without opening st.autocast() itself, as Accelerate's
+            # and Lightning Fabric's set-up models do (bf16-mixed under DDP trained in fp32 silently before)
+            autocast_forward(wrapped, lambda: self.autocast())
         entry = _Model(name, model, wrapped, built)
         for opt in built:  # forward and backward end where an optimizer steps, whether or not st.backward() ran
             opt.register_step_pre_hook(self._optimizer_starting)
