@@ -295,3 +295,26 @@ def test_a_resume_at_another_global_batch_counts_the_samples_each_part_drew(tmp_
     assert summary["steps"] == 6 and summary["samples"] == 3 * 16 + 3 * 32
     size = len(build_splits(cfg.data, cfg.model).train)
     assert summary["epochs"] == pytest.approx(144 / (48 + (size - 48) // 32 * 32), rel=1e-12)
+
+
+def test_one_model_with_two_optimizers_leaves_its_weights_by_its_own_names(tmp_path):
+    """model.safetensors of a session with one model is what load_model(model, path) takes (the README's run
+    directory), whether it has one optimizer or two: it was written under 'model0.' with two."""
+    import scaletrain
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    with scaletrain.session({"train.max_steps": 2, "run.dir": str(tmp_path / "run"), "train.progress": False}) as st:
+        model, first, second = st.setup(net, lambda p: torch.optim.SGD(list(p)[:2], lr=0.1),
+                                         lambda p: torch.optim.SGD(list(p)[2:], lr=0.1))
+        for xb, yb in st.loader((x, (x[:, 0] > 0).long())):
+            with st.step():
+                st.backward(torch.nn.functional.cross_entropy(model(xb), yb))
+                for opt in (first, second):
+                    opt.step()
+                    opt.zero_grad()
+            if st.done:
+                break
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    assert safetensors.torch.load_model(fresh, str(tmp_path / "run" / "model.safetensors")) == (set(), [])
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), net.state_dict().values()))

@@ -1286,7 +1286,9 @@ class Session:
         return self.summarize(summary) if self.summarize is not None else summary
 
     def _write_weights(self) -> None:
-        save_weights(self._box(), self.cfg.run_dir / WEIGHTS, sharded=self.sharded, is_main=self.rt.is_main,
+        """model.safetensors: one model's by its own names (however many optimizers it has: the README's
+        load_model(model, path) takes them), several models' each under its name."""
+        save_weights(self._box(bare=len(self._models) == 1), self.cfg.run_dir / WEIGHTS, sharded=self.sharded, is_main=self.rt.is_main,
                      meta={"config_digest": self.cfg.digest(), "step": str(self.steps)})
 
     def _release(self) -> None:
