@@ -16,6 +16,7 @@ import pytest
 import torch
 from spawn_ranks import run_ranks
 from test_fsdp import CLIP, T, V, _fit, _full, _max_diff
+from torch.distributed.tensor import DTensor
 
 from scaletrain import runtime
 from scaletrain.config import DistConfig, MemoryConfig, ModelConfig, ParallelConfig
@@ -23,6 +24,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout, check_layout, resolve_layout
 from scaletrain.models import GPT, Llama
 from scaletrain.parallel import parallelize
+from scaletrain.plan.parallel import stage_params, structure
 
 
 def _model(name: str = "llama") -> torch.nn.Module:
@@ -39,7 +41,8 @@ def _run(rank: int, world: int, strategy: str, tp: int, name: str = "llama") -> 
     _, norms = _fit(model, model, layout.dp_rank(rank), layout.dp_size)  # test_fsdp's 5 AdamW steps
     wq = model.layers[0].attention.wq.weight if name == "llama" else model.blocks[0].attn.qkv.weight
     out = {"params": _full(model), "norms": norms, "dp_rank": layout.dp_rank(rank),
-           "wq_local": tuple(wq.to_local().shape), "wq_placements": str(wq.placements)}
+           "wq_local": tuple(wq.to_local().shape), "wq_placements": str(wq.placements),
+           "held": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())}
     if name == "gpt" and layout.dp_size == 1:
         out["tied"] = model.head.weight is model.tok_emb.weight
         # this rank's rows of the fused matrix: its halves of q, k and v (rows 0-15 of each 32 on rank 0)
@@ -60,8 +63,12 @@ def test_tp2_equals_one_process(name, local):
     ref = _one_process(name)
     assert min(ref["norms"]) > CLIP  # clipping was active on every step: the global norm over shards is tested
     ranks = run_ranks(_run, 2, "ddp", 2, name)
+    with torch.device("meta"):  # the planner's count of what a rank holds (plan/parallel.py stage_params)
+        planned = stage_params(structure(_model(name), T), 2, 1, 0)
     for r in ranks:
         assert r["dp_rank"] == 0  # both ranks of the TP group read the same rows
+        # the GPT's position table is whole on every rank and its column-split biases split: planned -9% before
+        assert r["held"] == planned, (r["held"], planned)
         # Llama: 2 of the 4 query heads (8 wide each) per rank; GPT: 2 of 4 heads of each of q, k, v
         assert r["wq_local"] == local
         assert _max_diff(r["params"], ref["params"]) < 1e-5

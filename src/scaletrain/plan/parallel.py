@@ -68,6 +68,8 @@ class Structure:
     seq_len: int
     tp_divides: tuple[int, ...]  # what a tensor-parallel degree must divide (heads, key/value heads, MLP, sequence)
     tp_why_not: str = ""  # why this model cannot be split by tensor parallelism ("" if it can)
+    block_split_vectors: int = 0  # of block_vectors, those split with their matrix (the GPT's column-split biases)
+    first_whole: int = 0  # of first_matrices, those whole on every tensor-parallel rank (the GPT's position table)
 
     @property
     def params(self) -> int:
@@ -94,6 +96,7 @@ def structure(model: Any, seq_len: int) -> Structure:
             first += p.numel()
         else:
             last += p.numel()
+    split_vectors, first_whole = 0, 0
     if isinstance(model, Llama):
         att, ffn = block.attention, block.feed_forward
         tied, n_head = 0, att.n_head
@@ -101,12 +104,14 @@ def structure(model: Any, seq_len: int) -> Structure:
         divides, why = (att.n_head, att.n_kv_head, ffn.w1.out_features, seq_len), ""
     else:
         tied = model.head.weight.numel() if model.head.weight is model.tok_emb.weight else 0
-        # parallel/tensor.py splits its fused q, k, v part by part (and the column-split biases with them,
-        # counted whole here: a slight overestimate); FSDP over that split is refused there
+        # parallel/tensor.py splits its fused q, k, v part by part (their bias whole on every rank), the MLP's
+        # first bias with its matrix, and keeps the position table whole
         n_head, divides, why = block.attn.n_head, (block.attn.n_head, block.mlp[0].out_features), ""
+        split_vectors = block.mlp[0].bias.numel() if block.mlp[0].bias is not None else 0
+        first_whole = model.pos_emb.weight.numel()
     return Structure(len(blocks), mat, vec, first, last, last_vec, tied, model.tok_emb.embedding_dim
                      if isinstance(model, GPT) else model.tok_embeddings.embedding_dim, n_head, seq_len,
-                     divides, why)
+                     divides, why, split_vectors, first_whole)
 
 
 # --- the formulas, each as the paper or the module docstring states it --------------------------------------
@@ -275,9 +280,10 @@ class Setting:
 def stage_params(shape: Structure, tp: int, pp: int, stage: int) -> int:
     """Parameters one GPU of pipeline stage ``stage`` holds under t-way tensor parallelism."""
     blocks = stage_blocks(shape.n_layer, pp)[stage]
-    n = blocks * (shape.block_matrices // tp + shape.block_vectors)
+    whole_vectors = shape.block_vectors - shape.block_split_vectors
+    n = blocks * (shape.block_matrices // tp + whole_vectors + shape.block_split_vectors // tp)
     if stage == 0:
-        n += shape.first_matrices // tp
+        n += (shape.first_matrices - shape.first_whole) // tp + shape.first_whole
     if stage == pp - 1:
         n += shape.last_matrices // tp + shape.last_vectors + (shape.tied // tp if pp > 1 else 0)
     return n
