@@ -165,3 +165,10 @@ def test_a_failed_and_a_stopped_run_say_so(tmp_path: Path, capsys: pytest.Captur
                         (stopped, "stopped at step 10 (chaos.interrupt_step): the same command resumes it")]:
         assert main(["report", str(path), "--out", str(tmp_path / f"report-{path.name}")]) == 0
         assert words in " ".join(capsys.readouterr().out.split()), path
+    # an error that quotes a C++ file as gloo's do ('[/__w/.../unbound_buffer.cc:129] Connection closed by peer')
+    # was read as rich markup: a closing tag that matches none, and report died with a traceback
+    lines = (failed / "metrics.jsonl").read_text().splitlines()
+    gloo = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Connection closed by peer"
+    (failed / "metrics.jsonl").write_text("\n".join([*lines[:-1], json.dumps({**last, "error": gloo})]) + "\n")
+    assert main(["report", str(failed), "--out", str(tmp_path / "report-gloo")]) == 0
+    assert f"failed at step 10: {gloo}" in " ".join(capsys.readouterr().out.split())

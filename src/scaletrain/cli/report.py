@@ -27,13 +27,14 @@ def add_parser(sub: Any, name: str) -> None:
 def _print_table(report: Any) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="scaletrain report", title_justify="left")
     table.add_column("", style="bold")
     for run in report.runs:
         table.add_column(run.name, overflow="fold")
-    for name, values in report.rows:
-        table.add_row(name, *values)
+    for name, values in report.rows:  # plain text: a failed run's error quotes gloo's '[/__w/...cc:129]'
+        table.add_row(Text(name), *map(Text, values))
     console = Console(highlight=False, soft_wrap=False)
     console.print(table)
     for chart in report.charts:
@@ -48,6 +49,7 @@ def _report_lab(paths: list[str], out: str | None) -> int:
     """A lab directory (one holding lab.json, from `scaletrain lab`): its reading, rows and figures."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from scaletrain.observe.report.lab import write_lab_report
 
@@ -59,7 +61,7 @@ def _report_lab(paths: list[str], out: str | None) -> int:
     table.add_column("", style="bold")
     table.add_column(Path(paths[0]).name, overflow="fold")
     for name, value in report.rows:
-        table.add_row(name, value)
+        table.add_row(Text(name), Text(value))
     console = Console(highlight=False, soft_wrap=False)
     console.print(table)
     for note in report.notes:
