@@ -10,6 +10,9 @@ from collections.abc import MutableMapping
 # "PID EXITCODE" of the worker of this machine that failed last, set by scaletrain's launcher (cluster/
 # torchrun.py) for the workers of the restarted group, which inherit its environment.
 FAILED_WORKER_ENV = "SCALETRAIN_FAILED_WORKER"
+# A file `scaletrain launch` gives the workers of a script of one's own: rank 0 of the session the script opens
+# writes its run directory there (train/services.py tell_launcher), for the launcher's word after a stop signal.
+RUN_DIR_FILE_ENV = "SCALETRAIN_RUN_DIR_FILE"
 
 
 def under_launcher() -> bool:

@@ -298,3 +298,27 @@ def test_ctrl_c_inside_torchruns_metrics_wrapper_is_still_a_stop(monkeypatch: py
     monkeypatch.setattr(torchrun, "run", broken)
     with pytest.raises(UnboundLocalError, match="a bug of our own"):
         launch(DistConfig(nproc=2), ["train.py"], run_id="scaletrain-t")
+
+
+def test_a_preempted_session_under_launch_exits_0_and_says_it_saved(tmp_path):
+    """SIGTERM to `scaletrain launch` running a session script (examples/gan.py) once step 4 is logged: the
+    workers save and stop, and the launcher says so and exits 0, as `scaletrain train` does (it exited 143,
+    'stopped by SIGTERM', which a requeue-on-failure wrapper takes for a failure)."""
+    import signal
+
+    from test_resume import ENV, finish, wait_for
+
+    gan = [str(BIN / "scaletrain"), "launch", "--nproc", "2", str(REPO / "examples" / "gan.py"),
+           "--train.max_steps=400", "--log.every=2", "--checkpoint.every=1000", "--train.progress=false",
+           "--run.dir=gan"]
+    proc = subprocess.Popen(gan, cwd=tmp_path, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = tmp_path / "gan" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and '"step": 4' in metrics.read_text() or proc.poll() is not None,
+             what="step 4")
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc)
+    stopped = json.loads(metrics.read_text().splitlines()[-1])
+    assert code == 0 and stopped["kind"] == "stopped" and stopped["reason"] == "SIGTERM", err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"scaletrain: preempted (SIGTERM) at step {stopped['step']}; checkpoint {stopped['checkpoint']} saved; run "
+        "the same command again to resume")

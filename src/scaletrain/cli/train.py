@@ -79,10 +79,10 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     started = time.time()
     code = launch(cfg.dist, ["scaletrain", *worker_argv], module=True, run_id=f"scaletrain-{cfg.run.name}",
                   trainer=True)
-    return code if code <= 128 else _after_signal(code - 128, run_dir, started)
+    return code if code <= 128 else after_signal(code - 128, run_dir, started)
 
 
-def _after_signal(signum: int, run_dir: Path, started: float) -> int:
+def after_signal(signum: int, run_dir: Path, started: float) -> int:
     """This launcher was signalled, and its agent stopped the workers: say in one line whether they saved.
     Ctrl-C exits 130 (128 + SIGINT) as shells expect, so that a script or `make` stops too; a preemption
     (SIGTERM) that saved exits 0, which is what lets a scheduler requeue the job."""

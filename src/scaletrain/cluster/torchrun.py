@@ -247,7 +247,7 @@ def _agent_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: str
 
 
 def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: str = "scaletrain",
-           trainer: bool = False) -> int:
+           trainer: bool = False, say_stop: bool | None = None) -> int:
     """Start cfg.nproc workers on this machine and wait for them; returns the job's exit code (128 + the
     signal when this process was stopped by one).
 
@@ -311,14 +311,14 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
               "same command", file=sys.stderr)
         return 1
     except SignalException as err:
-        return stop.stopped(int(err.sigval), say=not trainer)
+        return stop.stopped(int(err.sigval), say=not trainer if say_stop is None else say_stop)
     except Exception:
         # Our SignalException raised between two lines of torchrun's metrics wrapper comes out of it as an
         # UnboundLocalError (its finally reads a name not yet assigned); the agent still shut the workers
         # down on its way out, so it is the same stop.
         if not stop.signum:
             raise
-        return stop.stopped(stop.signum, say=not trainer)
+        return stop.stopped(stop.signum, say=not trainer if say_stop is None else say_stop)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
