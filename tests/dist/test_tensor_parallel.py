@@ -38,11 +38,12 @@ def _run(rank: int, world: int, strategy: str, tp: int, name: str = "llama") -> 
     layout = resolve_layout(cfg, MemoryConfig(), world)
     model = _model(name)
     parallelize(model, torch.device("cpu"), world, cfg, compile=False, layout=layout)
-    _, norms = _fit(model, model, layout.dp_rank(rank), layout.dp_size)  # test_fsdp's 5 AdamW steps
+    state, norms = _fit(model, model, layout.dp_rank(rank), layout.dp_size)  # test_fsdp's 5 AdamW steps
     wq = model.layers[0].attention.wq.weight if name == "llama" else model.blocks[0].attn.qkv.weight
     out = {"params": _full(model), "norms": norms, "dp_rank": layout.dp_rank(rank),
            "wq_local": tuple(wq.to_local().shape), "wq_placements": str(wq.placements),
-           "held": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())}
+           "held": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()),
+           "params_bytes": state.params_bytes, "grads_bytes": state.grads_bytes}
     if name == "gpt" and layout.dp_size == 1:
         out["tied"] = model.head.weight is model.tok_emb.weight
         # this rank's rows of the fused matrix: its halves of q, k and v (rows 0-15 of each 32 on rank 0)
@@ -69,6 +70,8 @@ def test_tp2_equals_one_process(name, local):
         assert r["dp_rank"] == 0  # both ranks of the TP group read the same rows
         # the GPT's position table is whole on every rank and its column-split biases split: planned -9% before
         assert r["held"] == planned, (r["held"], planned)
+        # every gradient split as its parameter: the Llama's embedding's was its whole vocabulary, replicated
+        assert r["grads_bytes"] == r["params_bytes"], r
         # Llama: 2 of the 4 query heads (8 wide each) per rank; GPT: 2 of 4 heads of each of q, k, v
         assert r["wq_local"] == local
         assert _max_diff(r["params"], ref["params"]) < 1e-5

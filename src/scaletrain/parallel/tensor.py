@@ -29,6 +29,7 @@ import contextlib
 import functools
 import logging
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -177,6 +178,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, loss_parallel: bool = False)
     }
     # A pipeline stage holds some of them; the residual stream it receives and sends is this rank's positions
     parallelize_module(model, mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
+    if getattr(model, "tok_embeddings", None) is not None:
+        _grad_as_placed(model.tok_embeddings)
     if hasattr(model, "seq_shards"):
         model.seq_shards = mesh.size()
     for block in _blocks(model):
@@ -204,6 +207,30 @@ def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
     from torch.distributed.tensor.parallel import loss_parallel
 
     return loss_parallel() if getattr(model, "loss_parallel", False) else contextlib.nullcontext()
+
+
+def _grad_as_placed(embedding: nn.Module) -> None:
+    """Keep the embedding's weight gradient split as the weight is. Its backward under RowwiseParallel gives the
+    gradient of the whole vocabulary, replicated, on every rank (torch's sharding rule for
+    embedding_dense_backward), and autograd keeps it so: a Llama's rank held its full-vocabulary gradient, 1/tp
+    of which it uses (2 GB per rank at 8B and tp 8; the planner counts 1/tp). A replicated gradient becomes
+    this rank's rows by a local slice, before it is accumulated: no communication. The hook goes on the weight
+    the forward uses (a model built on the meta device gets new parameters when it is given memory)."""
+    hooked: list[int] = []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        weight = embedding.weight
+        if isinstance(grad, DTensor) and isinstance(weight, DTensor) and grad.placements != weight.placements \
+                and all(isinstance(p, Replicate) for p in grad.placements):
+            return grad.redistribute(weight.device_mesh, weight.placements)
+        return grad
+
+    def before_forward(module: nn.Module, _: Any) -> None:
+        if hooked != [id(module.weight)] and module.weight.requires_grad:
+            module.weight.register_hook(hook)
+            hooked[:] = [id(module.weight)]
+
+    embedding.register_forward_pre_hook(before_forward)
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
