@@ -13,6 +13,7 @@ FAILED_WORKER_ENV = "SCALETRAIN_FAILED_WORKER"
 # A file `scaletrain launch` gives the workers of a script of one's own: rank 0 of the session the script opens
 # writes its run directory there (train/services.py tell_launcher), for the launcher's word after a stop signal.
 RUN_DIR_FILE_ENV = "SCALETRAIN_RUN_DIR_FILE"
+USAGE_SAID = "usage_said"  # beside it: a worker said a usage error in one line (errors.report), so its exit 2 is that
 
 
 def under_launcher() -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config import build
-from scaletrain.env import RUN_DIR_FILE_ENV
+from scaletrain.env import RUN_DIR_FILE_ENV, USAGE_SAID
 from scaletrain.errors import UserError
 
 HELP = "Run your own script on N local workers (and M machines) through torchrun, like torchrun itself."
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         os.environ[RUN_DIR_FILE_ENV] = str(told)
         started = time.time()
         code = launch(dist, [args.script, *args.script_args], module=args.module, run_id=f"scaletrain-{name}",
-                      say_stop=False)
+                      say_stop=False, usage_said=told.with_name(USAGE_SAID).is_file)
         run_dir = told.read_text(encoding="utf-8") if told.is_file() else ""
     if code <= 128:
         return code

@@ -247,7 +247,8 @@ def _agent_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: str
 
 
 def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: str = "scaletrain",
-           trainer: bool = False, say_stop: bool | None = None) -> int:
+           trainer: bool = False, say_stop: bool | None = None,
+           usage_said: Callable[[], bool] | None = None) -> int:
     """Start cfg.nproc workers on this machine and wait for them; returns the job's exit code (128 + the
     signal when this process was stopped by one).
 
@@ -257,7 +258,9 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     sockets use the interface holding it (unless GLOO_/NCCL_SOCKET_IFNAME say otherwise). Every agent of
     a multi-machine job must pass the same run_id (cfg.rdzv_id wins over it). ``trainer``: the workers run
     scaletrain's trainer, which reports a stop and a restart itself; this process then prints nothing when
-    signalled and drops torchrun's line about a failed worker.
+    signalled and drops torchrun's line about a failed worker. ``say_stop``: say the workers were stopped after
+    a signal (default: not for the trainer). ``usage_said``: whether a worker's exit code 2 was scaletrain's
+    one-line usage error (default: taken to be); else it is a failure like any other, and said.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -290,11 +293,12 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
             torchrun.run(parsed)
     except ChildFailedError as err:
         rank, code = root_failure(err.failures)
-        if code == EXIT_USAGE:  # a usage error: the worker said it in one line, once for the job
-            return EXIT_USAGE
-        print(f"scaletrain: worker rank {rank} {_exit_text(code)} ({len(err.failures)} of "
-              f"{cfg.nproc * cfg.nnodes} workers stopped with an error; see its output above)",
-              file=sys.stderr)
+        if code == EXIT_USAGE and (usage_said is None or usage_said()):
+            return EXIT_USAGE  # a usage error: the worker said it in one line, once for the job
+        # the workers the agent stopped with SIGTERM once one had failed are not failures of their own
+        failed = sum(1 for f in err.failures.values() if f.exitcode != -signal.SIGTERM) or len(err.failures)
+        print(f"scaletrain: worker rank {rank} {_exit_text(code)} ({failed} of {cfg.nproc * cfg.nnodes} workers "
+              "stopped with an error; see its output above)", file=sys.stderr)
         return 1
     except RendezvousError as err:
         why = " ".join(f"{err} {err.__cause__ or ''}".split())  # one line: the cause may span several
