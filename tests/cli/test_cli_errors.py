@@ -119,3 +119,16 @@ def test_a_reader_that_leaves_the_pipe_early_gets_no_traceback(tmp_path, monkeyp
         assert main(["plan", "gpt-stdlib", "--gpu", "h100"]) == 1
     finally:
         os.close(fd)
+
+
+def test_a_socket_interface_that_is_not_here_is_one_line_before_the_workers(capsys, tmp_path, monkeypatch):
+    """GLOO_SOCKET_IFNAME naming no interface: every worker printed a traceback ('Unable to find address for')
+    and the job exited 1; now one line and exit 2, nothing started."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "bogus0")
+    code, lines = run_main(["train", "digits", "--nproc", "2", "--train.max_steps=2"], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("scaletrain: error: GLOO_SOCKET_IFNAME='bogus0' matches no network interface here "
+                               "(there are: lo"), lines
+    assert "fix: name the interface that reaches the other machines, or unset GLOO_SOCKET_IFNAME" in lines[0]
+    assert not (tmp_path / "runs").exists()

@@ -304,7 +304,7 @@ def check_backends(f: Facts) -> list[Finding]:
     return out
 
 
-def _ifname_matches(var: str, value: str, names: list[str]) -> bool:
+def ifname_matches(var: str, value: str, names: list[str]) -> bool:
     """NCCL: a comma list of name prefixes, '=' for exact names, '^' to exclude; Gloo: a comma list of names."""
     items = [x.strip() for x in value.split(",") if x.strip()]
     if var.startswith("NCCL"):
@@ -324,7 +324,7 @@ def check_socket_ifname(f: Facts) -> list[Finding]:
     out = []
     for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         value = f.env.get(var)
-        if value is not None and not _ifname_matches(var, value, names):
+        if value is not None and not ifname_matches(var, value, names):
             # NCCL's setting only bites where NCCL runs: on a machine without GPUs it is a stray, not a stop.
             level: Literal["error", "warning"] = "warning" if var.startswith("NCCL") and not f.devices else "error"
             out.append(Finding(level, "ifname", f"{var}={value!r} matches no network interface here "

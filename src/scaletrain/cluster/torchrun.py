@@ -22,7 +22,7 @@ from typing import Any
 
 from scaletrain.config import DistConfig
 from scaletrain.env import FAILED_WORKER_ENV
-from scaletrain.errors import EXIT_USAGE, ConfigError
+from scaletrain.errors import EXIT_USAGE, ConfigError, UserError
 
 # The agent stops the surviving workers with SIGTERM (then SIGKILL): those exits are consequences, not causes.
 # A worker that catches SIGTERM (preemption) and then cannot save exits with 128 + SIGTERM instead.
@@ -153,6 +153,20 @@ def torchrun_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: s
     return args + (["-m"] if module else []) + target[:1]
 
 
+def check_socket_ifname() -> None:
+    """GLOO_SOCKET_IFNAME naming no interface of this machine (a typo, another machine's name): every worker
+    died in its first collective with a traceback ('Unable to find address for: ...'). Said in one line before
+    they start, in `scaletrain doctor`'s words (cluster/doctor.py)."""
+    from scaletrain.cluster.doctor import ifname_matches
+
+    value = os.environ.get("GLOO_SOCKET_IFNAME")
+    names = [name for _, name in socket.if_nameindex()]
+    if value is not None and names and not ifname_matches("GLOO_SOCKET_IFNAME", value, names):
+        raise UserError(f"GLOO_SOCKET_IFNAME={value!r} matches no network interface here (there are: "
+                        f"{', '.join(names)}); fix: name the interface that reaches the other machines, or unset "
+                        "GLOO_SOCKET_IFNAME")
+
+
 def check_endpoint(cfg: DistConfig) -> None:
     """What can be told of the rendezvous endpoint before any agent starts: a host name that does not resolve
     (torch retried it for 60 s and printed some 50 lines of C++ frames), and on one machine, where this agent hosts
@@ -276,6 +290,7 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
         os.environ.setdefault("NCCL_SOCKET_IFNAME", nic)
     # torchrun would set 1 and print a banner about it; on CPUs give each worker its share of the cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
+    check_socket_ifname()
     check_endpoint(cfg)
     _quiet_agent_logs()
     parsed = _agent_args(cfg, target, module=module, run_id=run_id)
