@@ -20,6 +20,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -917,7 +918,8 @@ def load(source: str | None = None, overrides: Mapping[str, Any] | None = None,
 
 def dir_problem(path: Path) -> str:
     """Why ``path`` cannot be, or be created as, a directory this process can write ('' if it can). Nothing is
-    created here."""
+    left here: where the permissions say yes, a directory is made in the nearest existing one and removed (as
+    root, or on /proc and /sys, they say yes to what mkdir refuses)."""
     try:
         existing = path.absolute()
         while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
@@ -928,6 +930,10 @@ def dir_problem(path: Path) -> str:
             return f"{existing} is not writable"
     except OSError as err:  # a name too long, a loop of symbolic links
         return err.strerror or str(err)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".scaletrain-probe-", dir=existing))
+    except OSError as err:
+        return f"{existing} refuses a new directory ({err.strerror or err})"
     return ""
 
 

@@ -188,6 +188,15 @@ def test_a_run_dir_is_checked_without_creating_it(tmp_path):
         check_run_dir(tmp_path / "file" / "run")
     with pytest.raises(ConfigError, match="File name too long"):
         check_run_dir(tmp_path / ("x" * 300))
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]  # the probe of a writable place left nothing
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="Linux's /proc")
+def test_a_run_dir_where_the_permissions_say_yes_and_mkdir_says_no():
+    """/proc as root: os.access said writable, and rank 0 crashed creating the directory after start-up."""
+    with pytest.raises(ConfigError, match=r"^run.dir = '/proc/nope': expected a directory this process can create "
+                                          r"and write \(/proc refuses a new directory \("):
+        check_run_dir(Path("/proc/nope"))
 
 
 def test_toml_values_beyond_any_range(tmp_path):
