@@ -89,8 +89,12 @@ class PreemptFlag:
         if os.getpid() != self._owner:  # a forked data loader worker: the process it serves decides for it
             return
         if signum == signal.SIGINT and self.signum:
-            say(f"{self.label}scaletrain: Ctrl-C again: stopping now, without a checkpoint (the last "
-                "committed one stays whole)")
+            # after a stop already asked for: a second Ctrl-C, or the first after the launcher's SIGTERM (its
+            # agent stopping the workers when one of them died)
+            again = "Ctrl-C again" if self.signum == signal.SIGINT else \
+                f"Ctrl-C after {signal.Signals(self.signum).name}"
+            say(f"{self.label}scaletrain: {again}: stopping now, without a checkpoint (the last committed one stays "
+                "whole)")
             os._exit(128 + signum)
         # Set before saying anything: a second Ctrl-C can interrupt this handler once the line is out.
         self.signum = self.signum or signum
