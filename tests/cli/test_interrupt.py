@@ -99,10 +99,10 @@ def test_ctrl_c_sets_the_flag_and_a_second_one_exits_130_at_once(first):
         proc.kill()
     assert time.monotonic() - started < 5  # not the 60 s sleep
     assert proc.returncode == 130
-    said = ["scaletrain: Ctrl-C: saving a checkpoint after this step, then stopping (Ctrl-C again: stop now, "
-            "without one)",
+    said = [("scaletrain: Ctrl-C: saving a checkpoint after this step, then stopping (Ctrl-C again: stop now, "
+            "without one)"),
             "scaletrain: Ctrl-C again: stopping now, without a checkpoint (the last committed one stays whole)"]
     if first == signal.SIGTERM:
-        said = ["scaletrain: Ctrl-C after SIGTERM: stopping now, without a checkpoint (the last committed one "
-                "stays whole)"]
+        said = [("scaletrain: Ctrl-C after SIGTERM: stopping now, without a checkpoint (the last committed one "
+                "stays whole)")]
     assert err.splitlines() == said
