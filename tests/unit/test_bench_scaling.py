@@ -7,7 +7,7 @@ import pytest
 
 from scaletrain.bench import scaling, throughput
 from scaletrain.errors import ConfigError
-from scaletrain.observe.goodput import steady_state
+from scaletrain.observe.goodput import run_totals, steady_state
 
 
 def test_steady_state_drops_the_warmup_interval():
@@ -31,6 +31,20 @@ def test_steady_state_drops_the_warmup_interval():
     kept = steady_state(every_step, warmup_steps=3)
     assert (kept["first_step"], kept["last_step"], kept["timed_steps"]) == (4, 5, 2)
     assert kept["samples_per_s"] == pytest.approx(320.0)
+
+
+def test_a_run_too_short_for_a_steady_state_still_tells_its_compile_apart():
+    """3 steps logged every step, the first 18.9 s (the compile): no steady state after the warm-up's 3 steps,
+    but the account put all 19.1 s in training and 0 s in 'compile + warm-up'; the later intervals' pace now
+    tells the first one's excess apart."""
+    records = [{"step": s, "steps": 1, "step_time_s": t, "samples_per_s": 8 / t}
+               for s, t in enumerate([18.9, 0.1, 0.12], start=1)]
+    window, rate, good = run_totals(records, wall_s=25.0, startup_s=4.0, phase_totals=[{"data": 0.0}], eval_s=1.0,
+                                    checkpoint_s=0.0, earlier=None)
+    assert window is None and rate is None
+    parts = good["parts_s"]
+    assert parts["warmup"] == pytest.approx(18.9 - 0.11) and parts["compute"] == pytest.approx(3 * 0.11)
+    assert sum(parts.values()) == pytest.approx(25.0)
 
 
 def test_weak_efficiency():

@@ -106,11 +106,13 @@ def run_totals(records: Sequence[Mapping[str, Any]], *, wall_s: float, startup_s
         steady: dict[str, Any] | None = steady_state(records, warmup_steps=WARMUP_STEPS)
     except AssertionError:  # nothing after the warm-up to tell it from
         steady = None
+    pace, warm = (steady["seconds"] / steady["timed_steps"], sum(r["step"] < steady["first_step"] for r in records)) \
+        if steady else (None, 0)
+    if steady is None and len(records) > 1:  # a short run: no steady state, but its first interval (the compile)
+        pace, warm = statistics.median(r["step_time_s"] for r in records[1:]), 1  # still stands out of the rest
     good = account(wall_s, startup_s=startup_s, intervals=[(r["steps"], r["steps"] * r["step_time_s"]) for r in records],
-                   steady_step_s=steady["seconds"] / steady["timed_steps"] if steady else None,
-                   data_wait_s=sum(t["data"] for t in phase_totals) / len(phase_totals), eval_s=eval_s,
-                   checkpoint_s=checkpoint_s, earlier=earlier,
-                   warm_intervals=sum(r["step"] < steady["first_step"] for r in records) if steady else 0)
+                   steady_step_s=pace, data_wait_s=sum(t["data"] for t in phase_totals) / len(phase_totals),
+                   eval_s=eval_s, checkpoint_s=checkpoint_s, earlier=earlier, warm_intervals=warm)
     if steady is None:
         return None, None, good
     window = {k: steady[k] for k in ("first_step", "last_step", "timed_steps", "intervals")}

@@ -18,7 +18,7 @@ from scaletrain.config import Config
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory, train_size
 from scaletrain.errors import DiskFull, Reported, TrainingFailed, first_line, says_errors
 from scaletrain.observe.console import Console
-from scaletrain.observe.goodput import describe
+from scaletrain.observe.goodput import WARMUP_STEPS, describe
 from scaletrain.observe.memory import (
     device_capacity_bytes,
     fmt_bytes,
@@ -208,7 +208,7 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
             rate += f" ({summary['tokens_per_s']:,.0f} tokens/s)"
         steady = summary.get("steady_state")
         window = f"steady state, steps {steady['first_step']}-{steady['last_step']}" if steady else \
-            "the whole run: one log interval, no steady state told apart"
+            f"the whole run: no log interval after the warm-up (the first interval, the first {WARMUP_STEPS} steps)"
         rows += [("throughput", f"{rate}, {window}")]
     if summary.get("mfu") is not None:
         mfu = f"{100 * summary['mfu']:.1f}%"

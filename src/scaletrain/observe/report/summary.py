@@ -64,7 +64,7 @@ def _window(s: dict[str, Any]) -> str:
     steady = s["steady_state"]
     if isinstance(steady, dict) and _num(steady.get("first_step")) is not None:
         return f"steady state, steps {steady['first_step']}-{steady.get('last_step')}"
-    return "the whole run (one log interval)"
+    return "the whole run (no log interval after the warm-up)"
 
 
 def _goodput_text(goodput: Any) -> str:
