@@ -304,7 +304,8 @@ def test_one_model_with_two_optimizers_leaves_its_weights_by_its_own_names(tmp_p
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
-    with scaletrain.session({"train.max_steps": 2, "run.dir": str(tmp_path / "run"), "train.progress": False}) as st:
+    with scaletrain.session({"train.max_steps": 2, "run.dir": str(tmp_path / "run"), "train.progress": False,
+                             "checkpoint.every": 2}) as st:
         model, first, second = st.setup(net, lambda p: torch.optim.SGD(list(p)[:2], lr=0.1),
                                          lambda p: torch.optim.SGD(list(p)[2:], lr=0.1))
         for xb, yb in st.loader((x, (x[:, 0] > 0).long())):
@@ -318,3 +319,11 @@ def test_one_model_with_two_optimizers_leaves_its_weights_by_its_own_names(tmp_p
     fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     assert safetensors.torch.load_model(fresh, str(tmp_path / "run" / "model.safetensors")) == (set(), [])
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), net.state_dict().values()))
+    # `checkpoint export` of its checkpoint (whose layout keeps the model under its name beside two
+    # optimizers) gives the same names and tensors
+    from scaletrain.cli import main
+
+    assert main(["checkpoint", "export", str(tmp_path / "run"), str(tmp_path / "exported.safetensors")]) == 0
+    exported = safetensors.torch.load_file(str(tmp_path / "exported.safetensors"))
+    final = safetensors.torch.load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)

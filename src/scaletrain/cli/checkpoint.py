@@ -140,7 +140,7 @@ def _export(args: argparse.Namespace) -> int:
 
     from scaletrain.checkpoint import dcp
     from scaletrain.observe.metrics import write_whole
-    from scaletrain.train.checkpointing import FORMAT_DCP, TIED, Resume, read_model
+    from scaletrain.train.checkpointing import FORMAT_DCP, TIED, Resume, read_model, read_trainer
 
     out = Path(args.out)
     if out.exists():
@@ -161,6 +161,12 @@ def _export(args: argparse.Namespace) -> int:
         aliases.update(tied)
     else:
         tensors, aliases = read_model(resume)
+    if meta.get("session") and not meta.get("bare", True):
+        models = read_trainer(resume).get("models", [])
+        if len(models) == 1:  # one model with several optimizers: by its own names, as its model.safetensors
+            cut = len(models[0]) + 1
+            tensors = {k[cut:]: v for k, v in tensors.items()}
+            aliases = {a[cut:]: b[cut:] for a, b in aliases.items()}
     header = {"format": "pt", "step": str(resume.step), "config_digest": str(meta.get("config_digest", "")),
               "aliases": json.dumps(aliases)}
     write_whole(out, sum(t.nbytes for t in tensors.values()),  # a full disk: one line, nothing half written
