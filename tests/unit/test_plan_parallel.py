@@ -250,9 +250,11 @@ def test_a_given_tp_and_pp_are_planned_within_80_columns_and_in_json(tiny_tp_pp)
     found, rows = record["parallel"], record["parallel"]["layouts"]
     assert {(r["kind"], r["dp"], r["tp"], r["pp"]) for r in rows} == \
         {(k, 2, 2, 2) for k in ("ddp", "zero1", "zero2", "fsdp")}
-    # the run's global batch, 128 samples, over dp 2 in micro-batches of 16: m = 4, bubble (2 - 1) / 4
+    # the run's global batch, 128 samples, over dp 2 as the trainer runs it: each rank's 16 split into 2 x pp
+    # = 4 micro-batches of 4, 4 accumulation steps: m = 16 in 4 schedules of 4, bubble (2 - 1) / 4 (before,
+    # micro-batches of 16, m = 4: a layout the trainer does not run)
     assert found["global_batch"] == 128
-    assert all(r["microbatches"] == 4 and r["bubble"] == 1 / 4 for r in rows)
+    assert all(r["microbatches"] == 16 and r["bubble"] == 1 / 4 for r in rows)
     # the token budget's steps are of that same global batch: 1M tokens / (128 x 32) per step, rounded up
     assert found["total_steps"] == math.ceil(1e6 / (128 * 32))
     peak = ACCELERATORS["h100"].peak(record["precision"], tf32=True)
@@ -335,7 +337,8 @@ def test_llama3_405b_at_its_published_layout_and_mfu_is_within_20_percent_of_its
     at MFU 0.40 on that layout: the layout itself within 20%, and so is the fastest layout that fits (with
     checkpointing: without it the 1F1B stage 0's 16 micro-batches in flight do not fit in the plan)."""
     argv = ["plan", "llama3-405b", "--gpu", "h100", "--nproc", "8", "--nnodes", "2048", "--parallel.tp=8",
-            "--parallel.pp=16", "--train.global_batch=2048", "--tokens", "15.6T", "--mfu", "0.4"]
+            "--parallel.pp=16", "--data.batch_size=16", "--parallel.microbatches=16",
+            "--train.global_batch=2048", "--tokens", "15.6T", "--mfu", "0.4"]
     assert main([*argv, "--json", str(tmp_path / "plan.json")]) == 0
     record = json.loads((tmp_path / "plan.json").read_text())
     published = 30.84e6
@@ -355,3 +358,15 @@ def test_llama3_8b_memory_per_gpu_is_within_20_percent_of_torchtitans_published_
                  "--json", str(out)]) == 0
     rows = {(r["strategy"], r["checkpointing"]): r for r in json.loads(out.read_text())["layouts"]}
     assert rows["fsdp", "full"]["total_bytes"] == pytest.approx(83.9 * 2**30, rel=0.20)
+
+
+def test_a_pipeline_is_planned_in_the_micro_batches_the_trainer_splits_it_into(tmp_path):
+    """llama-tiny at pp 2 on 2 GPUs: the trainer splits each rank's 16 samples into 2 x pp = 4 micro-batches
+    of 4 ('pipeline 1f1b, 4 micro-batches of 4: bubble 20.0%'); the plan took micro-batches of 16: m 1, bubble
+    100%, for a layout no flag of the trainer's gives. --parallel.microbatches=8: 8 of 2."""
+    for given, m in (([], 4), (["--parallel.microbatches=8"], 8)):
+        out = tmp_path / f"plan-{m}.json"
+        assert main(["plan", "llama-tiny", "--gpu", "h100", "--nproc", "2", "--parallel.pp=2", "--data.batch_size=16",
+                     *given, "--json", str(out)]) == 0
+        rows = json.loads(out.read_text())["parallel"]["layouts"]
+        assert rows and all(r["microbatches"] == m and r["bubble"] == pytest.approx(1 / m) for r in rows), rows

@@ -26,9 +26,10 @@ if TYPE_CHECKING:
 
 # Structure.tp_divides: the GPT's, the Llama's
 _SPLIT_BY = {2: "heads and MLP width", 4: "heads, key/value heads, MLP width and sequence length"}
-PARALLEL_CAPTION = ("m: micro-batches of data.batch_size per pipeline (accumulation steps at pp 1), the global batch "
-                    "held; ckpt: none, selective (x7/6 compute), full (x4/3); "
-                    "step = max(compute x (1 + bubble), dp comm) + tp+pp comm (exposed); bubble (pp-1)/m; "
+PARALLEL_CAPTION = ("m: micro-batches per pipeline, the global batch held, each the trainer's (under the config's "
+                    "pipeline data.batch_size / parallel.microbatches, else data.batch_size; accumulation steps at "
+                    "pp 1), one pipeline schedule per accumulation step; ckpt: none, selective (x7/6 compute), full (x4/3); "
+                    "step = max(compute x (1 + bubble), dp comm) + tp+pp comm (exposed); bubble (pp-1)/(m of a schedule); "
                     "activations per block measured on the tensor-parallel step (fake tensors) x micro-batches in "
                     "flight (docs/plan.md)")
 HELP = ("Before a run: memory per GPU for DDP, FSDP and HSDP, with and without activation checkpointing, the "
@@ -141,9 +142,12 @@ def _setting(cfg: Config, plan: Plan, facts: ModelFacts, shape: Structure, globa
     from scaletrain.layout import virtual_stages
     from scaletrain.plan.parallel import Setting
 
-    return Setting(facts, shape, plan.accelerator, plan.gpus_per_node, plan.precision, plan.tf32, plan.batch_size,
-                   global_batch, cfg.parallel.pp_schedule, cfg.optim.name, plan.mfu, plan.net_bytes_per_s,
-                   plan.usable_bytes, virtual_stages(cfg.parallel))
+    # cfg's data.batch_size: the micro-batch (a pipeline's config: its batch split into parallel.microbatches)
+    # and a schedule per accumulation step, of parallel.microbatches, as the trainer runs a pipeline
+    per_schedule = (cfg.parallel.microbatches or 2 * cfg.parallel.pp) if cfg.parallel.pp > 1 else 0
+    return Setting(facts, shape, plan.accelerator, plan.gpus_per_node, plan.precision, plan.tf32,
+                   cfg.data.batch_size, global_batch, cfg.parallel.pp_schedule, cfg.optim.name, plan.mfu,
+                   plan.net_bytes_per_s, plan.usable_bytes, virtual_stages(cfg.parallel), per_schedule)
 
 
 def _anchored(cfg: Config, plan: Plan, setting: Setting | None, given: float) -> tuple[float, str]:
@@ -282,14 +286,33 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     shape = _structure(cfg, splits.task, splits.info, args.search) if parallel else None  # degrees checked first
     batches = plan_batches(cfg, world, len(splits.train))  # type: ignore[arg-type]
     sample = splits.train[0][0]
+    # The dp x tp x pp table's micro-batch is the trainer's: under a pipeline each rank's data.batch_size split
+    # into parallel.microbatches (0: 2 x pp), so m = that many x accumulation at the config's own layout
+    pcfg, rows = cfg, cfg.data.batch_size
+    if parallel and cfg.parallel.pp > 1:
+        from scaletrain.layout import check_pipeline
+
+        try:
+            rows //= check_pipeline(cfg.parallel, cfg.data.batch_size)
+        except ConfigError as err:  # a batch the trainer cannot split (a recipe's one sequence): planned whole
+            print(f"scaletrain: warning: {err} (the trainer would refuse it); planned in micro-batches of "
+                  f"data.batch_size = {rows} sample(s), as its first fix runs them", file=sys.stderr)
+        if rows != cfg.data.batch_size:
+            pcfg = load(args.config, cli_overrides={**overrides, "data.batch_size": str(rows)}).for_device("cuda")
     facts = measure_model(cfg, splits.task, splits.info, sample, target=splits.train[0][1],
-                          modes=AC_SEARCHED if parallel else AC_PLANNED)
+                          modes=AC_SEARCHED if parallel and pcfg is cfg else AC_PLANNED)
+    pfacts = facts
     if parallel:
         from scaletrain.plan.parallel import tp_degrees
 
-        facts = with_block_activations(cfg, splits.task, splits.info, sample, facts, target=splits.train[0][1])
+        if pcfg is not cfg:  # the data-parallel table's at data.batch_size, the pipeline's per micro-batch
+            pfacts = measure_model(pcfg, splits.task, splits.info, sample, target=splits.train[0][1],
+                                   modes=AC_SEARCHED)
+        pfacts = with_block_activations(pcfg, splits.task, splits.info, sample, pfacts, target=splits.train[0][1])
         degrees = tp_degrees(shape, cfg.dist.nproc) if args.search else [cfg.parallel.tp]  # type: ignore[arg-type]
-        facts = with_tp_activations(cfg, splits.task, splits.info, sample, facts, degrees, target=splits.train[0][1])
+        pfacts = with_tp_activations(pcfg, splits.task, splits.info, sample, pfacts, degrees,
+                                     target=splits.train[0][1])
+        facts = pfacts if pcfg is cfg else facts
     total_steps = batches.total_steps
     if tokens is not None:
         if not facts.tokens_per_sample:
@@ -306,9 +329,10 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         if calibration.activations is not None:
             scale = calibration.activations  # in place of compile's ratio: the eager plan times the runs' own
             facts = facts.scaled(lambda key: scale / compile_ratio(cfg, facts.params, key))
-    if shape is not None and cfg.parallel.microbatches:
-        print(f"scaletrain: warning: parallel.microbatches = {cfg.parallel.microbatches} ignored by the plan: it "
-              "holds the global batch and splits it into micro-batches of data.batch_size samples (the m column)",
+            pfacts = facts if pcfg is cfg else pfacts.scaled(lambda key: scale / compile_ratio(cfg, pfacts.params, key))
+    if shape is not None and cfg.parallel.microbatches and cfg.parallel.pp == 1:
+        print(f"scaletrain: warning: parallel.microbatches = {cfg.parallel.microbatches} ignored by the plan: "
+              "without a pipeline (parallel.pp = 1) there is nothing to split (the m column: accumulation steps)",
               file=sys.stderr)
 
     def planned(efficiency: float) -> Plan:
@@ -319,9 +343,9 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     if given is not None:  # the MFU of the config's own layout: the efficiency that gives it that MFU
         at_one = planned(1.0)
         mfu, source = _anchored(cfg, at_one, None if shape is None else
-                                _setting(cfg, at_one, facts, shape, batches.global_batch), given)
+                                _setting(pcfg, at_one, pfacts, shape, batches.global_batch), given)
     plan = planned(mfu)
-    found = _search(cfg, plan, facts, shape, args.search, batches.global_batch) if shape is not None else None
+    found = _search(pcfg, plan, pfacts, shape, args.search, batches.global_batch) if shape is not None else None
 
     width = None if args.wide else WIDTH
     print_plan(args.config, plan, batches.describe(), width, calibration, source, given)

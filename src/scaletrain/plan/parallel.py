@@ -25,9 +25,10 @@ had, Korthikanti et al. 2022's ratio ("Reducing Activation Recomputation in Larg
 for torch's tensor parallelism, which keeps the all-gathered inputs of the column-parallel matmuls whole for
 backward (tests/dist/test_plan_memory_real.py). The largest stage is the layout's.
 
-Time per step, at a global batch held fixed (the config's, as the data-parallel table plans it) in
-micro-batches of data.batch_size samples: n = global batch / (dp x data.batch_size) micro-batches per
-pipeline (accumulation steps when p = 1). compute = FLOPs / (GPUs x peak x MFU), the stages assumed equal;
+Time per step, at a global batch held fixed (the config's, as the data-parallel table plans it) in the
+trainer's micro-batches (Setting.batch_size: data.batch_size, or under the config's pipeline data.batch_size /
+parallel.microbatches, as the trainer splits it): n = global batch / (dp x micro-batch) per pipeline
+(accumulation steps when p = 1). compute = FLOPs / (GPUs x peak x MFU), the stages assumed equal;
 the pipeline bubble adds (p - 1) / (v m) of it (Narayanan et al. 2021, v = 1: no interleaving). Communication
 per GPU: tensor parallelism 4 collectives per block per micro-batch (2 forward, 2 backward; 6 with full
 checkpointing's second forward) of s x b x h elements in the compute dtype, each an all-reduce (or with
@@ -275,6 +276,8 @@ class Setting:
     net_bytes_per_s: float
     usable_bytes: int
     virtual: int = 1  # pipeline stages per GPU (the interleaved schedule): the bubble / virtual
+    per_schedule: int = 0  # micro-batches per pipeline schedule (the trainer runs one per accumulation step:
+    #                        parallel.microbatches); 0: all of a step's in one
 
 
 def stage_params(shape: Structure, tp: int, pp: int, stage: int) -> int:
@@ -318,7 +321,8 @@ def parallel_layout(st: Setting, kind: str, ac: str, *, gpus: int, tp: int, pp: 
     """Memory (the largest stage) and time per step of one layout (module docstring)."""
     dp = gpus // (tp * pp)
     m = st.global_batch // (dp * st.batch_size)
-    memory = max((_stage_memory(st, kind, ac, dp, tp, pp, m, i) for i in range(pp)), key=sum)
+    sched = min(m, st.per_schedule) if st.per_schedule else m  # in flight at once, and what one bubble spans
+    memory = max((_stage_memory(st, kind, ac, dp, tp, pp, sched, i) for i in range(pp)), key=sum)
     shape, cb = st.shape, compute_bytes(st.precision)
     flops = st.facts.flops_per_sample * st.global_batch
     peak = st.acc.peak(st.precision, tf32=st.tf32)
@@ -336,7 +340,7 @@ def parallel_layout(st: Setting, kind: str, ac: str, *, gpus: int, tp: int, pp: 
     dp_s = dp_comm_s(kind, params=local, trainable=local, dp=dp, micro=m, cbytes=cb,
                      across=min(link, net) if multi and dp * tp > per_node else link, link=link, net=net,
                      within=max(1, min(dp, per_node // tp)))
-    return Parallel(kind, ac, gpus, dp, tp, pp, m, *memory, compute, bubble(pp, m, st.virtual), tp_s, pp_s, dp_s,
+    return Parallel(kind, ac, gpus, dp, tp, pp, m, *memory, compute, bubble(pp, sched, st.virtual), tp_s, pp_s, dp_s,
                     sum(memory) <= st.usable_bytes, at_peak)
 
 
