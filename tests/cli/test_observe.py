@@ -65,8 +65,8 @@ def test_a_slow_loader_is_named_under_fsdp_too(tmp_path):
     assert last["pre_comm"][0] < 0.5 * last["step"][0]
     # plan vs actual (plan/actual.py): the planner's model state per rank under FSDP against rank 0's shards
     planned = summary["plan_vs_actual"]
-    assert planned["layout"] == {"strategy": "fsdp", "checkpointing": "none", "world_size": 2, "batch_size": 32,
-                                 "accum_steps": 1, "precision": "fp32"}
+    assert planned["layout"] == {"strategy": "fsdp", "checkpointing": "none", "world_size": 2, "tp": 1, "pp": 1,
+                                 "batch_size": 32, "accum_steps": 1, "precision": "fp32"}
     assert abs(planned["error"]["model_state"]) < 0.15, planned
     assert planned["actual"]["model_state_bytes"] == sum(summary["mem"][k] for k in ("params_bytes", "grads_bytes",
                                                                                      "optim_bytes"))

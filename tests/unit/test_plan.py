@@ -275,15 +275,17 @@ def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
 
 
 def _run_summary(run_dir, *, accelerator: str | None, mfu: float | None, planned: int, measured: int,
-                 compile_ratio: float | None = None) -> str:
-    """A finished run's summary.json as train/run.py writes it: its MFU and its plan_vs_actual record."""
+                 compile_ratio: float | None = None, bubble: float | None = None) -> str:
+    """A finished run's summary.json as train/run.py writes it: its MFU and its plan_vs_actual record (and with
+    ``bubble``, a pipelined run's pipeline record: the bubble's share of its steps)."""
     run_dir.mkdir(parents=True)
     record = {"layout": {"strategy": "ddp"}, "accelerator": accelerator,
               "predicted": {"activations_bytes": planned, "total_bytes": planned + 10**9,
                             **({"compile_ratio": compile_ratio} if compile_ratio is not None else {})},
               "actual": {"activations_bytes": measured}, "error": {}, "notes": []}
     summary = {"device": "cuda:0" if accelerator else "cpu", "plan_vs_actual": record,
-               **({"mfu": mfu} if mfu is not None else {})}
+               **({"mfu": mfu} if mfu is not None else {}),
+               **({"pipeline": {"pp": 2, "bubble_formula": bubble}} if bubble is not None else {})}
     (run_dir / "summary.json").write_text(json.dumps(summary))
     return str(run_dir)
 
@@ -308,6 +310,11 @@ def test_calibrate_takes_the_runs_mfu_and_activations(tmp_path, capsys):
         assert after["params_bytes"] == before["params_bytes"]
     explicit = _plan_text(["gpt-stdlib", "--gpu", "h100", *small, "--mfu", "0.5", "--calibrate", *runs], capsys)
     assert "MFU 0.5 given (its own layout, whole steps)" in " ".join(explicit.split())
+    # a pipelined run's MFU counts its bubble (a fifth of its steps here): the rate its GPUs computed at is
+    # 0.24 / (1 - 1/5) = 0.30, which the planner then gives every layout its own bubble on top of
+    piped = _run_summary(tmp_path / "pp", accelerator="h100", mfu=0.24, planned=10**9, measured=10**9, bubble=0.2)
+    text = _plan_text(["gpt-stdlib", "--gpu", "h100", *small, "--calibrate", piped], capsys)
+    assert "calibrated from 1 run(s): MFU 0.3 (the runs' steady state)" in " ".join(text.split()), text
 
 
 def test_calibrating_with_a_compiled_run_replaces_compiles_ratio_and_does_not_multiply_it(tmp_path, capsys):

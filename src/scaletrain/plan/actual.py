@@ -122,7 +122,8 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
         notes.append("step time not compared: the planner knows no peak FLOP/s for this device")
     return {"model": "own" if task == OWN else cfg.model.name,
             "layout": {"strategy": strategy, "checkpointing": checkpointing, "world_size": parallel.world_size,
-                       "batch_size": batch_size, "accum_steps": accum_steps, "precision": cfg.train.precision},
+                       "tp": parallel.tp, "pp": parallel.pp, "batch_size": batch_size, "accum_steps": accum_steps,
+                       "precision": cfg.train.precision},
             "accelerator": acc.key if acc else None, "predicted": predicted, "actual": actual, "error": error,
             "notes": notes}
 
@@ -191,8 +192,11 @@ def calibrate(run_dirs: list[str], accelerator: str) -> Calibration:
                             f"calibrate with runs on {accelerator}{other}")
         try:
             mfu = summary.get("hfu", summary.get("mfu"))  # with full checkpointing: as if without recompute
-            if mfu is not None and 0 < float(mfu) <= 1:
-                mfus.append(float(mfu))
+            # a pipeline's MFU counts its bubble's idle time; the planner adds the bubble of each layout to a
+            # bubble-free rate, so the run's is taken without it (its share of the step: pipeline.bubble_formula)
+            idle = float((summary.get("pipeline") or {}).get("bubble_formula") or 0.0)
+            if mfu is not None and 0 < float(mfu) <= 1 and 0 <= idle < 1:
+                mfus.append(min(1.0, float(mfu) / (1 - idle)))
             planned = float(record["predicted"].get("activations_bytes") or 0) \
                 / float(record["predicted"].get("compile_ratio") or 1.0)  # eagerly
             measured = float(record["actual"].get("activations_bytes") or 0)
