@@ -55,10 +55,13 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     name = args.script if args.module else Path(args.script).stem
     with tempfile.TemporaryDirectory(prefix="scaletrain-launch-") as tmp:
         told = Path(tmp) / "run_dir"  # a session the script opens writes its run directory here
-        os.environ[RUN_DIR_FILE_ENV] = str(told)
+        os.environ[RUN_DIR_FILE_ENV] = str(told)  # the workers inherit it
         started = time.time()
-        code = launch(dist, [args.script, *args.script_args], module=args.module, run_id=f"scaletrain-{name}",
-                      say_stop=False, usage_said=told.with_name(USAGE_SAID).is_file)
+        try:
+            code = launch(dist, [args.script, *args.script_args], module=args.module, run_id=f"scaletrain-{name}",
+                          say_stop=False, usage_said=told.with_name(USAGE_SAID).is_file)
+        finally:
+            del os.environ[RUN_DIR_FILE_ENV]
         run_dir = told.read_text(encoding="utf-8") if told.is_file() else ""
     if code <= 128:
         return code
