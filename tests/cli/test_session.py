@@ -434,11 +434,16 @@ def test_phase_times_see_forward_and_backward_however_the_loop_calls_them(tmp_pa
                 if st.done:
                     break
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    frac = summary["phase_frac"]
     assert summary["samples"] == 12 * 64 and summary["samples_per_s"] > 0  # what st.loader handed out
     # forward and backward of a 400k-parameter MLP at batch 64 against an SGD step and an in-memory batch: compute
-    # is most of the step (measured 0.83-0.84 either way; 0.0 before); every phase together is the step, within rounding
-    assert frac["compute"] > 0.4 and frac["compute"] == max(frac.values()), frac
+    # is most of a step (measured 0.83-0.84 either way; 0.0 before) in the median of the 3 log intervals (a step is
+    # ~4 ms: one stall of the process inside a batch's fetch on a loaded machine made the whole run's data 0.93);
+    # every phase together is the step, within rounding, over the run
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    intervals = [{k: v[0] for k, v in r["phase_s"].items()} for r in records if r["kind"] == "train"]
+    shares = sorted(i["compute"] / i["step"] for i in intervals)
+    assert len(shares) == 3 and shares[1] > 0.4, intervals
+    frac = summary["phase_frac"]
     assert 0.9 <= sum(frac.values()) <= 1.1, frac
 
 
