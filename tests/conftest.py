@@ -81,3 +81,20 @@ def documented(tmp_path_factory: pytest.TempPathFactory):
         return own[text]
 
     return tour_for
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The docs tour's file first, then the other CLI tests, then the files of tests that read what documented
+    commands made (the `documented` fixture), then the multi-rank and unit tests: under `make test`'s 2 workers
+    (--dist loadfile hands out whole files in this order) the tour runs from the start on one worker, its
+    readers come once its record is there (scheduled before it was, each ran its commands again itself: make
+    demo, two verify-resumes, a rehearsal, a scaling bench, the byo example three ways), and the many short
+    files last keep the two workers' ends level."""
+    readers = {item.path for item in items if "documented" in getattr(item, "fixturenames", ())}
+
+    def rank(item: pytest.Item) -> int:
+        if item.path.name == "test_docs.py":
+            return 0
+        return 2 if item.path in readers else 1 if item.path.parent.name == "cli" else 3
+
+    items.sort(key=rank)  # stable: each file's tests, and the files within a rank, keep their order
