@@ -106,7 +106,7 @@ def test_saved_weights_reproduce_the_reported_accuracy(digits_run):
 
 def test_gpt_stdlib_eval_loss_falls(tmp_path):
     proc = scaletrain("train", "gpt-stdlib", "--nproc", "2", "--run.dir=run", "--train.max_steps=40",
-                      "--train.eval_every=20", "--train.eval_batches=8", cwd=tmp_path)
+                      "--train.eval_every=20", "--train.eval_batches=4", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()
              if '"eval"' in line]
