@@ -10,10 +10,23 @@ from collections.abc import MutableMapping
 # "PID EXITCODE" of the worker of this machine that failed last, set by scaletrain's launcher (cluster/
 # torchrun.py) for the workers of the restarted group, which inherit its environment.
 FAILED_WORKER_ENV = "SCALETRAIN_FAILED_WORKER"
-# A file `scaletrain launch` gives the workers of a script of one's own: rank 0 of the session the script opens
-# writes its run directory there (train/services.py tell_launcher), for the launcher's word after a stop signal.
-RUN_DIR_FILE_ENV = "SCALETRAIN_RUN_DIR_FILE"
-USAGE_SAID = "usage_said"  # beside it: a worker said a usage error in one line (errors.report), so its exit 2 is that
+# A directory `scaletrain launch` gives the workers of a script of one's own (tell_launcher): in it rank 0 of the
+# session the script opens names its run directory (RUN_DIR: the launcher's word after a stop signal), and a
+# worker that said a usage error in one line marks it (USAGE_SAID: its exit code 2 is that error).
+LAUNCH_DIR_ENV = "SCALETRAIN_LAUNCH_DIR"
+RUN_DIR, USAGE_SAID = "run_dir", "usage_said"
+
+
+def tell_launcher(name: str, text: str = "") -> None:
+    """Under `scaletrain launch`: file ``name`` in its directory, holding ``text``; nothing otherwise (and
+    nothing lost if it cannot be written: the launcher then says less)."""
+    where = os.environ.get(LAUNCH_DIR_ENV)
+    if where:
+        try:
+            with open(os.path.join(where, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError:
+            pass
 
 
 def under_launcher() -> bool:

@@ -6,7 +6,6 @@ a file) raises one of these with what was wrong, what is allowed and how to fix 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import hashlib
@@ -18,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
-from scaletrain.env import RUN_DIR_FILE_ENV, USAGE_SAID
+from scaletrain.env import USAGE_SAID, tell_launcher
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -192,10 +191,8 @@ def report(err: BaseException, stream: TextIO | None = None) -> int:
     stream = stream or sys.stderr
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     line = one_line(err)
-    if exit_code(err) == EXIT_USAGE and (told := os.environ.get(RUN_DIR_FILE_ENV)):
-        # `scaletrain launch` takes a worker's exit code 2 for this one line only when one was said
-        with contextlib.suppress(OSError):
-            Path(told).with_name(USAGE_SAID).touch()
+    if exit_code(err) == EXIT_USAGE:  # `scaletrain launch` takes a worker's exit 2 for this line only if said
+        tell_launcher(USAGE_SAID)
     if world > 1 and "RANK" in os.environ:
         if getattr(err, "agreed", False) and rank != 0:
             return exit_code(err)

@@ -104,32 +104,44 @@ class _WithBatchNorm(torch.nn.Module):
         return self.head(torch.relu(self.bn(self.lin(x))))
 
 
-def _bn_loop(run_dir: Path, steps: int) -> None:
+def _bn_loop(cfg: dict, *, opened: bool = False) -> tuple[list[float], list[str]]:
+    """_WithBatchNorm trained with SGD by a session loop of one's own under ``cfg``, its forward and loss inside
+    st.autocast() when ``opened``: the step losses and the forward's output dtypes."""
     import scaletrain
 
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
-    cfg = {"run.dir": str(run_dir), "train.max_steps": steps, "checkpoint.every": 2, "log.every": 2,
-           "data.batch_size": 8, "debug.trace": True}
+    losses, dtypes = [], set()
     with scaletrain.session(cfg) as st:
         model, opt = st.setup(_WithBatchNorm(), lambda p: torch.optim.SGD(p, lr=0.1))
         loader = st.loader((x, (x[:, 0] > 0).long()))
         while not st.done:
             for xb, yb in loader:
                 with st.step():
-                    st.backward(torch.nn.functional.cross_entropy(model(xb), yb))
+                    with st.autocast() if opened else contextlib.nullcontext():
+                        out = model(xb)
+                        loss = torch.nn.functional.cross_entropy(out, yb)
+                    dtypes.add(str(out.dtype))
+                    st.backward(loss)
                     opt.step()
                     opt.zero_grad()
+                    losses.append(loss.detach())
                 if st.done:
                     break
+    return [float(loss) for loss in losses], sorted(dtypes)
+
+
+def _bn_run(run_dir: Path, steps: int) -> None:
+    _bn_loop({"run.dir": str(run_dir), "train.max_steps": steps, "checkpoint.every": 2, "log.every": 2,
+              "data.batch_size": 8, "debug.trace": True})
 
 
 def _bn_resumed(rank: int, world: int, where: str) -> None:
     """A BatchNorm model under DDP: 4 steps straight; 2 steps, then resumed to 4 (three sessions in a row)."""
-    _bn_loop(Path(where) / "straight", 4)
-    _bn_loop(Path(where) / "parts", 2)
+    _bn_run(Path(where) / "straight", 4)
+    _bn_run(Path(where) / "parts", 2)
     if rank == 0:  # finished at 2; rank 0 decides the run directory, so it goes on from its checkpoint
         (Path(where) / "parts" / "summary.json").unlink()
-    _bn_loop(Path(where) / "parts", 4)
+    _bn_run(Path(where) / "parts", 4)
 
 
 def test_a_batchnorm_model_under_ddp_is_loaded_as_saved_on_every_rank(tmp_path: Path) -> None:
@@ -151,32 +163,10 @@ def test_a_batchnorm_model_under_ddp_is_loaded_as_saved_on_every_rank(tmp_path: 
 
 def _precision_loops(rank: int, world: int, where: str) -> dict:
     """The same DDP loop two ways: bf16-mixed without st.autocast(), and inside it."""
-    import scaletrain
-
-    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
-    found: dict = {}
-    for name, precision, opened in (("bare", "bf16-mixed", False), ("opened", "bf16-mixed", True)):
-        cfg = {"run.dir": str(Path(where) / name), "train.max_steps": 4, "checkpoint.every": 100, "log.every": 2,
-               "data.batch_size": 8, "train.precision": precision, "train.progress": False}
-        losses, dtypes = [], set()
-        with scaletrain.session(cfg) as st:
-            model, opt = st.setup(_WithBatchNorm(), lambda p: torch.optim.SGD(p, lr=0.1))
-            loader = st.loader((x, (x[:, 0] > 0).long()))
-            while not st.done:
-                for xb, yb in loader:
-                    with st.step():
-                        with st.autocast() if opened else contextlib.nullcontext():
-                            out = model(xb)
-                            loss = torch.nn.functional.cross_entropy(out, yb)
-                        dtypes.add(str(out.dtype))
-                        st.backward(loss)
-                        opt.step()
-                        opt.zero_grad()
-                        losses.append(loss.item())
-                    if st.done:
-                        break
-        found[name] = (losses, sorted(dtypes))
-    return found
+    return {name: _bn_loop({"run.dir": str(Path(where) / name), "train.max_steps": 4, "checkpoint.every": 100,
+                            "log.every": 2, "data.batch_size": 8, "train.precision": "bf16-mixed",
+                            "train.progress": False}, opened=opened)
+            for name, opened in (("bare", False), ("opened", True))}
 
 
 def test_a_loop_of_ones_own_gets_the_runs_precision_without_opening_autocast(tmp_path: Path) -> None:

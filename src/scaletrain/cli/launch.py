@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from scaletrain.config import build
-from scaletrain.env import RUN_DIR_FILE_ENV, USAGE_SAID
+from scaletrain.env import LAUNCH_DIR_ENV, RUN_DIR, USAGE_SAID
 from scaletrain.errors import UserError
 
 HELP = "Run your own script on N local workers (and M machines) through torchrun, like torchrun itself."
@@ -54,23 +52,21 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     # Deterministic, so that every machine of a multi-machine job derives the same id from the same command.
     name = args.script if args.module else Path(args.script).stem
     with tempfile.TemporaryDirectory(prefix="scaletrain-launch-") as tmp:
-        told = Path(tmp) / "run_dir"  # a session the script opens writes its run directory here
-        os.environ[RUN_DIR_FILE_ENV] = str(told)  # the workers inherit it
+        told = Path(tmp) / RUN_DIR  # a session the script opens names its run directory here (env.tell_launcher)
         started = time.time()
-        try:
-            code = launch(dist, [args.script, *args.script_args], module=args.module, run_id=f"scaletrain-{name}",
-                          say_stop=False, usage_said=told.with_name(USAGE_SAID).is_file)
-        finally:
-            del os.environ[RUN_DIR_FILE_ENV]
-        run_dir = told.read_text(encoding="utf-8") if told.is_file() else ""
-    if code <= 128:
-        return code
-    if run_dir:  # training through scaletrain: whether it saved, as scaletrain train says it (0 if preempted)
-        from scaletrain.cli.train import after_signal
 
-        return after_signal(code - 128, Path(run_dir), started)
-    print(f"scaletrain: stopped by {signal.Signals(code - 128).name}; the workers were stopped too", file=sys.stderr)
-    return code
+        def after_stop(signum: int) -> int | None:
+            """Training through scaletrain: whether it saved, as scaletrain train says it (0 if preempted)."""
+            from scaletrain.cli.train import after_signal
+
+            return after_signal(signum, Path(told.read_text(encoding="utf-8")), started) if told.is_file() else None
+
+        os.environ[LAUNCH_DIR_ENV] = tmp  # the workers inherit it
+        try:
+            return launch(dist, [args.script, *args.script_args], module=args.module, run_id=f"scaletrain-{name}",
+                          after_stop=after_stop, usage_said=(Path(tmp) / USAGE_SAID).is_file)
+        finally:
+            del os.environ[LAUNCH_DIR_ENV]
 
 
 # torchrun's options and what scaletrain launch calls them

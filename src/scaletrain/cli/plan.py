@@ -138,6 +138,26 @@ def _structure(cfg: Config, task: str, info: dict[str, Any], search: bool) -> St
     return shape
 
 
+def _micro_batch_config(cfg: Config, source: str, overrides: dict[str, str]) -> Config:
+    """The config the dp x tp x pp table plans: the trainer's micro-batch. Under the config's pipeline each rank's
+    data.batch_size is split into parallel.microbatches (0: 2 x pp), so m is that many x accumulation at its own
+    layout; a batch the trainer cannot split (a recipe's one sequence) is planned whole, the trainer's refusal
+    said as a warning. ``cfg`` itself when the micro-batch is its data.batch_size."""
+    if cfg.parallel.pp == 1:
+        return cfg
+    from scaletrain.layout import check_pipeline
+
+    rows = cfg.data.batch_size
+    try:
+        rows //= check_pipeline(cfg.parallel, cfg.data.batch_size)
+    except ConfigError as err:
+        print(f"scaletrain: warning: {err} (the trainer would refuse it); planned in micro-batches of "
+              f"data.batch_size = {rows} sample(s), as its first fix runs them", file=sys.stderr)
+    if rows == cfg.data.batch_size:
+        return cfg
+    return load(source, cli_overrides={**overrides, "data.batch_size": str(rows)}).for_device("cuda")
+
+
 def _setting(cfg: Config, plan: Plan, facts: ModelFacts, shape: Structure, global_batch: int) -> Setting:
     from scaletrain.layout import virtual_stages
     from scaletrain.plan.parallel import Setting
@@ -286,28 +306,17 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     shape = _structure(cfg, splits.task, splits.info, args.search) if parallel else None  # degrees checked first
     batches = plan_batches(cfg, world, len(splits.train))  # type: ignore[arg-type]
     sample = splits.train[0][0]
-    # The dp x tp x pp table's micro-batch is the trainer's: under a pipeline each rank's data.batch_size split
-    # into parallel.microbatches (0: 2 x pp), so m = that many x accumulation at the config's own layout
-    pcfg, rows = cfg, cfg.data.batch_size
-    if parallel and cfg.parallel.pp > 1:
-        from scaletrain.layout import check_pipeline
+    pcfg = _micro_batch_config(cfg, args.config, overrides) if parallel else cfg
 
-        try:
-            rows //= check_pipeline(cfg.parallel, cfg.data.batch_size)
-        except ConfigError as err:  # a batch the trainer cannot split (a recipe's one sequence): planned whole
-            print(f"scaletrain: warning: {err} (the trainer would refuse it); planned in micro-batches of "
-                  f"data.batch_size = {rows} sample(s), as its first fix runs them", file=sys.stderr)
-        if rows != cfg.data.batch_size:
-            pcfg = load(args.config, cli_overrides={**overrides, "data.batch_size": str(rows)}).for_device("cuda")
-    facts = measure_model(cfg, splits.task, splits.info, sample, target=splits.train[0][1],
-                          modes=AC_SEARCHED if parallel and pcfg is cfg else AC_PLANNED)
-    pfacts = facts
+    def measured(at: Config, modes: Any) -> ModelFacts:
+        return measure_model(at, splits.task, splits.info, sample, target=splits.train[0][1], modes=modes)
+
+    facts = measured(cfg, AC_SEARCHED if parallel and pcfg is cfg else AC_PLANNED)
+    pfacts = facts  # the dp x tp x pp table's: at the trainer's micro-batch, with the blocks and tp steps measured
     if parallel:
         from scaletrain.plan.parallel import tp_degrees
 
-        if pcfg is not cfg:  # the data-parallel table's at data.batch_size, the pipeline's per micro-batch
-            pfacts = measure_model(pcfg, splits.task, splits.info, sample, target=splits.train[0][1],
-                                   modes=AC_SEARCHED)
+        pfacts = facts if pcfg is cfg else measured(pcfg, AC_SEARCHED)
         pfacts = with_block_activations(pcfg, splits.task, splits.info, sample, pfacts, target=splits.train[0][1])
         degrees = tp_degrees(shape, cfg.dist.nproc) if args.search else [cfg.parallel.tp]  # type: ignore[arg-type]
         pfacts = with_tp_activations(pcfg, splits.task, splits.info, sample, pfacts, degrees,
@@ -328,8 +337,13 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
             mfu, source = calibration.mfu, "the calibrating runs'"
         if calibration.activations is not None:
             scale = calibration.activations  # in place of compile's ratio: the eager plan times the runs' own
-            facts = facts.scaled(lambda key: scale / compile_ratio(cfg, facts.params, key))
-            pfacts = facts if pcfg is cfg else pfacts.scaled(lambda key: scale / compile_ratio(cfg, pfacts.params, key))
+
+            def calibrated(f: ModelFacts) -> ModelFacts:
+                return f.scaled(lambda key: scale / compile_ratio(cfg, f.params, key))
+
+            one = pfacts is facts
+            facts = calibrated(facts)
+            pfacts = facts if one else calibrated(pfacts)
     if shape is not None and cfg.parallel.microbatches and cfg.parallel.pp == 1:
         print(f"scaletrain: warning: parallel.microbatches = {cfg.parallel.microbatches} ignored by the plan: "
               "without a pipeline (parallel.pp = 1) there is nothing to split (the m column: accumulation steps)",

@@ -77,9 +77,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     run_dir = choose_run_dir(cfg).run_dir
     worker_argv = [*argv[argv.index("train"):], f"--run.dir={run_dir}"]
     started = time.time()
-    code = launch(cfg.dist, ["scaletrain", *worker_argv], module=True, run_id=f"scaletrain-{cfg.run.name}",
-                  trainer=True)
-    return code if code <= 128 else after_signal(code - 128, run_dir, started)
+    return launch(cfg.dist, ["scaletrain", *worker_argv], module=True, run_id=f"scaletrain-{cfg.run.name}",
+                  trainer=True, after_stop=lambda signum: after_signal(signum, run_dir, started))
 
 
 def after_signal(signum: int, run_dir: Path, started: float) -> int:

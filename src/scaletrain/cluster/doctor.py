@@ -304,7 +304,7 @@ def check_backends(f: Facts) -> list[Finding]:
     return out
 
 
-def ifname_matches(var: str, value: str, names: list[str]) -> bool:
+def _ifname_matches(var: str, value: str, names: list[str]) -> bool:
     """NCCL: a comma list of name prefixes, '=' for exact names, '^' to exclude; Gloo: a comma list of names."""
     items = [x.strip() for x in value.split(",") if x.strip()]
     if var.startswith("NCCL"):
@@ -316,20 +316,24 @@ def ifname_matches(var: str, value: str, names: list[str]) -> bool:
     return any(x in names for x in items)
 
 
+def ifname_problem(var: str, value: str | None, names: list[str]) -> tuple[str, str] | None:
+    """(what is wrong, the fix) when ``var`` (NCCL_/GLOO_SOCKET_IFNAME) set to ``value`` names none of this
+    machine's interfaces ``names``; None when it is unset, matches, or there is nothing to match against."""
+    if value is None or not names or _ifname_matches(var, value, names):
+        return None
+    return (f"{var}={value!r} matches no network interface here (there are: {', '.join(names)})",
+            f"name the interface that reaches the other machines, or unset {var}")
+
+
 def check_socket_ifname(f: Facts) -> list[Finding]:
     """An interface name that matches nothing here: the backend cannot bind, or the job hangs at start."""
     names = [i.name for i in f.interfaces]
-    if not names:
-        return []
     out = []
     for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        value = f.env.get(var)
-        if value is not None and not ifname_matches(var, value, names):
+        if problem := ifname_problem(var, f.env.get(var), names):
             # NCCL's setting only bites where NCCL runs: on a machine without GPUs it is a stray, not a stop.
             level: Literal["error", "warning"] = "warning" if var.startswith("NCCL") and not f.devices else "error"
-            out.append(Finding(level, "ifname", f"{var}={value!r} matches no network interface here "
-                               f"(there are: {', '.join(names)})", f"name the interface that reaches the "
-                               f"other machines, or unset {var}"))
+            out.append(Finding(level, "ifname", *problem))
     return out
 
 

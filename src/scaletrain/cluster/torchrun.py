@@ -157,14 +157,11 @@ def check_socket_ifname() -> None:
     """GLOO_SOCKET_IFNAME naming no interface of this machine (a typo, another machine's name): every worker
     died in its first collective with a traceback ('Unable to find address for: ...'). Said in one line before
     they start, in `scaletrain doctor`'s words (cluster/doctor.py)."""
-    from scaletrain.cluster.doctor import ifname_matches
+    from scaletrain.cluster.doctor import ifname_problem
 
-    value = os.environ.get("GLOO_SOCKET_IFNAME")
-    names = [name for _, name in socket.if_nameindex()]
-    if value is not None and names and not ifname_matches("GLOO_SOCKET_IFNAME", value, names):
-        raise UserError(f"GLOO_SOCKET_IFNAME={value!r} matches no network interface here (there are: "
-                        f"{', '.join(names)}); fix: name the interface that reaches the other machines, or unset "
-                        "GLOO_SOCKET_IFNAME")
+    var = "GLOO_SOCKET_IFNAME"
+    if problem := ifname_problem(var, os.environ.get(var), [name for _, name in socket.if_nameindex()]):
+        raise UserError(f"{problem[0]}; fix: {problem[1]}")
 
 
 def check_endpoint(cfg: DistConfig) -> None:
@@ -217,14 +214,16 @@ def root_failure(failures: dict[int, Any]) -> tuple[int, int]:
     one that exited with an error (a survivor reporting the collective its dead peer left), then the lowest rank.
     """
     first = min(f.timestamp for f in failures.values())
-
-    def by_agent(failure: Any) -> bool:
-        # The agent's SIGKILL follows its SIGTERM by the shutdown timeout (>= 30 s): one sooner came from elsewhere.
-        return failure.exitcode in _STOPPED_BY_AGENT and not (
-            failure.exitcode == -signal.SIGKILL and failure.timestamp - first < 30)
-
-    rank = min(failures, key=lambda r: (by_agent(failures[r]), failures[r].timestamp, failures[r].exitcode >= 0, r))
+    rank = min(failures, key=lambda r: (_by_agent(failures[r], first), failures[r].timestamp,
+                                        failures[r].exitcode >= 0, r))
     return rank, failures[rank].exitcode
+
+
+def _by_agent(failure: Any, first: float) -> bool:
+    """Whether the agent stopped this worker because another one failed (at ``first``, the earliest failure)."""
+    # The agent's SIGKILL follows its SIGTERM by the shutdown timeout (>= 30 s): one sooner came from elsewhere.
+    return failure.exitcode in _STOPPED_BY_AGENT and not (
+        failure.exitcode == -signal.SIGKILL and failure.timestamp - first < 30)
 
 
 def _quiet_agent_logs() -> None:
@@ -261,7 +260,7 @@ def _agent_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: str
 
 
 def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: str = "scaletrain",
-           trainer: bool = False, say_stop: bool | None = None,
+           trainer: bool = False, after_stop: Callable[[int], int | None] | None = None,
            usage_said: Callable[[], bool] | None = None) -> int:
     """Start cfg.nproc workers on this machine and wait for them; returns the job's exit code (128 + the
     signal when this process was stopped by one).
@@ -272,9 +271,10 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     sockets use the interface holding it (unless GLOO_/NCCL_SOCKET_IFNAME say otherwise). Every agent of
     a multi-machine job must pass the same run_id (cfg.rdzv_id wins over it). ``trainer``: the workers run
     scaletrain's trainer, which reports a stop and a restart itself; this process then prints nothing when
-    signalled and drops torchrun's line about a failed worker. ``say_stop``: say the workers were stopped after
-    a signal (default: not for the trainer). ``usage_said``: whether a worker's exit code 2 was scaletrain's
-    one-line usage error (default: taken to be); else it is a failure like any other, and said.
+    signalled and drops torchrun's line about a failed worker. ``after_stop(signum)``: once a stop signal to this
+    process has ended the workers, says what they did and returns the exit code (None: this process says they
+    were stopped, 128 + signum). ``usage_said``: whether a worker's exit code 2 was scaletrain's one-line usage
+    error (default: taken to be); else it is a failure like any other, and said.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -310,8 +310,8 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
         rank, code = root_failure(err.failures)
         if code == EXIT_USAGE and (usage_said is None or usage_said()):
             return EXIT_USAGE  # a usage error: the worker said it in one line, once for the job
-        # the workers the agent stopped with SIGTERM once one had failed are not failures of their own
-        failed = sum(1 for f in err.failures.values() if f.exitcode != -signal.SIGTERM) or len(err.failures)
+        first = min(f.timestamp for f in err.failures.values())  # those the agent stopped are not failures
+        failed = sum(not _by_agent(f, first) for f in err.failures.values()) or len(err.failures)
         print(f"scaletrain: worker rank {rank} {_exit_text(code)} ({failed} of {cfg.nproc * cfg.nnodes} workers "
               "stopped with an error; see its output above)", file=sys.stderr)
         return 1
@@ -330,14 +330,14 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
               "same command", file=sys.stderr)
         return 1
     except SignalException as err:
-        return stop.stopped(int(err.sigval), say=not trainer if say_stop is None else say_stop)
+        return stop.stopped(int(err.sigval), say=not trainer, after=after_stop)
     except Exception:
         # Our SignalException raised between two lines of torchrun's metrics wrapper comes out of it as an
         # UnboundLocalError (its finally reads a name not yet assigned); the agent still shut the workers
         # down on its way out, so it is the same stop.
         if not stop.signum:
             raise
-        return stop.stopped(stop.signum, say=not trainer if say_stop is None else say_stop)
+        return stop.stopped(stop.signum, say=not trainer, after=after_stop)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -360,8 +360,11 @@ class _Stop:
         self.signum = 0  # the first signal, 0 = none
         self.killed = False  # a second Ctrl-C killed the workers
 
-    def stopped(self, signum: int, *, say: bool) -> int:
-        """The launcher's exit code after the stop, 128 + the signal; ``say``: one line about the workers."""
+    def stopped(self, signum: int, *, say: bool, after: Callable[[int], int | None] | None = None) -> int:
+        """The launcher's exit code after the stop: ``after(signum)``'s, having said it, or 128 + the signal;
+        ``say``: then one line about the workers."""
+        if after is not None and (code := after(signum)) is not None:
+            return code
         if say:
             how = "a second Ctrl-C killed the workers" if self.killed else "the workers were stopped too"
             print(f"scaletrain: stopped by {signal.Signals(signum).name}; {how}", file=sys.stderr)

@@ -96,6 +96,13 @@ class ShardedLoader:
     def epoch(self) -> int:
         return self.sampler.epoch
 
+    @property
+    def epochs_done(self) -> float:
+        """Epochs run, the current one's part included: whole epochs and the share of this one's positions
+        consumed (a resume at another step size cuts the rest of its epoch into other steps: sampler.end)."""
+        s = self.sampler
+        return s.epoch + s.cursor / s.end if s.end else float(s.epoch)
+
     def __iter__(self) -> Iterator[Any]:
         """Micro-batches forever; the cursor counts a batch as consumed once it is handed out."""
         s = self.sampler

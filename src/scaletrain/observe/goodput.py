@@ -106,10 +106,13 @@ def run_totals(records: Sequence[Mapping[str, Any]], *, wall_s: float, startup_s
         steady: dict[str, Any] | None = steady_state(records, warmup_steps=WARMUP_STEPS)
     except AssertionError:  # nothing after the warm-up to tell it from
         steady = None
-    pace, warm = (steady["seconds"] / steady["timed_steps"], sum(r["step"] < steady["first_step"] for r in records)) \
-        if steady else (None, 0)
-    if steady is None and len(records) > 1:  # a short run: no steady state, but its first interval (the compile)
-        pace, warm = statistics.median(r["step_time_s"] for r in records[1:]), 1  # still stands out of the rest
+    # the pace the warm-up is told apart by, and how many leading intervals it spans
+    pace: float | None = None
+    warm = 0
+    if steady is not None:
+        pace, warm = steady["seconds"] / steady["timed_steps"], sum(r["step"] < steady["first_step"] for r in records)
+    elif len(records) > 1:  # a short run: no steady state, but its first interval (the compile) stands out
+        pace, warm = statistics.median(r["step_time_s"] for r in records[1:]), 1
     good = account(wall_s, startup_s=startup_s, intervals=[(r["steps"], r["steps"] * r["step_time_s"]) for r in records],
                    steady_step_s=pace, data_wait_s=sum(t["data"] for t in phase_totals) / len(phase_totals),
                    eval_s=eval_s, checkpoint_s=checkpoint_s, earlier=earlier, warm_intervals=warm)

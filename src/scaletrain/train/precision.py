@@ -69,7 +69,9 @@ def autocast_forward(module: torch.nn.Module, context: Callable[[], AbstractCont
 
 
 def _to_fp32(out: Any) -> Any:
-    """bf16/fp16 tensors in ``out`` (a tensor, a tuple, a list or a dict: a ModelOutput is updated in place) as fp32."""
+    """bf16/fp16 tensors in ``out`` (a tensor, a tuple, a list or a dict) as fp32, ``out``'s own types kept (a
+    ModelOutput updated in place, a namedtuple rebuilt) for the caller of the model's forward: batch.map_tensors
+    gives plain dicts and tuples, which batches may be, but outputs read by attribute may not."""
     if isinstance(out, torch.Tensor):
         return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
     if isinstance(out, dict):

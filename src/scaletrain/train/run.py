@@ -125,11 +125,8 @@ def _summarize(job: Job, splits: Splits, model_given: bool) -> Callable[[dict[st
     def add(summary: dict[str, Any]) -> dict[str, Any]:
         plan, st = job.plan, job.st
         assert st is not None
-        # where the loader is (whole epochs and the part of this one: a resume at another global batch cuts
-        # the rest of its epoch into other steps); a stream's: the passes completed (its length is known only
-        # once a pass ended)
-        sampler = getattr(job.loader.inner, "sampler", None)
-        epochs = sampler.epoch + sampler.cursor / sampler.end if plan.steps_per_epoch else float(job.loader.epoch)
+        # where the loader is; a stream's: the passes completed (its length is known only once a pass ended)
+        epochs = job.loader.inner.epochs_done if plan.steps_per_epoch else float(job.loader.epoch)
         summary.update({"samples": st.samples_drawn(), "epochs": epochs,
                         "global_batch": plan.global_batch, "accum_steps": plan.accum_steps, "peak_lr": plan.peak_lr,
                         "train_loss": st.last_metrics.get("loss", math.nan), "eval": job.last_eval,

@@ -13,9 +13,7 @@ What differs between the loops (how a step runs, what is logged, the checkpoint'
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +23,7 @@ import torch.distributed as dist
 
 from scaletrain.checkpoint import commit
 from scaletrain.config import Config
-from scaletrain.env import RUN_DIR_FILE_ENV
+from scaletrain.env import RUN_DIR, tell_launcher
 from scaletrain.errors import DiskFull, TrainingFailed
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import earlier_attempts
@@ -38,16 +36,6 @@ from scaletrain.train.preempt import PreemptFlag, StepAgreement
 from scaletrain.train.resume import truncate_metrics
 
 WEIGHTS = "model.safetensors"  # the final weights, in the run directory
-
-
-def tell_launcher(run_dir: Path) -> None:
-    """Under `scaletrain launch`, the run directory of the session this script opened (the last one, if it opens
-    several): after a stop signal the launcher reads its records to say whether the workers saved, and exits 0
-    for a preemption that did, as `scaletrain train` does."""
-    path = os.environ.get(RUN_DIR_FILE_ENV)
-    if path:
-        with contextlib.suppress(OSError):
-            Path(path).write_text(str(run_dir.resolve()), encoding="utf-8")
 
 
 class RunServices:
@@ -87,7 +75,9 @@ class RunServices:
             sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard else []
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(run_dir / "config.toml", cfg.to_toml())  # unchanged on resume: nothing written
-            tell_launcher(run_dir)
+            # under `scaletrain launch`, after a stop signal it reads this run's records to say whether the
+            # workers saved (and exits 0 for a preemption that did), as `scaletrain train` does
+            tell_launcher(RUN_DIR, str(run_dir.resolve()))
             if resume is not None:
                 metrics = run_dir / "metrics.jsonl"
                 earlier[0] = earlier_attempts(read_records(metrics), resume.step, restarted=restarted, started=began)

@@ -340,8 +340,9 @@ class Session:
         # (step, samples drawn by then): a resume at another global batch goes on counting from the saved count
         # (a checkpoint from before the count was saved: its steps at its own global batch)
         drawn = self._trainer.get("samples")
-        self._drawn_at = (self.steps, int(drawn) if drawn is not None else
-                          self.steps * int(self.resume.meta.get("global_batch", 0)) if self.resume else 0)
+        if drawn is None and self.resume is not None:
+            drawn = self.steps * int(self.resume.meta.get("global_batch", 0))
+        self._drawn_at = (self.steps, int(drawn or 0))
         self.services = services = RunServices.open(cfg, rt, self.console, self.resume, started=self.started)
         self.writer, self.checkpointer = services.writer, services.checkpointer
         if self.layout is not None and self.layout.pp > 1:  # a stage's replicas are its straggler peers
@@ -500,7 +501,7 @@ class Session:
         if self._opened is None and self._stage is None and not is_fsdp(wrapped) and cfg.train.precision != "fp32":
             # A loop of one's own gets the run's precision without opening st.autocast() itself, as Accelerate's
             # and Lightning Fabric's set-up models do (bf16-mixed under DDP trained in fp32 silently before)
-            autocast_forward(wrapped, lambda: self.autocast())
+            autocast_forward(wrapped, self.autocast)
         entry = _Model(name, model, wrapped, built)
         for opt in built:  # forward and backward end where an optimizer steps, whether or not st.backward() ran
             opt.register_step_pre_hook(self._optimizer_starting)
@@ -1288,7 +1289,8 @@ class Session:
     def _write_weights(self) -> None:
         """model.safetensors: one model's by its own names (however many optimizers it has: the README's
         load_model(model, path) takes them), several models' each under its name."""
-        save_weights(self._box(bare=len(self._models) == 1), self.cfg.run_dir / WEIGHTS, sharded=self.sharded, is_main=self.rt.is_main,
+        save_weights(self._box(bare=len(self._models) == 1), self.cfg.run_dir / WEIGHTS, sharded=self.sharded,
+                     is_main=self.rt.is_main,
                      meta={"config_digest": self.cfg.digest(), "step": str(self.steps)})
 
     def _release(self) -> None:
