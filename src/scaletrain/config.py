@@ -492,9 +492,9 @@ class ParallelConfig:
     """Ranks holding replicas of each shard, the mesh's dp_replicate degree (0 = from strategy, -1 = the remaining ranks)."""
     dp_shard: Annotated[int, Range(1, most=I32, special=DEGREE, what="a degree", fix="--parallel.dp_shard=-1")] = 0
     """Ranks each replica is sharded over, the mesh's dp_shard degree (0 = from strategy, -1 = the remaining ranks)."""
-    tp: Annotated[int, Range(1, most=I32, what="a degree", fix="--parallel.tp=2")] = 1
+    tp: Annotated[int, Range(1, most=I32, what="a degree", fix="--parallel.tp=1 (none), or a degree that divides the ranks")] = 1
     """Tensor parallelism: ranks each block's matrices are split over (attention heads and the MLP's hidden units, torch.distributed.tensor.parallel), with sequence parallelism for the norms; within a machine. 1 = none."""
-    pp: Annotated[int, Range(1, most=I32, what="a degree", fix="--parallel.pp=2")] = 1
+    pp: Annotated[int, Range(1, most=I32, what="a degree", fix="--parallel.pp=1 (none), or a degree that divides the ranks")] = 1
     """Pipeline parallelism: stages the blocks are split into, one per rank of a pipeline group (torch.distributed.pipelining). 1 = none."""
     microbatches: Annotated[int, Range(0, most=I32, what="a count", fix="--parallel.microbatches=8")] = 0
     """pp > 1: micro-batches each rank's batch is split into to fill the pipeline (0 = 2 x pp); the bubble is (pp - 1) / microbatches of a step."""

@@ -45,3 +45,13 @@ def test_the_hint_keeps_the_global_batch_or_says_no_setting_can(was_world, world
     assert overrides["data.batch_size"] <= batch  # no larger per-rank batch than the one that fitted
     kept = plan_batches(load("digits", overrides), world, 1437, _meta(was_world, was))
     assert kept.global_batch == was and kept.accum_steps == int(hint[5]), kept.note
+
+
+def test_a_resume_from_a_pipeline_counts_data_parallel_ranks_not_the_world():
+    """2 pipeline ranks read one batch: resuming them as 2 DDP ranks doubles the readers, not the world (2 -> 2),
+    and the note says which count changed."""
+    meta = {**_meta(2, 32), "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 2}}
+    plan = plan_batches(load("digits", {"data.batch_size": 16}), 2, 1437, meta)
+    assert plan.note == "data-parallel ranks 1 -> 2: accumulation 1 keeps the global batch at 32"
+    plain = plan_batches(load("digits", {"data.batch_size": 16}), 2, 1437, _meta(1, 32))
+    assert plain.note == "world size 1 -> 2: accumulation 1 keeps the global batch at 32"

@@ -37,7 +37,8 @@ class BatchPlan:
                 f"{self.readers}{'s' if self.world_size > 1 else ''} x {self.accum_steps} accumulation")
 
 
-def _accumulation(cfg: Config, world_size: int, resume: dict[str, Any] | None) -> tuple[int, str]:
+def _accumulation(cfg: Config, world_size: int, resume: dict[str, Any] | None,
+                  ranks: str = "world size") -> tuple[int, str]:
     b, train = cfg.data.batch_size, cfg.train
     per_micro = b * world_size
     if train.global_batch:
@@ -56,13 +57,13 @@ def _accumulation(cfg: Config, world_size: int, resume: dict[str, Any] | None) -
     was_world, was_global = int(resume["world_size"]), int(resume["global_batch"])
     if train.accum_steps == 1 and was_global % per_micro == 0:
         accum = was_global // per_micro
-        return accum, (f"world size {was_world} -> {world_size}: accumulation {accum} keeps the global batch "
+        return accum, (f"{ranks} {was_world} -> {world_size}: accumulation {accum} keeps the global batch "
                        f"at {was_global}")
     now = per_micro * train.accum_steps
     why = "train.accum_steps is set" if train.accum_steps != 1 else \
         f"{was_global} is not a multiple of batch_size x world = {per_micro}"
     keep = _keeping(was_global, b, world_size, accum_set=train.accum_steps != 1)
-    return train.accum_steps, (f"world size {was_world} -> {world_size}: the global batch changes {was_global} -> "
+    return train.accum_steps, (f"{ranks} {was_world} -> {world_size}: the global batch changes {was_global} -> "
                                f"{now} ({why}); {keep}")
 
 
@@ -110,12 +111,16 @@ def plan_batches(cfg: Config, world_size: int, train_size: int | None,
     steps_per_epoch is 0.
     ``world_size``: every rank; the batch arithmetic counts the data-parallel ones (the ranks of a
     tensor-parallel group or a pipeline read one batch together)."""
-    world_size = dp_world_size(cfg.parallel, world_size)
+    every, world_size = world_size, dp_world_size(cfg.parallel, world_size)
+    ranks = "world size" if every == world_size else "data-parallel ranks"
     if resume is not None and "layout" in resume:  # the readers it had, not its ranks
         was = resume["layout"]
-        resume = {**resume, "world_size": int(was["dp_replicate"]) * int(was["dp_shard"])}
+        readers = int(was["dp_replicate"]) * int(was["dp_shard"])
+        if readers != int(resume["world_size"]):
+            ranks = "data-parallel ranks"
+        resume = {**resume, "world_size": readers}
     b = cfg.data.batch_size
-    accum, note = _accumulation(cfg, world_size, resume)
+    accum, note = _accumulation(cfg, world_size, resume, ranks)
     step_samples = b * world_size * accum
     if resume is not None and not note and int(resume["global_batch"]) != step_samples:
         note = f"the global batch changes {resume['global_batch']} -> {step_samples} (the configuration changed)"
