@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import signal
 import sys
 
 from scaletrain.cli import (
@@ -41,10 +44,54 @@ def build_parser() -> Parser:
     return parser
 
 
+class _CtrlCAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs the import of torch and numpy with Ctrl-C held until the module is whole, then raised. A
+    KeyboardInterrupt inside torch's import lands in its C++ initialisation (pybind11 turns it into SIGABRT,
+    "terminate called after throwing ... KeyboardInterrupt") or leaves numpy half-imported for a later import to
+    trip over (AttributeError: module 'numpy' has no attribute 'matrix'): a core dump or a traceback for a Ctrl-C
+    in a command's first seconds, where every other Ctrl-C gets one line. Installed by main() only, for the first
+    import of each; a library user's own process is left alone. The interrupt is raised from exec_module, so
+    importlib drops the whole module from sys.modules as for any failed import: the command is ending anyway."""
+
+    HELD = ("torch", "numpy")
+
+    def __init__(self) -> None:
+        self._inner: dict[str, importlib.abc.Loader] = {}
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.HELD or fullname in self._inner:
+            return None
+        self._inner[fullname] = None  # type: ignore[assignment] - this finder's own lookup below skips it
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        self._inner[fullname] = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._inner[spec.name].create_module(spec)
+
+    def exec_module(self, module) -> None:
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            self._inner[module.__name__].exec_module(module)  # SIGINT is someone else's here: leave it be
+            return
+        held: list[int] = []
+        signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+        try:
+            self._inner[module.__name__].exec_module(module)
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if held:
+            raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     where = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" \
         else ""
+    if not any(isinstance(finder, _CtrlCAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _CtrlCAfterImport())
     try:
         parser = build_parser()
         args, leftovers = parser.parse_known_args(argv)
