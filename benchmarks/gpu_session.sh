@@ -4,7 +4,8 @@
 # A device call runs at most 600 s and a session has 15 minutes of device time (the start included), so pick:
 # `RUNS="64 default" bash benchmarks/gpu_session.sh 1 8 12 9` took 440 s on an H200 and `ROUNDS=2 ... 11` 180 s
 # more on the same warm machine (RESULTS.md 5e); the rest: `... 2 3 4 5`, `... 10`, `... 6 7` (no arguments:
-# every step but 12, the attention kernels, which is named alone).
+# every step but 12 and 13, the attention kernels and torch.compile's modes, which are named alone). Not yet run:
+# `bash benchmarks/gpu_session.sh 13` (compile modes, about 3 x 2-4 min with max-autotune's tuning: alone in a call).
 set -u
 export PYTHONPATH=src:.h4carry PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -93,6 +94,17 @@ for attention in auto flash efficient; do
   python benchmarks/summary_line.py "/tmp/$name/summary.json" "$name"
 done
 fi
+if on 13; then
+echo "== 13. issue 14: torch.compile's mode through the trainer (--train.compile_mode): default, max-autotune-no-cudagraphs"
+echo "   (matmul and kernel autotuning), reduce-overhead (CUDA graphs), at GPT-2 124M, batch ${BATCH:-64}, the trainer's defaults"
+for mode in ${MODES:-default reduce-overhead max-autotune-no-cudagraphs}; do  # the long tuning last
+  name=mode-$mode
+  timeout 330 python -m scaletrain train gpt-stdlib $GPT124 --data.batch_size=${BATCH:-64} --train.precision=bf16-mixed \
+    --train.compile=true --train.compile_mode=$mode --train.max_steps=120 --log.every=20 --train.eval_batches=1 \
+    --train.progress=false --run.dir="/tmp/$name" > "/tmp/$name.txt" 2>&1 || tail -5 "/tmp/$name.txt"
+  python benchmarks/summary_line.py "/tmp/$name/summary.json" "$name"
+done
+fi
 if on 9; then
 echo "== 9. issue 14: ~1B (18 x 2048, 16 heads) on one GPU through the trainer, bf16, compiled, speed keys on"
 for strategy in ${STRATEGIES:-ddp fsdp}; do  # one process: ddp = the plain model compiled whole, fsdp = compiled per block
@@ -123,5 +135,5 @@ timeout 330 python benchmarks/peers/run.py --job gpt2-124m --nproc 1 --impls ddp
 fi
 # every run's summary, metrics and config in one file (a device call brings back at most 8): plan --calibrate,
 # the steady-state and goodput checks read them here afterwards
-(cd /tmp && find keys-* key-* 1b-* att-* -maxdepth 1 \( -name summary.json -o -name metrics.jsonl -o -name '*.toml' \) \
+(cd /tmp && find keys-* key-* 1b-* att-* mode-* -maxdepth 1 \( -name summary.json -o -name metrics.jsonl -o -name '*.toml' \) \
   2>/dev/null | tar czf "$OUT/runs.tgz" -T -) || true

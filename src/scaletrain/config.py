@@ -353,6 +353,8 @@ class TrainConfig:
     """CUDA: let fp32 matmuls and convolutions use TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32, cudnn.allow_tf32), as PyTorch recommends on Ampere and newer; false = full fp32."""
     compile: bool = False
     """Compile the model with torch.compile before wrapping it for data parallelism."""
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"] = "default"
+    """With train.compile: torch.compile's mode. max-autotune-no-cudagraphs tunes each matmul and fused kernel by timing candidates (longer compile); reduce-overhead replays the compiled graphs as CUDA graphs (fewer launches; more memory, static shapes); max-autotune both. CUDA graphs apply on a GPU only."""
     attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """CUDA: which kernel scaled_dot_product_attention runs (the built-in GPT and Llama, and a model of one's own that calls it): auto (PyTorch's choice: cuDNN's on an H100), or flash (FlashAttention-2), cudnn, efficient (memory-efficient) or math, with math kept as the fallback for inputs the chosen kernel cannot take. Same results within rounding; the speed differs (benchmarks/RESULTS.md 5d)."""
     eval_every: Annotated[int, Range(0, most=I64)] = 0
@@ -368,6 +370,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        _check(self.compile or self.compile_mode == "default", "train.compile_mode", self.compile_mode,
+               "default unless train.compile is true (the mode of a compile that is not asked for)",
+               "--train.compile=true")
 
 
 @dataclass(frozen=True)

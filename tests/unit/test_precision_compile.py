@@ -67,3 +67,54 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_named_slow(monkeypatch, avx5
     assert bool(said) == warned
     if warned:
         assert said.endswith("fix: --train.precision=fp32 on this machine") and "\n" not in said
+
+
+def _recording_compile(monkeypatch) -> list[dict]:
+    """Every nn.Module.compile call's options, the call itself left to run."""
+    calls: list[dict] = []
+    real = torch.nn.Module.compile
+
+    def compile(self, *args, **kwargs):
+        calls.append(dict(kwargs))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile)
+    return calls
+
+
+def test_train_compile_mode_reaches_torch_compile_and_computes_the_same(monkeypatch):
+    eager_losses, _ = _train()
+    calls = _recording_compile(monkeypatch)
+    tuned_losses, _ = _train(**{"train.compile": True, "train.compile_mode": "max-autotune-no-cudagraphs"})
+    assert calls == [{"mode": "max-autotune-no-cudagraphs"}]  # the MLP has no blocks: compiled whole, once
+    assert tuned_losses == pytest.approx(eager_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", [None, "default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"])
+def test_the_mode_of_a_model_given_compiled_is_read_back(mode):
+    from scaletrain.parallel import compile_mode
+
+    assert compile_mode(torch.compile(torch.nn.Linear(2, 2), mode=mode)) == (mode or "default")
+
+
+def test_a_model_given_compiled_is_compiled_again_in_its_own_mode(monkeypatch, tmp_path):
+    import scaletrain
+
+    calls = _recording_compile(monkeypatch)
+    with scaletrain.session({"run.dir": str(tmp_path / "run"), "dist.device": "cpu", "train.max_steps": 1}) as st:
+        st.setup(torch.compile(torch.nn.Linear(4, 2), mode="reduce-overhead"),
+                 lambda params: torch.optim.SGD(params, lr=0.1))
+        assert st.compile_mode == "reduce-overhead"
+    assert calls == [{"mode": "reduce-overhead"}]
+    with scaletrain.session({"run.dir": str(tmp_path / "run2"), "dist.device": "cpu", "train.max_steps": 1,
+                             "train.compile": True, "train.compile_mode": "max-autotune"}) as st:
+        st.setup(torch.compile(torch.nn.Linear(4, 2), mode="reduce-overhead"),
+                 lambda params: torch.optim.SGD(params, lr=0.1))  # the config's mode wins over the model's
+    assert calls[1:] == [{"mode": "max-autotune"}]
+
+
+def test_a_compile_mode_without_compile_is_refused():
+    from scaletrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.compile_mode = .reduce-overhead.*fix: config=\{\"train.compile\": True\}"):
+        load("digits", {"train.compile_mode": "reduce-overhead"})

@@ -42,28 +42,61 @@ from scaletrain.parallel.pipeline import stage_parts
 from scaletrain.parallel.tensor import apply_tp
 from scaletrain.parallel.units import Units, find_units, unit_warnings, units_line
 
-__all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp", "apply_tp", "build_mesh",
-           "check_layout", "find_units", "fsdp_units", "gradient_sync", "has_dtensors", "is_fsdp", "mixed_precision_policy",
-           "parallelize", "resolve_degrees", "resolve_layout", "resolve_strategy", "uncompiled", "units_line",
-           "unused_parameters"]
+__all__ = [
+    "Layout",
+    "Units",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "apply_ddp",
+    "apply_fsdp",
+    "apply_tp",
+    "build_mesh",
+    "check_layout",
+    "compile_mode",
+    "find_units",
+    "fsdp_units",
+    "gradient_sync",
+    "has_dtensors",
+    "is_fsdp",
+    "mixed_precision_policy",
+    "parallelize",
+    "resolve_degrees",
+    "resolve_layout",
+    "resolve_strategy",
+    "uncompiled",
+    "units_line",
+    "unused_parameters",
+]
 
 log = logging.getLogger(__name__)
 
 
-def apply_compile(model: nn.Module, units: Units | None = None, *, whole: bool = False) -> None:
+def apply_compile(model: nn.Module, units: Units | None = None, *, whole: bool = False, mode: str = "default") -> None:
     """torch.compile in place (state_dict keys unchanged): the whole model as one graph with ``whole`` (an
     unsharded model: the embedding, the head and a loss the model computes fuse with the blocks; under DDP,
     dynamo's DDPOptimizer splits the graph at bucket boundaries so the all-reduce still overlaps backward),
     else block by block when there are blocks (``units``: find_units(model) unless given), as FSDP needs: its
-    hooks sit between the blocks."""
+    hooks sit between the blocks. ``mode``: torch.compile's (train.compile_mode)."""
     units = units if units is not None else find_units(model)
+    options = {} if mode == "default" else {"mode": mode}
+    how = "" if mode == "default" else f" (mode {mode})"
     if units.modules and not whole:
         for block in units:
-            block.compile()
-        log.info("compiled %s", units.describe())
+            block.compile(**options)
+        log.info("compiled %s%s", units.describe(), how)
     else:
-        model.compile()
-        log.info("compiled the whole model")
+        model.compile(**options)
+        log.info("compiled the whole model%s", how)
+
+
+def compile_mode(compiled: nn.Module) -> str:
+    """The mode of what ``torch.compile(module, mode=...)`` returned, read back from its inductor options (the
+    public get_compiler_config()): a model given compiled is compiled again as scaletrain does it, in its own
+    mode. 'default' for another backend, whose options say nothing of a mode."""
+    options = getattr(compiled, "get_compiler_config", lambda: None)() or {}
+    tune, graphs = bool(options.get("max_autotune")), bool(options.get("triton.cudagraphs"))
+    return {(True, True): "max-autotune", (True, False): "max-autotune-no-cudagraphs",
+            (False, True): "reduce-overhead"}.get((tune, graphs), "default")
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh | None, *, bucket_mb: float, find_unused: bool) -> DDP:
@@ -180,7 +213,7 @@ def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, 
 
 
 def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: ParallelConfig, *,
-                compile: bool, precision: str = "fp32", memory: MemoryConfig | None = None, nnodes: int = 1,
+                compile: bool, compile_mode: str = "default", precision: str = "fp32", memory: MemoryConfig | None = None, nnodes: int = 1,
                 optimizer: str = "adamw", sample: torch.Tensor | None = None,
                 batch_size: int = 1, layout: Layout | None = None, loss_parallel: bool = False) -> nn.Module:
     """Returns the module that forward/backward go through: the DDP wrapper, or ``model`` itself (sharded in
@@ -217,7 +250,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
         log.warning("%s", line)
     apply_activation_checkpointing(model, memory.activation_checkpointing, units)
     if compile:  # whole when nothing splits the model between its blocks
-        apply_compile(model, units, whole=not layout.sharded and layout.tp * layout.pp == 1)
+        apply_compile(model, units, whole=not layout.sharded and layout.tp * layout.pp == 1, mode=compile_mode)
     if layout.sharded:
         if mesh is None:
             ignored = " (memory.cpu_offload ignored)" if memory.cpu_offload else ""

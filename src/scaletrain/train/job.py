@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
 from scaletrain.batch import Batch, Batcher, BatchFn, check_targets, collate_one, default_loss, leaves
-from scaletrain.config import Config, OptimConfig
+from scaletrain.config import Config, OptimConfig, TrainConfig
 from scaletrain.data import Splits, TensorPairs, train_size
 from scaletrain.errors import UserError
 from scaletrain.layout import check_pipeline
@@ -27,6 +27,7 @@ from scaletrain.models.init import refuse_unfilled
 from scaletrain.observe.throughput import flops_per_sample
 from scaletrain.parallel import (
     Layout,
+    compile_mode,
     gradient_sync,
     has_dtensors,
     is_fsdp,
@@ -69,6 +70,7 @@ class Job:
     params: int = 0  # the whole model's parameters (counted before a pipeline keeps one stage per rank)
     model_name: str = ""  # its class
     compiled: bool = False  # the model was given as torch.compile(model) returned it: compiled as train.compile does
+    compile_mode: str = "default"  # ... in the mode it was given with
     collate_fn: Callable[[list[Any]], Any] | None = None  # the user's (fit's collate_fn), else scaletrain's
     user_loss: bool = False  # loss_fn was given: how it lines logits up with targets is its own (a shift, a mask)
     first: Batch | None = None  # a batch of the first training sample, on the host (plan vs actual measures it)
@@ -115,7 +117,8 @@ class Job:
         st.total_steps, st.flops_per_sample = plan.total_steps, self.flops
         st.loss_parallel = cfg.parallel.loss_parallel and self.loss_fn is default_loss
         self.st = st
-        st.compiled = st.compiled or self.compiled
+        if self.compiled:
+            st.given_compiled(self.compile_mode)
         layout = self.layout  # under tp or pp, st.setup() says why it cannot be measured at all
         if cfg.log.grad_noise_scale and layout.tp == layout.pp == layout.dp_size == plan.accum_steps == 1:
             raise UserError("log.grad_noise_scale compares the gradients of several ranks, or of the micro-batches "
@@ -207,13 +210,15 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig, lr: float)
 ModelArg = nn.Module | Callable[[], nn.Module] | None
 
 
-def _default_loss(compile: bool, own_in_tuple: bool) -> LossFn:
+def _default_loss(train: TrainConfig, own_in_tuple: bool) -> LossFn:
     """The built-in loss, compiled with the model when train.compile is on: eager, the cross-entropy upcasts
     the bf16 logits to an fp32 copy and writes an fp32 log-softmax beside it; compiled, one fused pass. A
     loss the user gives is left as given. ``own_in_tuple``: the model is given its targets, so the loss it
     returns in a tuple is its own (batch.loss_of): nanoGPT's label smoothing or ignore_index=-1 is kept."""
     loss = functools.partial(default_loss, own_in_tuple=True) if own_in_tuple else default_loss
-    return torch.compile(loss) if compile else loss
+    if not train.compile:
+        return loss
+    return torch.compile(loss) if train.compile_mode == "default" else torch.compile(loss, mode=train.compile_mode)
 
 
 def _split_before_filled(cfg: Config, world_size: int, nnodes: int) -> bool:
@@ -343,7 +348,8 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
             module = build_model(cfg.model, splits.task, splits.info)
     else:
         build = None if isinstance(model, nn.Module) else builder(model)
-        module, compiled = uncompiled(model if build is None else build())
+        given = model if build is None else build()
+        module, compiled = uncompiled(given)
     if not deferred:
         refuse_unfilled(module)
         module.to(rt.device)
@@ -362,9 +368,10 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     if strategy != cfg.parallel.strategy:
         check_precision(cfg.train.precision, rt.device, strategy)
     layout = resolve_layout(cfg.parallel, cfg.memory, rt.world_size, nnodes, strategy=strategy)  # once, read below
-    loss = _checked(loss_fn) if loss_fn else _default_loss(cfg.train.compile, own_in_tuple)
+    loss = _checked(loss_fn) if loss_fn else _default_loss(cfg.train, own_in_tuple)
     return Job(cfg, rt, plan, module, build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), splits.train,
                splits.eval, loss, batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
-               model_name=type(module).__name__, compiled=compiled, collate_fn=splits.collate_fn,
+               model_name=type(module).__name__, compiled=compiled,
+               compile_mode=compile_mode(given) if compiled else "default", collate_fn=splits.collate_fn,
                user_loss=loss_fn is not None, first=one, build=build)

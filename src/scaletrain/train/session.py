@@ -118,6 +118,7 @@ from scaletrain.observe.timeline import merge as merge_timeline
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_forward_mark
 from scaletrain.parallel import (
     Layout,
+    compile_mode,
     has_dtensors,
     is_fsdp,
     parallelize,
@@ -318,6 +319,7 @@ class Session:
         self.loss_parallel = False
         # train.compile, or a model was given as torch.compile(model) returned it: compiled the same way
         self.compiled = cfg.train.compile
+        self.compile_mode = cfg.train.compile_mode
         self.skip: set[str] = cfg.debug.skipped()  # debug.skip_restore: parts a resume leaves as built
         if opened is not None:  # scaletrain train / fit(): the run resolved these before building its model
             self.layout: Layout | None = opened.layout
@@ -428,6 +430,13 @@ class Session:
         never when it is 0: the loop decides."""
         return 0 < self.total_steps <= self.steps
 
+    def given_compiled(self, mode: str) -> None:
+        """A model came as torch.compile(model, mode=...) returned it: compile it (scaletrain does, as train.compile
+        does), in its mode unless train.compile_mode names one."""
+        self.compiled = True
+        if self.cfg.train.compile_mode == "default":
+            self.compile_mode = mode
+
     def setup(self, model: nn.Module, *optimizers: OptimizerArg, name: str = "") -> tuple[Any, ...]:
         """Move ``model`` to the device, wrap it for the layout (DDP when the world is larger than 1), build or
         adopt its optimizers, and on resume restore both. Returns (the model to call, *the optimizers)."""
@@ -439,8 +448,10 @@ class Session:
             raise UserError(f"session.setup(): the model is a {type(model).__name__}; fix: pass a torch.nn.Module")
         # torch.compile(model) given: its own module, compiled as train.compile does it (before DDP or FSDP wrap
         # it, block by block under FSDP), so checkpoints and weights carry the model's own names, not _orig_mod.*
+        given = model
         model, compiled = uncompiled(model)
-        self.compiled = self.compiled or compiled
+        if compiled:
+            self.given_compiled(compile_mode(given))
         if any(m.module is model for m in self._models):
             raise UserError(f"session.setup(): this {type(model).__name__} is set up already; fix: call setup() "
                             "once per model, with all of its optimizers")
@@ -465,6 +476,7 @@ class Session:
         names = {id(p): n for n, p in model.named_parameters()}
         cfg = self.cfg
         wrapped = parallelize(model, self.device, self.world_size, cfg.parallel, compile=self.compiled,
+                              compile_mode=self.compile_mode,
                               precision=cfg.train.precision, memory=cfg.memory, nnodes=self._nnodes,
                               optimizer=cfg.optim.name, layout=self.layout, loss_parallel=self.loss_parallel)
         if is_stage(wrapped):  # pp > 1: this rank keeps its stage of the model (the model's names for its part)
@@ -668,6 +680,10 @@ class Session:
         self._count_drawn()
         if self._trace is not None:
             self._trace.started(self)
+        if self.compiled and self.device.type == "cuda" and self.compile_mode in ("reduce-overhead", "max-autotune"):
+            # CUDA graphs: a new step, whose replays may reuse the memory of the last step's outputs (the loss the
+            # loop logged is summed into a tensor of its own by then)
+            torch.compiler.cudagraph_mark_step_begin()
         try:
             yield
             if self._scaled:
