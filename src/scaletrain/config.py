@@ -942,9 +942,21 @@ def dir_problem(path: Path) -> str:
     return ""
 
 
+def again(resume: str) -> str:
+    """How to resume a stopped run from the checkpoint it saved in its run directory: the same command, unless
+    that command names a checkpoint (checkpoint.resume = PATH), which would start from PATH again."""
+    if resume in ("auto", "never"):
+        return "run the same command again to resume"
+    return "run the same command with --checkpoint.resume=auto to resume from it (with PATH, it starts from PATH again)"
+
+
 def check_run_dir(path: Path, origin: str = "") -> None:
     """``path`` is, or can be created as, a directory this process can write: checked before any worker starts,
     so that an unwritable run directory is one line naming it, not a crash on rank 0 after start-up."""
     if problem := dir_problem(path):
         raise ConfigError("run.dir", str(path), f"a directory this process can create and write ({problem})",
                           "--run.dir=PATH in a writable place", origin)
+    saves = path / "checkpoints"  # where every save goes: a file there failed each save, then a traceback
+    if saves.exists() and not saves.is_dir():
+        raise ConfigError("run.dir", str(path), f"a run directory whose checkpoints is a directory ({saves} is a "
+                          "file)", f"move {saves} away, or --run.dir=PATH elsewhere", origin)

@@ -17,7 +17,7 @@ def test_rerunning_never_overwrites_a_finished_run(tmp_path, monkeypatch, capsys
     assert main(argv) == 0
     first = tmp_path / "runs/digits"
     before = digest(first)
-    assert set(before) == {"config.toml", "metrics.jsonl", "summary.json", "model.safetensors"}
+    assert set(before) == {"config.toml", "metrics.jsonl", "summary.json", "model.safetensors", ".lock"}
 
     assert main(argv) == 0  # the same command again: a new directory, the old one untouched
     assert (tmp_path / "runs/digits-2/summary.json").is_file()
@@ -31,3 +31,59 @@ def test_rerunning_never_overwrites_a_finished_run(tmp_path, monkeypatch, capsys
                    "directory (runs/digits/summary.json says this one finished); fix: --run.dir=runs/digits-3, "
                    "or remove runs/digits first")]
     assert digest(first) == before
+
+
+def test_a_second_run_on_a_directory_a_run_is_writing_is_refused_before_it_writes(tmp_path, capsys):
+    """Two runs on one run.dir deleted each other's checkpoints (each one's retention) and tore metrics.jsonl; the
+    second is now one line and exit 2, and the first run's files are as they were. The lock is the kernel's
+    (flock), dropped when its process ends however it ends: here a child process holds it."""
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from scaletrain.train.rundir import hold_run_dir
+        hold_run_dir(Path({str(run)!r}))
+        print("held", flush=True)
+        sys.stdin.readline()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (run / "metrics.jsonl").write_text("the first run's\n")
+        assert main(["train", "digits", "--train.max_steps=2", f"--run.dir={run}", "--train.progress=false"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [(f"scaletrain: error: run.dir = '{run}': expected a directory no other run is writing (pid "
+                        f"{holder.pid} on {socket.gethostname()} holds {run / '.lock'}); fix: wait for that run to "
+                        f"end, or --run.dir={tmp_path / 'run-2'}")]
+        assert sorted(p.name for p in run.iterdir()) == [".lock", "metrics.jsonl"]
+        assert (run / "metrics.jsonl").read_text() == "the first run's\n"
+    finally:
+        holder.communicate("\n", timeout=60)
+    # its process gone, the directory is free: the same command trains (an unfinished run dir is resumed or reused)
+    assert main(["train", "digits", "--train.max_steps=2", f"--run.dir={run}", "--train.progress=false"]) == 0
+
+
+def test_a_file_named_checkpoints_in_the_run_dir_is_one_line_before_training(tmp_path, capsys):
+    """It failed every save of the run, then ended in a FileExistsError traceback at a preemption's save."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("not a directory")
+    assert main(["train", "digits", "--train.max_steps=2", f"--run.dir={run}", "--train.progress=false"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"scaletrain: error: run.dir = '{run}': expected a run directory whose checkpoints is a directory "
+        f"({run / 'checkpoints'} is a file); fix: move {run / 'checkpoints'} away, or --run.dir=PATH elsewhere")
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+
+
+def test_the_resume_hint_after_a_stop_names_auto_when_the_command_named_a_checkpoint():
+    """A run started with --checkpoint.resume=PATH and stopped: the same command would start from PATH again
+    (it did, ignoring the checkpoint the stop saved)."""
+    from scaletrain.config import again
+
+    assert again("auto") == "run the same command again to resume"
+    assert again("runs/a/checkpoints/step-00000020").startswith(
+        "run the same command with --checkpoint.resume=auto to resume from it")

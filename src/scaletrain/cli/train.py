@@ -12,7 +12,7 @@ from typing import Any
 
 from scaletrain.checkpoint import commit
 from scaletrain.cli.options import add_config_argument, add_config_options, check_types, config_overrides
-from scaletrain.config import Config, load
+from scaletrain.config import Config, again, load
 
 HELP = "Train a built-in recipe or a TOML config, on this process, N local workers, or a torchrun job."
 
@@ -78,10 +78,10 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     worker_argv = [*argv[argv.index("train"):], f"--run.dir={run_dir}"]
     started = time.time()
     return launch(cfg.dist, ["scaletrain", *worker_argv], module=True, run_id=f"scaletrain-{cfg.run.name}",
-                  trainer=True, after_stop=lambda signum: after_signal(signum, run_dir, started))
+                  trainer=True, after_stop=lambda signum: after_signal(signum, run_dir, started, cfg.checkpoint.resume))
 
 
-def after_signal(signum: int, run_dir: Path, started: float) -> int:
+def after_signal(signum: int, run_dir: Path, started: float, resume: str = "auto") -> int:
     """This launcher was signalled, and its agent stopped the workers: say in one line whether they saved.
     Ctrl-C exits 130 (128 + SIGINT) as shells expect, so that a script or `make` stops too; a preemption
     (SIGTERM) that saved exits 0, which is what lets a scheduler requeue the job."""
@@ -89,14 +89,14 @@ def after_signal(signum: int, run_dir: Path, started: float) -> int:
     stop = _stopped_record(run_dir, started)
     if stop and stop.get("checkpoint"):  # the workers saved before stopping: the work is safe
         what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"preempted ({stop['reason']})"
-        print(f"scaletrain: {what} at step {stop['step']}; checkpoint {stop['checkpoint']} saved; run the "
-              "same command again to resume", file=sys.stderr)
+        print(f"scaletrain: {what} at step {stop['step']}; checkpoint {stop['checkpoint']} saved; {again(resume)}",
+              file=sys.stderr)
         return 128 + signum if signum == signal.SIGINT else 0
     if _finished(run_dir, started):
         print(f"scaletrain: {name} came after the run had finished; nothing was lost", file=sys.stderr)
         return 0
     saved = commit.committed(run_dir / "checkpoints")
-    kept = (f"the last checkpoint, {saved[-1][1]}, is intact: run the same command again to resume from it"
+    kept = (f"the last checkpoint, {saved[-1][1]}, is intact: {again(resume)}"
             if saved else f"there is no checkpoint in {run_dir / 'checkpoints'} to resume from")
     print(f"scaletrain: stopped by {name} before the workers could save (they were stopped too); {kept}",
           file=sys.stderr)

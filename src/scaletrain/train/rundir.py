@@ -8,6 +8,9 @@ finished run is refused (exit 2) rather than overwritten.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import os
+import socket
 from pathlib import Path
 
 from scaletrain.config import Config, check_run_dir
@@ -41,7 +44,53 @@ def choose_run_dir(cfg: Config) -> Config:
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(path)))
 
 
+def _unused(base: Path) -> Path:
+    n = 2
+    while base.with_name(f"{base.name}-{n}").exists():
+        n += 1
+    return base.with_name(f"{base.name}-{n}")
+
+
+LOCK = ".lock"
+_held: dict[Path, int] = {}  # run directories this process writes: the open lock file of each
+
+
+def hold_run_dir(path: Path) -> None:
+    """Take the run directory for this process (rank 0 of a job): an exclusive flock on RUN_DIR/.lock, or one
+    line naming the run that holds it. Two runs writing one directory delete each other's checkpoints (each
+    one's retention) and interleave metrics.jsonl; the kernel drops the lock when the process ends, killed or not,
+    so a restarted or resumed run takes it again. Held again by the same process: nothing to do."""
+    path = path.resolve()
+    if path in _held:
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError("run.dir", str(path), f"a directory no other run is writing ({holder} holds "
+                          f"{path / LOCK})", f"wait for that run to end, or --run.dir={_unused(path)}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _held[path] = fd
+
+
+def release_run_dir(path: Path) -> None:
+    """Let the run directory go (the run closed): another run, or this process's next, may take it."""
+    fd = _held.pop(path.resolve(), None)
+    if fd is not None:
+        os.close(fd)  # closing the file drops its flock
+
+
 def agree_run_dir(cfg: Config, rt: Runtime) -> Config:
-    """Rank 0 chooses; every rank gets its choice, or its refusal (one object broadcast at start-up)."""
-    run_dir = rank0_decides(rt, lambda: choose_run_dir(cfg).run.dir)
+    """Rank 0 chooses and takes the directory (hold_run_dir); every rank gets its choice, or its refusal (one
+    object broadcast at start-up)."""
+    def choose() -> str:
+        chosen = choose_run_dir(cfg).run.dir
+        hold_run_dir(Path(chosen))
+        return chosen
+
+    run_dir = rank0_decides(rt, choose)
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from scaletrain.checkpoint import commit
-from scaletrain.config import Config
+from scaletrain.config import Config, again
 from scaletrain.env import RUN_DIR, tell_launcher
 from scaletrain.errors import DiskFull, TrainingFailed
 from scaletrain.observe.console import Console
@@ -132,8 +132,8 @@ class RunServices:
         last = self.saves[-1].path if self.saves else None
         record = {"kind": "stopped", "step": step, "reason": reason, "checkpoint": str(last) if last else None}
         self.writer.write(record)
-        self.console.print(f"stopped ({reason}) at step {step}: checkpoint {last} saved; run the same command "
-                           "again to resume")
+        self.console.print(f"stopped ({reason}) at step {step}: checkpoint {last} saved; "
+                           f"{again(self.cfg.checkpoint.resume)}")
         return record
 
     def settle(self, preempt: PreemptFlag) -> None:

@@ -101,7 +101,7 @@ from scaletrain.errors import (
     install_excepthook,
 )
 from scaletrain.layout import check_pipeline
-from scaletrain.models.init import is_meta, materialize, refuse_unfilled
+from scaletrain.models.init import is_meta, materialize, refuse_sync_batchnorm, refuse_unfilled
 from scaletrain.observe import flight
 from scaletrain.observe.arrivals import Arrivals
 from scaletrain.observe.console import Console
@@ -150,7 +150,7 @@ from scaletrain.train.interval import RankReport, gather
 from scaletrain.train.precision import autocast, autocast_forward, check_precision, grad_scaler, slow_here
 from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, restart_line
 from scaletrain.train.resume import load_dcp, load_full_into_sharded, model_misfit, saved_model_shapes
-from scaletrain.train.rundir import agree_run_dir
+from scaletrain.train.rundir import agree_run_dir, release_run_dir
 from scaletrain.train.services import WEIGHTS, RunServices, save_weights, write_outputs
 from scaletrain.train.state import (
     dedupe,
@@ -462,6 +462,7 @@ class Session:
         if any(m.name == name for m in self._models) or "." in name:
             raise UserError(f"session.setup(name={name!r}): names must be unique and without dots; fix: name="
                             f"'model{len(self._models)}'")
+        refuse_sync_batchnorm(model, self.device, self.world_size)
         if not is_meta(model):  # a built-in model built on the meta device gets its memory once split, below
             model.to(self.device)
         else:
@@ -1326,6 +1327,8 @@ class Session:
             self._trace.close()
         for m in self._models:
             m.wrapped = m.module  # drop the DDP wrapper: it holds the process group
+        if hasattr(self, "cfg"):
+            release_run_dir(self.cfg.run_dir)  # after the last write to it
         runtime.close(self.rt)
 
     def _usable(self, what: str) -> None:
