@@ -88,8 +88,10 @@ def resolve_degrees(strategy: str, dp_replicate: int, dp_shard: int, world_size:
                           f"{replicate} x {shard} = {replicate * shard} != {world_size}",
                           f"degrees whose product is {world_size}, or -1 for one (the remaining ranks)")
     if strategy == "hsdp" and shard == 1 and world_size > 1:
+        least = next(d for d in range(2, world_size + 1) if world_size % d == 0)  # the smallest shard there is
         raise ConfigError("parallel.dp_shard", 1, "a degree > 1 with parallel.strategy=hsdp (replicas that "
-                          "shard over 1 rank are DDP)", "--parallel.strategy=ddp, or --parallel.dp_shard=-1")
+                          "shard over 1 rank are DDP)", f"--parallel.dp_replicate={world_size // least} (shards of "
+                          f"{least} ranks), or --parallel.strategy=ddp")
     return replicate, shard
 
 

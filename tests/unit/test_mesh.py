@@ -34,7 +34,10 @@ def test_presets_and_explicit_degrees(strategy, replicate, shard, world, nnodes,
     (("ddp", 0, 2, 8, 1), ["parallel.dp_shard = 2", "--parallel.strategy=fsdp"]),
     (("fsdp", 2, 0, 8, 1), ["parallel.dp_replicate = 2", "--parallel.strategy=hsdp"]),
     (("hsdp", 0, 0, 9, 2), ["same number of ranks on each of the 2 machines"]),
-    (("hsdp", 8, 1, 8, 1), ["parallel.dp_shard = 1", "--parallel.strategy=ddp"]),
+    (("hsdp", 8, 1, 8, 1), ["parallel.dp_shard = 1", "--parallel.dp_replicate=4 (shards of 2 ranks)",
+                            "--parallel.strategy=ddp"]),
+    (("hsdp", 2, -1, 2, 1), ["parallel.dp_shard = 1", "--parallel.dp_replicate=1 (shards of 2 ranks)"]),
+    (("hsdp", 9, -1, 9, 1), ["--parallel.dp_replicate=3 (shards of 3 ranks)"]),  # a fix that itself resolves
     (("fsdp", 0, -2, 8, 1), ["parallel.dp_shard = -2", "-1 (the remaining ranks)"]),
 ])
 def test_wrong_degrees_are_one_line_errors(args, words):

@@ -118,3 +118,29 @@ def test_a_compile_mode_without_compile_is_refused():
 
     with pytest.raises(ConfigError, match=r"train.compile_mode = .reduce-overhead.*fix: config=\{\"train.compile\": True\}"):
         load("digits", {"train.compile_mode": "reduce-overhead"})
+
+
+def test_half_precision_outputs_come_back_fp32_in_a_dataclass_too():
+    """A set-up model's outputs outside an autocast are handed back as fp32 whatever holds them: a plain or frozen
+    dataclass (rebuilt, its type kept) as a tensor, tuple, dict or ModelOutput already were."""
+    import dataclasses
+
+    from scaletrain.train.precision import _to_fp32
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        aux: list
+        step: int = 0
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        logits: torch.Tensor
+
+    half = torch.ones(2, dtype=torch.bfloat16)
+    out = _to_fp32(Out(half, [half, torch.ones(1, dtype=torch.float16)], step=3))
+    assert type(out) is Out and out.step == 3
+    assert [out.logits.dtype, *(t.dtype for t in out.aux)] == [torch.float32] * 3
+    nested = _to_fp32({"inner": Frozen(half), "ids": torch.ones(2, dtype=torch.long)})
+    assert type(nested["inner"]) is Frozen and nested["inner"].logits.dtype == torch.float32
+    assert nested["ids"].dtype == torch.long

@@ -137,6 +137,23 @@ def refuse_unfilled(module: nn.Module) -> None:
                         "load its weights) before training it")
 
 
+def refuse_sync_batchnorm(module: nn.Module, device: torch.device, world_size: int) -> None:
+    """A one-line UserError for SyncBatchNorm layers in a multi-process run on a CPU: PyTorch syncs them on GPUs
+    only (DDP raises 'SyncBatchNorm layers only work with GPU modules', a forward 'expected input tensor to be on
+    GPU'), a traceback per rank. One process (nothing to sync) and GPUs run them."""
+    if device.type != "cpu" or world_size < 2:
+        return
+    names = [name for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if names:
+        from scaletrain.errors import UserError
+
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise UserError(f"this {type(module).__name__} has SyncBatchNorm layers ({shown}), which PyTorch syncs on "
+                        f"GPUs only, and this run is {world_size} processes on the CPU; fix: keep nn.BatchNorm on the "
+                        "CPU (DDP gives every rank rank 0's running statistics) and call "
+                        "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) only when torch.cuda.is_available()")
+
+
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Give a module built on the meta device (and split) memory on ``device`` and its initial weights: the
     model's own values, by name (``module.init_rules``/``init_seed``), and its computed buffers (``reset_buffers``)."""

@@ -23,7 +23,7 @@ from scaletrain.data import Splits, TensorPairs, train_size
 from scaletrain.errors import UserError
 from scaletrain.layout import check_pipeline
 from scaletrain.models import GPT, build_model
-from scaletrain.models.init import refuse_unfilled
+from scaletrain.models.init import refuse_sync_batchnorm, refuse_unfilled
 from scaletrain.observe.throughput import flops_per_sample
 from scaletrain.parallel import (
     Layout,
@@ -352,6 +352,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         module, compiled = uncompiled(given)
     if not deferred:
         refuse_unfilled(module)
+        refuse_sync_batchnorm(module, rt.device, rt.world_size)
         module.to(rt.device)
     # The built-in GPT with model.loss=fused computes its loss in forward: it is given the targets too.
     batcher = Batcher(module, batch_fn, target_kwarg="targets" if isinstance(module, GPT) and module.fused_loss else None)

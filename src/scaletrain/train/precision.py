@@ -8,6 +8,7 @@ whether the fp32 matmuls and convolutions that remain (all of them in an fp32 ru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -69,16 +70,21 @@ def autocast_forward(module: torch.nn.Module, context: Callable[[], AbstractCont
 
 
 def _to_fp32(out: Any) -> Any:
-    """bf16/fp16 tensors in ``out`` (a tensor, a tuple, a list or a dict) as fp32, ``out``'s own types kept (a
-    ModelOutput updated in place, a namedtuple rebuilt) for the caller of the model's forward: batch.map_tensors
-    gives plain dicts and tuples, which batches may be, but outputs read by attribute may not."""
+    """bf16/fp16 tensors in ``out`` (a tensor, a tuple, a list, a dict or a dataclass) as fp32, ``out``'s own types
+    kept (a ModelOutput updated in place, a namedtuple or a dataclass rebuilt) for the caller of the model's
+    forward: batch.map_tensors gives plain dicts and tuples, which batches may be, but outputs read by attribute
+    may not."""
     if isinstance(out, torch.Tensor):
         return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
     if isinstance(out, dict):
         for key, value in list(out.items()):
-            if isinstance(value, (torch.Tensor, tuple, list, dict)):
-                out[key] = _to_fp32(value)
+            converted = _to_fp32(value)
+            if converted is not value:
+                out[key] = converted
         return out
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        changed = {f.name: _to_fp32(getattr(out, f.name)) for f in dataclasses.fields(out) if f.init}
+        return dataclasses.replace(out, **changed)
     if isinstance(out, tuple):
         items = [_to_fp32(v) for v in out]
         return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
