@@ -231,7 +231,7 @@ class Loader:
         self._session, self.inner = session, inner
         self.waited = 0.0  # seconds this rank waited for batches since the last step began
         self.drawn = 0  # batches handed out since the last step began
-        self.tokens_per_sample = -1  # read from the first batch (0: not token ids)
+        self.tokens = 0  # their tokens (token-id batches: each batch's own width, padded batches of any length)
 
     @property
     def epoch(self) -> int:
@@ -256,9 +256,11 @@ class Loader:
             except StopIteration:
                 return
             waited = time.perf_counter() - started
+            if st._evaluating:  # a held-out loader read in st.evaluating(): not training's samples or wait
+                yield to_device(batch, st.device)
+                continue
             self.drawn += 1
-            if self.tokens_per_sample < 0:
-                self.tokens_per_sample = tokens_per_sample(batch)
+            self.tokens += tokens_per_sample(batch) * self.inner.batch_size
             if st._trace is not None:
                 st._trace.batch(batch, self.inner.last_indices)
             if st._in_step:  # drawn inside the step (micro-batches of an accumulation): its wait and copy
@@ -288,6 +290,7 @@ class Session:
             # does; installed after init_process_group, which wraps the hook it finds in one that buffers stderr.
             install_excepthook()
         self._closed, self._in_step, self._training, self._timing = False, False, False, False
+        self._evaluating = False  # inside st.evaluating(): batches drawn are not training's
         self._progress = {"steps": 0, "closed": False}  # what an unclosed session's warning at exit reads
         self._models: list[_Model] = []
         self._stage: nn.Module | None = None  # parallel.pp > 1: this rank's pipeline stage (the model set up)
@@ -720,10 +723,9 @@ class Session:
 
     def _count_drawn(self) -> None:
         for loader in self._loaders:  # this rank's batches (the ranks of a TP group or a pipeline share one)
-            drawn = loader.drawn * loader.inner.batch_size
-            self._samples += drawn
-            self._tokens += drawn * max(loader.tokens_per_sample, 0)
-            loader.waited, loader.drawn = 0.0, 0
+            self._samples += loader.drawn * loader.inner.batch_size
+            self._tokens += loader.tokens
+            loader.waited, loader.drawn, loader.tokens = 0.0, 0, 0
 
     def _model_state(self) -> MemoryBreakdown:
         """Parameters, gradients and optimizer state on this rank, counted from the live tensors."""
@@ -876,10 +878,12 @@ class Session:
         if self._in_step:
             raise UserError("session.evaluating() inside `with st.step():`; fix: evaluate between steps")
         started = time.perf_counter()
+        self._evaluating = True
         try:
             with self.preempt.saving():
                 yield
         finally:
+            self._evaluating = False
             spent = time.perf_counter() - started
             self._eval_s += spent
             self._interval_started += spent

@@ -1,0 +1,65 @@
+"""What a session counts as training: tokens of padded batches of any width, and none of the batches a held-out
+loader hands out inside st.evaluating()."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+import scaletrain
+
+
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids).mean(1))
+
+
+def _samples(widths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.ones(w, dtype=torch.long), torch.tensor(i % 2)) for i, w in enumerate(widths)]
+
+
+def _pad(samples):
+    width = max(len(ids) for ids, _ in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    for row, (one, _) in enumerate(samples):
+        ids[row, :len(one)] = one
+    return ids, torch.stack([target for _, target in samples])
+
+
+def test_tokens_are_each_batchs_own_and_held_out_batches_are_not_training(tmp_path):
+    run = tmp_path / "run"
+    # batches of 2, in order: padded widths 3, 5, 7, 9 (the first batch's width, 3, was taken for every batch)
+    train = _samples([3, 2, 5, 4, 7, 6, 9, 8])
+    held_out = _samples([4] * 6)
+    cfg = {"run.dir": str(run), "dist.device": "cpu", "train.max_steps": 4, "log.every": 4, "data.batch_size": 2,
+           "data.shuffle": False, "train.progress": False}
+    with scaletrain.session(cfg) as st:
+        model, opt = st.setup(Tokens(), lambda params: torch.optim.SGD(params, lr=0.1))
+        loader = st.loader(train, collate_fn=_pad)
+        val = st.loader(held_out, collate_fn=_pad, shuffle=False)
+        for ids, target in loader:
+            with st.step():
+                loss = nn.functional.cross_entropy(model(ids), target)
+                st.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            if st.steps == 2:
+                with st.evaluating(), torch.no_grad():
+                    seen = sum(len(ids) for ids, _ in val)  # 6 held-out samples, read between steps
+            if st.done:
+                break
+    assert seen == 6
+    record = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line).get("kind") == "train")
+    samples = record["samples_per_s"] * record["step_time_s"] * 4
+    assert round(samples, 6) == 8  # 4 steps x 2: the 6 held-out samples are not in it (14 before)
+    assert round(record["tokens_per_s"] / record["samples_per_s"], 6) == 6.0  # (3 + 5 + 7 + 9) / 4 (3.43 before)
+    summary = json.loads((run / "summary.json").read_text())
+    assert round(summary["tokens_per_s"] / summary["samples_per_s"], 6) == 6.0
