@@ -53,9 +53,11 @@ def test_the_script_runs_one_agent_per_machine_with_the_users_options(tmp_path, 
     srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
     # --cpus-per-task again on srun: from Slurm 22.05 a step no longer inherits the job's.
     assert srun == ("srun --kill-on-bad-exit=1 --cpus-per-task=64 scaletrain train gpt-stdlib --nproc=8 "
-                    "--nnodes=\"$SLURM_NNODES\" --rdzv-endpoint=\"$head:29500\" "
+                    "--nnodes=\"$SLURM_NNODES\" --rdzv-endpoint=\"$head:$port\" "
                     "--dist.rdzv_id=\"$SLURM_JOB_ID\" --run.dir='/scratch/gpt run' --parallel.strategy=hsdp "
                     "--train.precision=bf16-mixed")
+    # the port from the job id (a fixed 29500 collided with another job's, or anyone's torchrun, on a shared node)
+    assert "port=$((29500 + SLURM_JOB_ID % 1000))" in text.splitlines()
     assert subprocess.run(["bash", "-n", str(out)], check=False).returncode == 0
 
 

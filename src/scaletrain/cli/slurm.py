@@ -44,7 +44,8 @@ def add_parser(sub: Any, name: str) -> None:
                      "machine's agent, 8 for a GPU's task) [default: 0]")
     own.add_argument("--signal-s", default="120",
                      help="seconds before the time limit at which the run saves and stops [default: 120]")
-    own.add_argument("--port", default="29500", help="the rendezvous port on the first machine [default: 29500]")
+    own.add_argument("--port", default="auto", help="the rendezvous port on the first machine (auto: 29500 + the "
+                     "job id mod 1000, so that jobs sharing a first machine do not collide) [default: auto]")
     own.add_argument("--partition", default="", help="Slurm partition [default: the cluster's]")
     own.add_argument("--account", default="", help="Slurm account [default: yours]")
     own.add_argument("--out", default="", help="write the script here [default: standard output]")
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         raise UserError(f"--launcher = {args.launcher!r}: expected torchrun or srun; fix: --launcher srun")
     cpus = parse_count("--cpus-per-task", args.cpus_per_task, 0, "64") or 8 * (1 if args.launcher == "srun" else gpus)
     signal_s = parse_count("--signal-s", args.signal_s, 1, "120")
-    port = parse_port(args.port)
+    port = 0 if args.port == "auto" else parse_port(args.port)
     time = check_time(args.time)
     if signal_s > MAX_SIGNAL_S:
         raise UserError(f"--signal-s = {args.signal_s!r}: Slurm's --signal takes at most {MAX_SIGNAL_S} seconds; "

@@ -44,7 +44,7 @@ class SlurmJob:
     partition: str = ""
     account: str = ""
     job_name: str = "scaletrain"
-    port: int = 29500  # the rendezvous's, on the first machine
+    port: int = 0  # the rendezvous's, on the first machine (0: 29500 + the job id mod 1000, as env.py's srun rule)
     launcher: Literal["torchrun", "srun"] = "torchrun"  # an agent per machine, or a task per GPU (no torchrun)
 
 
@@ -135,10 +135,10 @@ def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str
         train = ["scaletrain", "train", q(config), "--nproc=1", f"--run.dir={q(run_dir)}", *(q(o) for o in overrides)]
         start = ["# one task per GPU, each a worker (no torchrun): rank and world from SLURM_PROCID and SLURM_NTASKS,",
                  "# the first machine's address and this port for the process group's store",
-                 'export MASTER_ADDR="$head"', f"export MASTER_PORT={job.port}"]
+                 'export MASTER_ADDR="$head"', 'export MASTER_PORT="$port"']
     else:
         train = ["scaletrain", "train", q(config), f"--nproc={job.gpus_per_node}", '--nnodes="$SLURM_NNODES"',
-                 f'--rdzv-endpoint="$head:{job.port}"', '--dist.rdzv_id="$SLURM_JOB_ID"', f"--run.dir={q(run_dir)}",
+                 '--rdzv-endpoint="$head:$port"', '--dist.rdzv_id="$SLURM_JOB_ID"', f"--run.dir={q(run_dir)}",
                  *(q(o) for o in overrides)]
         start = ["# the first machine hosts the rendezvous; every machine's agent starts its GPUs' workers"]
     lines = ["#!/bin/bash",
@@ -148,6 +148,8 @@ def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str
              *activation(env),
              "set -uo pipefail",
              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             *(["# 29500 + the job id mod 1000: jobs sharing a first machine do not take one port",
+                "port=$((29500 + SLURM_JOB_ID % 1000))"] if not job.port else [f"port={job.port}"]),
              *start,
              "# Slurm >= 22.05: srun no longer inherits the job's --cpus-per-task; without it each task (an",
              "# agent and its workers, or a worker, with their loader processes) may be confined to one CPU",
