@@ -590,11 +590,11 @@ class Session:
         try:
             tensors, _ = split(obj.state_dict())
         except TypeError as err:
-            raise UserError(f"session.track(): the state of a {type(obj).__name__} cannot be checkpointed ({err}); "
+            raise UserError(f"session.track(): the state of this {type(obj).__name__} cannot be checkpointed ({err}); "
                             "fix: keep tensors, numbers, strings, lists and dicts in its state_dict()") from None
         sharded = next((k for k, t in tensors.items() if isinstance(t, DTensor)), None)
         if sharded is not None:
-            raise UserError(f"session.track(): the state of a {type(obj).__name__} holds a sharded tensor (a DTensor "
+            raise UserError(f"session.track(): the state of this {type(obj).__name__} holds a sharded tensor (a DTensor "
                             f"at {sharded}), which rank 0 alone cannot save; fix: keep plain (unsharded) tensors in its "
                             "state_dict()")
         if self.resume is not None:
