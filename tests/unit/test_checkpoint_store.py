@@ -107,6 +107,19 @@ def test_a_bad_latest_is_named_set_aside_and_the_previous_one_used(tmp_path, dam
     assert (tmp_path / "corrupt-step-00000002-1").is_dir()  # kept for inspection, not deleted
 
 
+def test_a_checkpoint_renamed_to_a_later_step_is_set_aside_not_taken_for_the_newest(tmp_path):
+    """step-00000020 renamed step-00000099 was the newest by name: every resume went back to step 20 and
+    retention deleted the newer real checkpoints beside it."""
+    _stage(tmp_path, 10)
+    os.rename(_stage(tmp_path, 20), tmp_path / "step-00000099")
+    _stage(tmp_path, 30)
+    warnings: list[str] = []
+    found = commit.latest_valid(tmp_path, warnings.append)
+    assert found is not None and found[0].name == "step-00000030"  # 99 > 30 by name: it came first, before
+    assert warnings == ["checkpoint " + str(tmp_path / "step-00000099") + ": is named for step 99 but holds "
+                        "step 20 (renamed); moved aside to corrupt-step-00000099-1, falling back to the previous one"]
+
+
 # -- a real checkpoint, tampered with ---------------------------------------------------------------------
 
 MARKER = Path(os.environ.get("TMPDIR", "/tmp")) / "scaletrain-pwned-marker"

@@ -147,8 +147,14 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 def verify(path: Path, *, hashes: bool = True) -> dict[str, Any]:
     """Check every file the manifest lists: present, the right size and (``hashes``) the right SHA-256.
-    Returns the manifest; the first problem is a CheckpointError naming the file."""
+    Returns the manifest; the first problem is a CheckpointError naming the file. A step-NNNNNNNN directory
+    holds that step: another step's (a renamed directory) would be taken for the newest and resumed from every
+    time, its retention deleting the newer real ones."""
     manifest = read_manifest(path)
+    named = step_of(path)
+    if named is not None and named != manifest["step"]:
+        raise CheckpointError(path, f"is named for step {named} but holds step {manifest['step']} (renamed)",
+                              f"rename it back to {step_name(manifest['step'])}, or resume from another checkpoint")
     for name, want in manifest["files"].items():
         file = path / name
         if not file.resolve().is_relative_to(path.resolve()):
