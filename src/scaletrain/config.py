@@ -942,12 +942,14 @@ def dir_problem(path: Path) -> str:
     return ""
 
 
-def again(resume: str) -> str:
+def again(resume: str, it: str = "") -> str:
     """How to resume a stopped run from the checkpoint it saved in its run directory: the same command, unless
-    that command names a checkpoint (checkpoint.resume = PATH), which would start from PATH again."""
+    that command names a checkpoint (checkpoint.resume = PATH), which would start from PATH again. ``it``: words
+    after "resume" (" from it")."""
     if resume in ("auto", "never"):
-        return "run the same command again to resume"
-    return "run the same command with --checkpoint.resume=auto to resume from it (with PATH, it starts from PATH again)"
+        return f"run the same command again to resume{it}"
+    return (f"run the same command with --checkpoint.resume=auto to resume{it or ' from it'} (with PATH, it starts "
+            "from PATH again)")
 
 
 def check_run_dir(path: Path, origin: str = "") -> None:

@@ -43,6 +43,7 @@ def test_a_second_run_on_a_directory_a_run_is_writing_is_refused_before_it_write
     import textwrap
 
     run = tmp_path / "run"
+    run.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
@@ -87,3 +88,29 @@ def test_the_resume_hint_after_a_stop_names_auto_when_the_command_named_a_checkp
     assert again("auto") == "run the same command again to resume"
     assert again("runs/a/checkpoints/step-00000020").startswith(
         "run the same command with --checkpoint.resume=auto to resume from it")
+
+
+def test_a_forked_child_does_not_keep_the_run_dir_taken(tmp_path):
+    """A DataLoader worker forked while the run holds its directory shares the lock's open file: without closing
+    its copy at fork, the directory stayed taken after the run let it go, for as long as the worker lived."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    from scaletrain.train.rundir import hold_run_dir, release_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    hold_run_dir(run)
+    child = multiprocessing.get_context("fork").Process(target=__import__("time").sleep, args=(30,))
+    child.start()
+    try:
+        release_run_dir(run)
+        code = (f"from pathlib import Path; from scaletrain.train.rundir import hold_run_dir; "
+                f"hold_run_dir(Path({str(run)!r})); print('taken')")
+        taken = subprocess.run([sys.executable, "-c", code],
+                               capture_output=True, text=True, timeout=60, check=False)
+        assert taken.stdout.strip() == "taken", taken.stderr[-500:]
+    finally:
+        child.kill()
+        child.join()

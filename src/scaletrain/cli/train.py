@@ -96,7 +96,7 @@ def after_signal(signum: int, run_dir: Path, started: float, resume: str = "auto
         print(f"scaletrain: {name} came after the run had finished; nothing was lost", file=sys.stderr)
         return 0
     saved = commit.committed(run_dir / "checkpoints")
-    kept = (f"the last checkpoint, {saved[-1][1]}, is intact: {again(resume)}"
+    kept = (f"the last checkpoint, {saved[-1][1]}, is intact: {again(resume, ' from it')}"
             if saved else f"there is no checkpoint in {run_dir / 'checkpoints'} to resume from")
     print(f"scaletrain: stopped by {name} before the workers could save (they were stopped too); {kept}",
           file=sys.stderr)

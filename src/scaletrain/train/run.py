@@ -37,7 +37,7 @@ from scaletrain.train.job import Job, LossFn, ModelArg, batches_of, build_job, t
 from scaletrain.train.precision import slow_here
 from scaletrain.train.preempt import Preempted, PreemptFlag, restart_line
 from scaletrain.train.resume import config_changes, fitting
-from scaletrain.train.rundir import agree_run_dir
+from scaletrain.train.rundir import agree_run_dir, release_run_dir
 from scaletrain.train.session import Opened, Session, check_workers, resolve_config
 
 PREEMPTED, INTERRUPTED = "preempted", "interrupted"
@@ -428,7 +428,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         if job is not None and job.st is not None:
             job.st.close(finished=False)  # after a failure: a save in flight completes; nothing when closed
         else:
-            runtime.close(rt)
+            release_run_dir(cfg.run_dir)  # taken before the job failed to open: let it go (a library caller's
+            runtime.close(rt)             # process lives on)
 
 
 @says_errors

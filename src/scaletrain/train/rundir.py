@@ -56,14 +56,14 @@ _held: dict[Path, int] = {}  # run directories this process writes: the open loc
 
 
 def hold_run_dir(path: Path) -> None:
-    """Take the run directory for this process (rank 0 of a job): an exclusive flock on RUN_DIR/.lock, or one
-    line naming the run that holds it. Two runs writing one directory delete each other's checkpoints (each
+    """Take the run directory for this process (rank 0 of a job), where it exists: an exclusive flock on
+    RUN_DIR/.lock, or one line naming the run that holds it. Taken as the directory is agreed (before a resume
+    looks at its checkpoints and clears staging directories: another run's live save) and again once created. Two runs writing one directory delete each other's checkpoints (each
     one's retention) and interleave metrics.jsonl; the kernel drops the lock when the process ends, killed or not,
     so a restarted or resumed run takes it again. Held again by the same process: nothing to do."""
     path = path.resolve()
-    if path in _held:
-        return
-    path.mkdir(parents=True, exist_ok=True)
+    if path in _held or not path.is_dir():
+        return  # a new directory: taken where the run creates it (services.py), so a refused run leaves none
     fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -75,6 +75,17 @@ def hold_run_dir(path: Path) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     _held[path] = fd
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) closes its copies of the lock files: an flock belongs to the open file,
+    which the child shares, so its copy would hold the lock after this process released it."""
+    for fd in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def release_run_dir(path: Path) -> None:

@@ -34,6 +34,7 @@ from scaletrain.runtime import Runtime, after_restart
 from scaletrain.train.checkpointing import Checkpointer, Resume, SaveResult
 from scaletrain.train.preempt import PreemptFlag, StepAgreement
 from scaletrain.train.resume import truncate_metrics
+from scaletrain.train.rundir import hold_run_dir
 
 WEIGHTS = "model.safetensors"  # the final weights, in the run directory
 
@@ -74,6 +75,7 @@ class RunServices:
             restarted = after_restart(rt) is not None
             sinks = [TensorBoardSink(run_dir / "tensorboard")] if cfg.log.tensorboard else []
             run_dir.mkdir(parents=True, exist_ok=True)
+            hold_run_dir(run_dir)  # a directory new at start: two runs may both have found it missing
             write_config(run_dir / "config.toml", cfg.to_toml())  # unchanged on resume: nothing written
             # under `scaletrain launch`, after a stop signal it reads this run's records to say whether the
             # workers saved (and exits 0 for a preemption that did), as `scaletrain train` does
