@@ -42,31 +42,10 @@ from scaletrain.parallel.pipeline import stage_parts
 from scaletrain.parallel.tensor import apply_tp
 from scaletrain.parallel.units import Units, find_units, unit_warnings, units_line
 
-__all__ = [
-    "Layout",
-    "Units",
-    "apply_activation_checkpointing",
-    "apply_compile",
-    "apply_ddp",
-    "apply_fsdp",
-    "apply_tp",
-    "build_mesh",
-    "check_layout",
-    "compile_mode",
-    "find_units",
-    "fsdp_units",
-    "gradient_sync",
-    "has_dtensors",
-    "is_fsdp",
-    "mixed_precision_policy",
-    "parallelize",
-    "resolve_degrees",
-    "resolve_layout",
-    "resolve_strategy",
-    "uncompiled",
-    "units_line",
-    "unused_parameters",
-]
+__all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp",
+           "apply_tp", "build_mesh", "check_layout", "compile_mode", "find_units", "fsdp_units", "gradient_sync",
+           "has_dtensors", "is_fsdp", "mixed_precision_policy", "parallelize", "resolve_degrees", "resolve_layout",
+           "resolve_strategy", "uncompiled", "units_line", "unused_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +57,13 @@ def apply_compile(model: nn.Module, units: Units | None = None, *, whole: bool =
     else block by block when there are blocks (``units``: find_units(model) unless given), as FSDP needs: its
     hooks sit between the blocks. ``mode``: torch.compile's (train.compile_mode)."""
     units = units if units is not None else find_units(model)
-    options = {} if mode == "default" else {"mode": mode}
     how = "" if mode == "default" else f" (mode {mode})"
     if units.modules and not whole:
         for block in units:
-            block.compile(**options)
+            block.compile(mode=mode)
         log.info("compiled %s%s", units.describe(), how)
     else:
-        model.compile(**options)
+        model.compile(mode=mode)
         log.info("compiled the whole model%s", how)
 
 
@@ -111,14 +89,14 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh | None, *, bucket_mb: float, fi
     return wrapped
 
 
-def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
-    """(the module, True) for what torch.compile(module) returned, else (model, False): scaletrain compiles it
-    itself as train.compile does (before DDP or FSDP wrap it), and names its weights by the module's own names,
-    not _orig_mod.*."""
+def uncompiled(model: nn.Module) -> tuple[nn.Module, str | None]:
+    """(the module, its compile_mode) for what torch.compile(module, mode=...) returned, else (model, None):
+    scaletrain compiles it itself as train.compile does (before DDP or FSDP wrap it), in that mode, and names its
+    weights by the module's own names, not _orig_mod.*."""
     bare = getattr(model, "_orig_mod", None)
     if isinstance(bare, nn.Module) and type(model).__name__ == "OptimizedModule":
-        return bare, True
-    return model, False
+        return bare, compile_mode(model)
+    return model, None
 
 
 def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> UserError | None:

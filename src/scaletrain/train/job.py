@@ -27,7 +27,6 @@ from scaletrain.models.init import refuse_sync_batchnorm, refuse_unfilled
 from scaletrain.observe.throughput import flops_per_sample
 from scaletrain.parallel import (
     Layout,
-    compile_mode,
     gradient_sync,
     has_dtensors,
     is_fsdp,
@@ -69,8 +68,7 @@ class Job:
     tokens_per_sample: int = 0  # sequence models: tokens per sample
     params: int = 0  # the whole model's parameters (counted before a pipeline keeps one stage per rank)
     model_name: str = ""  # its class
-    compiled: bool = False  # the model was given as torch.compile(model) returned it: compiled as train.compile does
-    compile_mode: str = "default"  # ... in the mode it was given with
+    given_mode: str | None = None  # the model came as torch.compile(model, mode=...) returned it: that mode
     collate_fn: Callable[[list[Any]], Any] | None = None  # the user's (fit's collate_fn), else scaletrain's
     user_loss: bool = False  # loss_fn was given: how it lines logits up with targets is its own (a shift, a mask)
     first: Batch | None = None  # a batch of the first training sample, on the host (plan vs actual measures it)
@@ -117,8 +115,8 @@ class Job:
         st.total_steps, st.flops_per_sample = plan.total_steps, self.flops
         st.loss_parallel = cfg.parallel.loss_parallel and self.loss_fn is default_loss
         self.st = st
-        if self.compiled:
-            st.given_compiled(self.compile_mode)
+        if self.given_mode is not None:
+            st.given_compiled(self.given_mode)
         layout = self.layout  # under tp or pp, st.setup() says why it cannot be measured at all
         if cfg.log.grad_noise_scale and layout.tp == layout.pp == layout.dp_size == plan.accum_steps == 1:
             raise UserError("log.grad_noise_scale compares the gradients of several ranks, or of the micro-batches "
@@ -216,9 +214,7 @@ def _default_loss(train: TrainConfig, own_in_tuple: bool) -> LossFn:
     loss the user gives is left as given. ``own_in_tuple``: the model is given its targets, so the loss it
     returns in a tuple is its own (batch.loss_of): nanoGPT's label smoothing or ignore_index=-1 is kept."""
     loss = functools.partial(default_loss, own_in_tuple=True) if own_in_tuple else default_loss
-    if not train.compile:
-        return loss
-    return torch.compile(loss) if train.compile_mode == "default" else torch.compile(loss, mode=train.compile_mode)
+    return torch.compile(loss, mode=train.compile_mode) if train.compile else loss
 
 
 def _split_before_filled(cfg: Config, world_size: int, nnodes: int) -> bool:
@@ -342,14 +338,13 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     seed_all(cfg.run.seed)  # the same initial weights on every rank
     nnodes = max(1, rt.world_size // rt.local_world_size)
     deferred = model is None and _split_before_filled(cfg, rt.world_size, nnodes)
-    compiled, build = False, None
+    given_mode, build = None, None
     if model is None:
         with torch.device("meta") if deferred else contextlib.nullcontext():
             module = build_model(cfg.model, splits.task, splits.info)
     else:
         build = None if isinstance(model, nn.Module) else builder(model)
-        given = model if build is None else build()
-        module, compiled = uncompiled(given)
+        module, given_mode = uncompiled(model if build is None else build())
     if not deferred:
         refuse_unfilled(module)
         refuse_sync_batchnorm(module, rt.device, rt.world_size)
@@ -373,6 +368,5 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     return Job(cfg, rt, plan, module, build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), splits.train,
                splits.eval, loss, batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
-               model_name=type(module).__name__, compiled=compiled,
-               compile_mode=compile_mode(given) if compiled else "default", collate_fn=splits.collate_fn,
+               model_name=type(module).__name__, given_mode=given_mode, collate_fn=splits.collate_fn,
                user_loss=loss_fn is not None, first=one, build=build)

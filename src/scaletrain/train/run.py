@@ -428,8 +428,9 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         if job is not None and job.st is not None:
             job.st.close(finished=False)  # after a failure: a save in flight completes; nothing when closed
         else:
-            release_run_dir(cfg.run_dir)  # taken before the job failed to open: let it go (a library caller's
-            runtime.close(rt)             # process lives on)
+            # taken before the job failed to open: let it go (a library caller's process lives on)
+            release_run_dir(cfg.run_dir)
+            runtime.close(rt)
 
 
 @says_errors

@@ -11,6 +11,7 @@ import dataclasses
 import fcntl
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from scaletrain.config import Config, check_run_dir
@@ -22,9 +23,10 @@ def finished(path: Path) -> bool:
     return (path / "summary.json").is_file()
 
 
-def _next_free(base: Path) -> Path:
+def _next_free(base: Path, taken: Callable[[Path], bool] = finished) -> Path:
+    """``base``, or the first of base-2, base-3, ... that is not ``taken`` (by default: holds a finished run)."""
     path, n = base, 1
-    while finished(path):
+    while taken(path):
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path
@@ -44,13 +46,6 @@ def choose_run_dir(cfg: Config) -> Config:
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(path)))
 
 
-def _unused(base: Path) -> Path:
-    n = 2
-    while base.with_name(f"{base.name}-{n}").exists():
-        n += 1
-    return base.with_name(f"{base.name}-{n}")
-
-
 LOCK = ".lock"
 _held: dict[Path, int] = {}  # run directories this process writes: the open lock file of each
 
@@ -58,9 +53,10 @@ _held: dict[Path, int] = {}  # run directories this process writes: the open loc
 def hold_run_dir(path: Path) -> None:
     """Take the run directory for this process (rank 0 of a job), where it exists: an exclusive flock on
     RUN_DIR/.lock, or one line naming the run that holds it. Taken as the directory is agreed (before a resume
-    looks at its checkpoints and clears staging directories: another run's live save) and again once created. Two runs writing one directory delete each other's checkpoints (each
-    one's retention) and interleave metrics.jsonl; the kernel drops the lock when the process ends, killed or not,
-    so a restarted or resumed run takes it again. Held again by the same process: nothing to do."""
+    looks at its checkpoints and clears staging directories: another run's live save) and again once created.
+    Two runs writing one directory delete each other's checkpoints (each one's retention) and interleave
+    metrics.jsonl; the kernel drops the lock when the process ends, killed or not, so a restarted or resumed run
+    takes it again. Held again by the same process: nothing to do."""
     path = path.resolve()
     if path in _held or not path.is_dir():
         return  # a new directory: taken where the run creates it (services.py), so a refused run leaves none
@@ -71,7 +67,7 @@ def hold_run_dir(path: Path) -> None:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
         raise ConfigError("run.dir", str(path), f"a directory no other run is writing ({holder} holds "
-                          f"{path / LOCK})", f"wait for that run to end, or --run.dir={_unused(path)}") from None
+                          f"{path / LOCK})", f"wait for that run to end, or --run.dir={_next_free(path, Path.exists)}") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     _held[path] = fd

@@ -118,7 +118,6 @@ from scaletrain.observe.timeline import merge as merge_timeline
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_forward_mark
 from scaletrain.parallel import (
     Layout,
-    compile_mode,
     has_dtensors,
     is_fsdp,
     parallelize,
@@ -451,10 +450,9 @@ class Session:
             raise UserError(f"session.setup(): the model is a {type(model).__name__}; fix: pass a torch.nn.Module")
         # torch.compile(model) given: its own module, compiled as train.compile does it (before DDP or FSDP wrap
         # it, block by block under FSDP), so checkpoints and weights carry the model's own names, not _orig_mod.*
-        given = model
-        model, compiled = uncompiled(model)
-        if compiled:
-            self.given_compiled(compile_mode(given))
+        model, given_mode = uncompiled(model)
+        if given_mode is not None:
+            self.given_compiled(given_mode)
         if any(m.module is model for m in self._models):
             raise UserError(f"session.setup(): this {type(model).__name__} is set up already; fix: call setup() "
                             "once per model, with all of its optimizers")
