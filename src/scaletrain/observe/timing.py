@@ -66,11 +66,16 @@ class StepTimer:
 
     # -- marks ------------------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, *, waited: float = 0.0) -> None:
+        """A step begins now, or on a CPU ``waited`` seconds ago: a loop's first step, whose batch the loop fetched
+        before the step could start the clock (its wait is in the step, as every later step's is)."""
         self._marks = []
         self._host0 = time.perf_counter()
         self._host_spans = []
         self._start = self._now()
+        if not self.cuda:
+            self._start -= waited
+            self._host0 -= waited
         self._last = self._start
         self._entered = None
         self._bucket = None
@@ -78,15 +83,20 @@ class StepTimer:
     def host(self, phase: str, seconds: float, *, before: str = "") -> None:
         """A phase timed on the host (the data wait); the device time marks continue after it. ``before``: the
         phase of what ran since the previous mark besides that wait (a loop's forward and backward written before
-        its `with st.step():`, as accumulation often is: compute), else that time is in no phase."""
+        its `with st.step():`, as accumulation often is: compute). Without one, on a CPU all the time since the
+        previous mark (the step's start) is ``phase``: the loader's wait and the loop's own time around it (a batch
+        prepared or moved by hand, a DataLoader st.loader does not see), which was in no phase, so a session's
+        phases fell short of its step (0.85 of it on a loaded machine)."""
+        now = self._now()
         if before:
-            now = self._now()
             # on a CPU the wait is taken out of the span; a GPU's events see the device, idle while the host waits
             self._marks.append((before, (self._last, now if self.cuda else max(self._last, now - seconds))))
+        elif not self.cuda:
+            seconds = max(seconds, now - self._last)
         self.totals[phase] += seconds
         if self.timeline is not None and seconds > 0:
             self._host_spans.append((phase, time.perf_counter() - seconds, seconds))
-        self._last = self._now()
+        self._last = now
 
     def mark(self, phase: str) -> None:
         """The phase that started at the previous mark ends now (one span with the previous mark's, when that is
@@ -227,7 +237,7 @@ class StepTimer:
 class NullTimer(StepTimer):
     """Phase timing off (log.phase_times=false): every mark is a no-op."""
 
-    def start(self) -> None: ...
+    def start(self, *, waited: float = 0.0) -> None: ...
     def host(self, phase: str, seconds: float, *, before: str = "") -> None: ...
     def mark(self, phase: str) -> None: ...
     def optimizer_starting(self) -> None: ...

@@ -672,13 +672,14 @@ class Session:
         if self._profiler is not None:
             self._profiler.before(step)
         self._in_step = True
+        waited = sum(loader.waited for loader in self._loaders)
         if not self._timing:  # later steps start where the previous one ended: the batch wait is in them
-            self.timer.start()
+            self.timer.start(waited=waited)  # the first one's batch came before it, and its wait is the step's too
             self._timing = True
         # gradients held as the step begins: the loop ran forward and backward before it (accumulation written
         # around `with st.step():` only at the optimizer's step), which is compute, not time in no phase
         ahead = any(p.grad is not None for m in self._models for p in m.ends)
-        self.timer.host("data", sum(loader.waited for loader in self._loaders), before="compute" if ahead else "")
+        self.timer.host("data", waited, before="compute" if ahead else "")
         self._count_drawn()
         if self._trace is not None:
             self._trace.started(self)
