@@ -83,16 +83,13 @@ class StepTimer:
     def host(self, phase: str, seconds: float, *, before: str = "") -> None:
         """A phase timed on the host (the data wait); the device time marks continue after it. ``before``: the
         phase of what ran since the previous mark besides that wait (a loop's forward and backward written before
-        its `with st.step():`, as accumulation often is: compute). Without one, on a CPU all the time since the
-        previous mark (the step's start) is ``phase``: the loader's wait and the loop's own time around it (a batch
-        prepared or moved by hand, a DataLoader st.loader does not see), which was in no phase, so a session's
-        phases fell short of its step (0.85 of it on a loaded machine)."""
+        its `with st.step():`, as accumulation often is: compute; at a session's step start, the loop's own time
+        between steps: ``phase`` itself), else that time is in no phase. ``before`` = ``phase`` on a GPU adds
+        nothing: the device's events would count the host's wait a second time."""
         now = self._now()
-        if before:
+        if before and (before != phase or not self.cuda):
             # on a CPU the wait is taken out of the span; a GPU's events see the device, idle while the host waits
             self._marks.append((before, (self._last, now if self.cuda else max(self._last, now - seconds))))
-        elif not self.cuda:
-            seconds = max(seconds, now - self._last)
         self.totals[phase] += seconds
         if self.timeline is not None and seconds > 0:
             self._host_spans.append((phase, time.perf_counter() - seconds, seconds))

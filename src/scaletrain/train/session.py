@@ -677,9 +677,11 @@ class Session:
             self.timer.start(waited=waited)  # the first one's batch came before it, and its wait is the step's too
             self._timing = True
         # gradients held as the step begins: the loop ran forward and backward before it (accumulation written
-        # around `with st.step():` only at the optimizer's step), which is compute, not time in no phase
+        # around `with st.step():` only at the optimizer's step), which is compute, not time in no phase; else the
+        # loop's time since the last step was getting this batch (the wait in st.loader, the loop around it, a
+        # batch prepared by hand or read from a loader of its own): data, so the phases add up to the step
         ahead = any(p.grad is not None for m in self._models for p in m.ends)
-        self.timer.host("data", waited, before="compute" if ahead else "")
+        self.timer.host("data", waited, before="compute" if ahead else "data")
         self._count_drawn()
         if self._trace is not None:
             self._trace.started(self)
