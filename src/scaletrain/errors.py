@@ -49,23 +49,31 @@ class TrainingFailed(Reported):
 
 
 class DiskFull(TrainingFailed):
-    """A write that found its disk full (ENOSPC, or a quota): the path, the bytes it was going to write and
-    the bytes free. ``outcome`` says what stays on disk (the latest checkpoint, what else was written)."""
+    """A write that found its disk full (ENOSPC, or a quota), or a file larger than the process may write (EFBIG:
+    `ulimit -f`, the filesystem's largest file): the path, the bytes it was going to write and the bytes free.
+    ``outcome`` says what stays on disk (the latest checkpoint, what else was written)."""
 
-    def __init__(self, path: Any, needed: int, free: int, outcome: str = "") -> None:
+    def __init__(self, path: Any, needed: int, free: int, outcome: str = "", code: int = errno.ENOSPC) -> None:
         said = f"; {outcome}" if outcome else ""
-        super().__init__(f"disk full: {path} needs {needed:,} bytes, {free:,} free{said}; fix: free space on "
-                         "that disk, or point --run.dir at a larger one")
-        self.path, self.needed, self.free, self.outcome = path, needed, free, outcome
+        if code == errno.EFBIG:
+            text = (f"file too large: {path} needs {needed:,} bytes, past this process's file size limit (ulimit -f) "
+                    f"or the largest file its filesystem takes{said}; fix: raise the limit (ulimit -f unlimited), "
+                    "or point --run.dir at another filesystem")
+        else:
+            text = (f"disk full: {path} needs {needed:,} bytes, {free:,} free{said}; fix: free space on that disk, "
+                    "or point --run.dir at a larger one")
+        super().__init__(text)
+        self.path, self.needed, self.free, self.outcome, self.code = path, needed, free, outcome, code
 
     @classmethod
-    def at(cls, path: Path, needed: int, outcome: str = "") -> DiskFull:
-        """The error for ``path``, with the bytes free there now (after the failed write was cleaned up)."""
-        return cls(path, needed, free_bytes(path), outcome)
+    def at(cls, path: Path, needed: int, outcome: str = "", err: BaseException | None = None) -> DiskFull:
+        """The error for ``path``, with the bytes free there now (after the failed write was cleaned up); ``err``,
+        the write's own error, tells a full disk from a file too large."""
+        return cls(path, needed, free_bytes(path), outcome, refused(err) or errno.ENOSPC)
 
     def then(self, outcome: str) -> DiskFull:
         """The same error, saying what stays on disk."""
-        return DiskFull(self.path, self.needed, self.free, outcome)
+        return DiskFull(self.path, self.needed, self.free, outcome, self.code)
 
 
 def free_bytes(path: Path) -> int:
@@ -75,18 +83,29 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def is_disk_full(err: BaseException | None) -> bool:
-    """ENOSPC or EDQUOT: an OSError, one that caused ``err``, or one a library wrapped in its own error's
-    message (safetensors says "... (os error 28)", DCP quotes each rank's "[Errno 28] ...")."""
-    codes = (errno.ENOSPC, errno.EDQUOT)
-    if err is None or isinstance(err, DiskFull):
-        return err is not None
-    if isinstance(err, OSError) and err.errno in codes:
-        return True
+_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the write cannot go on until the user makes room
+
+
+def refused(err: BaseException | None) -> int:
+    """The errno (ENOSPC, EDQUOT or EFBIG) of a write refused for its size: an OSError, one that caused ``err``,
+    or one a library wrapped in its own error's message (safetensors says "... (os error 28)", DCP quotes each
+    rank's "[Errno 28] ..."); 0 for anything else."""
+    if err is None:
+        return 0
+    if isinstance(err, DiskFull):
+        return err.code
+    if isinstance(err, OSError) and err.errno in _REFUSED:
+        return err.errno
     said = str(err)
-    if any(f"(os error {code})" in said or f"[Errno {code}]" in said for code in codes):
-        return True
-    return is_disk_full(err.__cause__ or err.__context__)
+    for code in _REFUSED:
+        if f"(os error {code})" in said or f"[Errno {code}]" in said:
+            return code
+    return refused(err.__cause__ or err.__context__)
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """A write refused for its size (refused): a full disk, a quota, a file too large."""
+    return refused(err) != 0
 
 
 class Stopped(KeyboardInterrupt):

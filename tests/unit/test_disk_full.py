@@ -190,6 +190,27 @@ def test_final_outputs_on_a_full_disk_end_in_one_line_and_a_rerun_writes_them(tm
         assert summary["steps"] == 4 and (run_dir / full).is_file()
 
 
+def test_a_file_too_large_ends_in_one_line_that_names_the_limit(tmp_path, monkeypatch):
+    """EFBIG (a file past `ulimit -f`, or the filesystem's largest) ended the run in safetensors' traceback from
+    the final weights, each checkpoint before it a warning that quoted the library. It is a refused write like a
+    full disk: the same one line and outcome, naming the limit rather than the free space."""
+    run_dir = tmp_path / "run"
+
+    def save_file(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    with pytest.raises(DiskFull) as caught:
+        run(_cfg(run_dir))
+    message = str(caught.value)
+    assert message.startswith(f"file too large: {run_dir / 'checkpoints' / 'step-00000004'} needs "), message
+    assert "past this process's file size limit (ulimit -f)" in message and "free space" not in message
+    assert message.endswith("; no checkpoint saved yet; summary.json was written; model.safetensors was not written "
+                            "either; fix: raise the limit (ulimit -f unlimited), or point --run.dir at another "
+                            "filesystem"), message
+    assert exit_code(caught.value) == 1 and one_line(caught.value) == f"scaletrain: training failed: {message}"
+
+
 def read_model_keys(path: Path) -> set[str]:
     return set(read_model(Resume(path, commit.verify(path)))[0])
 
@@ -335,6 +356,8 @@ def test_a_full_disk_is_recognised_however_it_is_reported():
             raise RuntimeError("write failed") from err
     except RuntimeError as err:
         assert is_disk_full(err)
+    assert is_disk_full(OSError(errno.EFBIG, "File too large"))  # past `ulimit -f`: a write refused for its size
+    assert is_disk_full(SafetensorError("Error while serializing: I/O error: File too large (os error 27)"))
     assert not is_disk_full(OSError(errno.EACCES, "Permission denied"))
     assert not is_disk_full(RuntimeError("(os error 2)"))
 

@@ -35,7 +35,7 @@ class MetricsWriter:
                 if not is_disk_full(err):
                     raise
                 self._abandon()
-                raise DiskFull.at(self.path, len(line.encode())) from None
+                raise DiskFull.at(self.path, len(line.encode()), err=err) from None
         for sink in self.sinks:
             sink.write(record)
 
@@ -72,7 +72,7 @@ def write_whole(path: Path, needed: int, write: Callable[[Path], object]) -> Non
         tmp.unlink(missing_ok=True)
         if not is_disk_full(err):
             raise
-        raise DiskFull.at(path, needed) from None
+        raise DiskFull.at(path, needed, err=err) from None
     tmp.replace(path)
 
 

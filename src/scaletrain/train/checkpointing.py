@@ -346,7 +346,7 @@ class Checkpointer:
                 shutil.rmtree(stage, ignore_errors=True)
             # not only Exceptions: DCP's CheckpointException, which wraps each rank's error, is a BaseException
             if not isinstance(err, (DiskFull, KeyboardInterrupt, SystemExit)) and is_disk_full(err):
-                raise DiskFull.at(self.root / commit.step_name(step), needed, self.unchanged()) from None
+                raise DiskFull.at(self.root / commit.step_name(step), needed, self.unchanged(), err) from None
             if not isinstance(err, (Exception, KeyboardInterrupt, SystemExit, GeneratorExit)):
                 from scaletrain.checkpoint import dcp  # DCP's CheckpointException: an error like any other
 

@@ -253,7 +253,7 @@ def _overwrite(path: Path, text: bytes) -> None:
     except OSError as err:
         if not is_disk_full(err):
             raise
-        raise DiskFull.at(path, len(text)) from None
+        raise DiskFull.at(path, len(text), err=err) from None
 
 
 def load_dcp(module: torch.nn.Module, optimizers: Optimizer | list[Optimizer], resume: Resume, rank: int,
