@@ -468,6 +468,56 @@ def test_a_loop_reading_its_own_dataloader_has_no_sample_rate_rather_than_zero(t
     assert summary["samples_per_s"] is None and summary["samples_per_s_overall"] is None
 
 
+def _padded(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A collate_fn of the user's own: a dict batch with a count, which scaletrain's collate would not make."""
+    return {"x": torch.stack([x for x, _ in samples]), "y": torch.stack([y for _, y in samples]),
+            "n": torch.tensor(len(samples))}
+
+
+def test_a_dataloader_of_ones_own_is_read_for_its_dataset_batch_size_collate_fn_and_shuffle(tmp_path: Path) -> None:
+    """st.loader(DataLoader(...)), as a script written for plain torch or Accelerate's prepare() hands it, was
+    refused ("fix: pass a torch Dataset"), and a loader of the dataset alone lost its batch size and collate_fn.
+    It is now the session's loader of that dataset, with the DataLoader's batch size, collate_fn and shuffle:
+    the same batches, bit for bit, as st.loader(dataset, batch_size=, collate_fn=, shuffle=); a sampler that
+    chooses samples by weight is one line."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
+
+    x = torch.randn(48, 4, generator=torch.Generator().manual_seed(0))
+    dataset = TensorDataset(x, (x[:, 0] > 0).long())
+
+    def batches(make) -> list[dict[str, torch.Tensor]]:
+        with scaletrain.session({"run.dir": str(tmp_path / f"run{len(list(tmp_path.iterdir()))}"),
+                                 "train.max_steps": 12, "log.every": 6}) as st:
+            model, opt = st.setup(Net(), lambda p: torch.optim.SGD(p, lr=0.1))
+            seen, loader = [], make(st)
+            while not st.done:  # two epochs of 6 batches
+                for batch in loader:
+                    seen.append(batch)
+                    with st.step():
+                        st.backward(nn.functional.cross_entropy(model(batch["x"]), batch["y"]))
+                        opt.step()
+                        opt.zero_grad()
+        return seen
+
+    for shuffle in (True, False):
+        given = batches(lambda st: st.loader(DataLoader(dataset, batch_size=8, shuffle=shuffle, collate_fn=_padded)))
+        same = batches(lambda st: st.loader(dataset, batch_size=8, shuffle=shuffle, collate_fn=_padded))
+        assert len(given) == len(same) == 12 and all(int(b["n"]) == 8 for b in given)
+        for a, b in zip(given, same):
+            assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"])
+        first = torch.cat([b["x"] for b in given[:6]])
+        assert torch.equal(first, x) != shuffle  # in order, or shuffled
+        assert not torch.equal(first, torch.cat([b["x"] for b in given[6:]])) == shuffle  # reshuffled each epoch
+    sampled = DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, num_replicas=1, rank=0,
+                                                                          shuffle=False), collate_fn=_padded)
+    assert torch.equal(torch.cat([b["x"] for b in batches(lambda st: st.loader(sampled))[:6]]), x)
+    weighted = DataLoader(dataset, batch_size=8, sampler=WeightedRandomSampler(torch.ones(48), 48))
+    with pytest.raises(UserError, match=r"^session.loader\(\): a DataLoader choosing its samples with its sampler "
+                                        r"WeightedRandomSampler, .*; fix: pass its dataset"), \
+            scaletrain.session({"run.dir": str(tmp_path / "weighted")}) as st:
+        st.loader(weighted)
+
+
 NEVER_CLOSED = """
 import sys, torch, scaletrain
 st = scaletrain.session({"train.max_steps": 3, "run.dir": sys.argv[1]})

@@ -84,7 +84,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from scaletrain import __version__, runtime
 from scaletrain.batch import map_tensors, to_device, tokens_per_sample
@@ -270,6 +270,29 @@ class Loader:
             else:  # before the step: st.step() counts the wait in the step it begins
                 self.waited += waited
                 yield to_device(batch, st.device)
+
+
+def _from_dataloader(given: DataLoader, batch_size: int, shuffle: bool | None,
+                     collate_fn: Callable[[list[Any]], Any] | None) -> tuple[Any, int, bool | None, Any, int]:
+    """(dataset, batch size, shuffle, collate_fn, workers) of a DataLoader handed to session.loader(): what it was
+    built with, each unless given to loader() itself. Its sampler says shuffle (random or in order; a
+    DistributedSampler's own shuffle: the session shards anyway); one that chooses samples another way (weights,
+    a batch sampler) cannot be sharded and resumed exactly: one line."""
+    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler, default_collate
+
+    sampler = given.sampler
+    if given.batch_size is None or not isinstance(sampler, (RandomSampler, SequentialSampler, DistributedSampler)) \
+            and not isinstance(given.dataset, IterableDataset):
+        how = f"its batch_sampler {type(given.batch_sampler).__name__}" if given.batch_size is None else \
+            f"its sampler {type(sampler).__name__}"
+        raise UserError(f"session.loader(): a DataLoader choosing its samples with {how}, which cannot be sharded "
+                        "over ranks and resumed exactly; fix: pass its dataset, as st.loader(loader.dataset, "
+                        "batch_size=..., collate_fn=loader.collate_fn), with the samples weighted or grouped in the "
+                        "dataset itself")
+    if shuffle is None and not isinstance(given.dataset, IterableDataset):
+        shuffle = sampler.shuffle if isinstance(sampler, DistributedSampler) else isinstance(sampler, RandomSampler)
+    own = given.collate_fn if given.collate_fn is not default_collate else None  # torch's default: scaletrain's
+    return given.dataset, batch_size or given.batch_size, shuffle, collate_fn or own, given.num_workers
 
 
 class Session:
@@ -537,10 +560,18 @@ class Session:
         checkpoint's loader position is kept in steps, so a resume at another world size can keep the global
         batch by accumulating more (scaletrain train does). A stream (an IterableDataset) is read in its order
         (data/loader.py StreamLoader). ``collate_fn``: a list of samples -> a batch, as a DataLoader takes it (a
-        padding collator); default scaletrain.batch.collate."""
+        padding collator); default scaletrain.batch.collate. A DataLoader of one's own (a script written for
+        plain torch, or for Accelerate's prepare()) is read for its dataset, batch size, collate_fn, shuffle and
+        workers, and its samples sharded and resumed as above (its sampler's order is not kept: a loader of the
+        session reshuffles from run.seed)."""
         from scaletrain.data import in_memory
 
         self._usable("loader")
+        if isinstance(dataset, DataLoader):
+            dataset, batch_size, shuffle, collate_fn, workers = _from_dataloader(dataset, batch_size, shuffle,
+                                                                                 collate_fn)
+        else:
+            workers = 0
         # a Dataset or a stream as it is; (inputs, targets) made one; a wrong type: one line
         stream = isinstance(dataset, IterableDataset)
         data = dataset if stream else in_memory(dataset, eval_data=dataset, collate_fn=collate_fn).train
@@ -556,7 +587,7 @@ class Session:
         return self._add_loader(ShardedLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=accum,
                                               seed=self.cfg.run.seed,
                                               shuffle=self.cfg.data.shuffle if shuffle is None else shuffle,
-                                              num_workers=self.cfg.data.num_workers,
+                                              num_workers=self.cfg.data.num_workers or workers,
                                               pin_memory=self.device.type == "cuda", collate_fn=collate_fn))
 
     def _add_loader(self, inner: ShardedLoader | StreamLoader) -> Loader:
