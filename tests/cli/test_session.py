@@ -500,14 +500,15 @@ def test_a_dataloader_of_ones_own_is_read_for_its_dataset_batch_size_collate_fn_
         return seen
 
     for shuffle in (True, False):
-        given = batches(lambda st: st.loader(DataLoader(dataset, batch_size=8, shuffle=shuffle, collate_fn=_padded)))
-        same = batches(lambda st: st.loader(dataset, batch_size=8, shuffle=shuffle, collate_fn=_padded))
+        given = batches(lambda st, shuffle=shuffle: st.loader(DataLoader(dataset, batch_size=8, shuffle=shuffle,
+                                                                         collate_fn=_padded)))
+        same = batches(lambda st, shuffle=shuffle: st.loader(dataset, batch_size=8, shuffle=shuffle, collate_fn=_padded))
         assert len(given) == len(same) == 12 and all(int(b["n"]) == 8 for b in given)
         for a, b in zip(given, same):
             assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"])
         first = torch.cat([b["x"] for b in given[:6]])
         assert torch.equal(first, x) != shuffle  # in order, or shuffled
-        assert not torch.equal(first, torch.cat([b["x"] for b in given[6:]])) == shuffle  # reshuffled each epoch
+        assert torch.equal(first, torch.cat([b["x"] for b in given[6:]])) != shuffle  # reshuffled each epoch
     sampled = DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, num_replicas=1, rank=0,
                                                                           shuffle=False), collate_fn=_padded)
     assert torch.equal(torch.cat([b["x"] for b in batches(lambda st: st.loader(sampled))[:6]]), x)
