@@ -328,6 +328,7 @@ def test_world_size_2_to_1_to_2_keeps_the_state_and_sees_every_sample_once(tmp_p
     code, out, err = train(*job, "--nproc", "2", cwd=tmp_path)
     assert code == 0, err[-3000:]
     assert "world size 1 -> 2: accumulation 1 keeps the global batch at 64" in out
+    assert "resume: the checkpoint was made with 1 rank; ranks without saved state seed their RNG" in out  # not "1 ranks"
     third = _trace(tmp_path / "run")
 
     # The state as loaded equals the state as saved, across each change of world size (rank 0's view).

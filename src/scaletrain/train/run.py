@@ -245,7 +245,8 @@ def _resumed(job: Job, st: Session, resume: Resume, console: Console) -> None:
     if job.plan.note:
         console.print(f"resume: {job.plan.note}")
     if int(resume.meta["world_size"]) < rt.world_size and "rng" not in cfg.debug.skipped():
-        console.print(f"resume: the checkpoint was made with {resume.meta['world_size']} ranks; ranks without "
+        was = int(resume.meta["world_size"])
+        console.print(f"resume: the checkpoint was made with {was} rank{'s' if was != 1 else ''}; ranks without "
                       "saved state seed their RNG from run.seed + rank")
     changes = config_changes(resume.meta.get("config", ""), cfg)
     if changes:
