@@ -73,3 +73,52 @@ def test_overlap_starts_each_all_reduce_during_backward_and_false_holds_them_to_
         assert with_overlap[rank]["params"].keys() == held[rank]["params"].keys()
         for name, value in with_overlap[rank]["params"].items():
             assert torch.equal(value, held[rank]["params"][name]), name  # the same sums, bit for bit
+
+
+def _callbacks(rank: int, world: int, overlap: bool) -> list[tuple[int, bool]]:
+    """(native thread id, whether that thread's Python state was there from an earlier callback) per bucket."""
+    import threading
+
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from scaletrain import runtime
+    from scaletrain.config import DistConfig
+    from scaletrain.observe import timing
+
+    rt = runtime.init(DistConfig(device="cpu"))
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]), bucket_cap_mb=0.01)
+    assert timing.attach_comm_hook(model, timing.StepTimer(torch.device("cpu")), overlap=overlap)
+    seen = threading.local()  # per Python thread state: gone when a thread's state was dropped and made again
+    calls: list[tuple[int, bool]] = []
+    handed = timing._handed
+
+    def recorded(fut, value):
+        calls.append((threading.get_native_id(), getattr(seen, "yes", False)))
+        seen.yes = True
+        return handed(fut, value)
+
+    timing._handed = recorded
+    try:
+        for _ in range(10):
+            model(torch.randn(8, 64)).sum().backward()
+    finally:
+        timing._handed = handed
+        runtime.close(rt)
+    main = threading.get_native_id()
+    return [(tid, kept) for tid, kept in calls if tid != main]
+
+
+def test_gloo_threads_keep_the_python_state_a_buckets_callback_was_given():
+    """A bucket's all-reduce ends in a callback on one of Gloo's threads. Each used to get a Python thread state
+    made for it and dropped after it, every bucket of every step; a fork() while one was being made (a DataLoader
+    starting its workers after a step) left a child hung inside os.fork for good (8 of 18,000 such forks with
+    torch's own allreduce_hook, 0 of 18,000 with ours: benchmarks/fork_after_step.py, RESULTS.md section 18).
+    The state is now made once per thread and kept: every callback after a thread's first finds the thread-local
+    value the first one set (without the fix, none of them does)."""
+    for overlap in (True, False):
+        for rank, calls in enumerate(run_ranks(_callbacks, 2, overlap)):
+            later = [kept for i, (tid, kept) in enumerate(calls) if any(t == tid for t, _ in calls[:i])]
+            assert len(later) >= 10, (overlap, rank, calls)  # 8 buckets x 10 steps, mostly on Gloo's threads
+            assert all(later), (overlap, rank, calls)

@@ -30,6 +30,8 @@ which names a slow stage replica as it names a slow DDP rank.
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
 from typing import Any
 
@@ -259,7 +261,6 @@ def attach_comm_hook(model: torch.nn.Module, timer: StepTimer | None, *, overlap
     before the reduction, this rank's own gradient (one DDP comm hook per model: it shares this one).
     Returns False (and does nothing) when the model is not DDP-wrapped, or when there is nothing to time,
     change or measure."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel) or (timer is None and overlap and probe is None):
@@ -272,17 +273,47 @@ def attach_comm_hook(model: torch.nn.Module, timer: StepTimer | None, *, overlap
         if probe is not None:
             probe.add_small(torch.linalg.vector_norm(bucket.buffer().float()).square())
         if overlap:
-            return allreduce_hook(group, bucket)
+            return _allreduce(group, bucket)
         mine: torch.futures.Future = torch.futures.Future()
         held.append((bucket, mine))
         if bucket.is_last():
             for b, fut in held:
-                allreduce_hook(group, b).then(lambda done, fut=fut: fut.set_result(done.value()))
+                _allreduce(group, b).then(lambda done, fut=fut: _handed(fut, done.value()))
             held.clear()
         return mine
 
     model.register_comm_hook(None, hook)
     return True
+
+
+def _allreduce(group: Any, bucket: Any) -> torch.futures.Future:
+    """A bucket's mean over the group, as DDP's built-in all-reduce and torch's allreduce_hook compute it, with
+    the result handed over by _handed."""
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    work = dist.all_reduce(bucket.buffer().div_(group.size()), group=group, async_op=True)
+    return work.get_future().then(lambda done: _handed(None, done.value()[0]))
+
+
+_kept = threading.local()  # per Python thread state: set once this thread's state is kept for good
+
+
+def _handed(fut: torch.futures.Future | None, value: Any) -> Any:
+    """A comm hook's callback, which runs on the thread that completed the all-reduce (one of Gloo's): ``value``
+    (into ``fut``, when given). That thread keeps the Python thread state it was given to run this, for good.
+    Without, every bucket of every step made and dropped one (PyGILState_Ensure / Release); making one takes the
+    interpreter's thread list lock without the GIL, and a fork() at that moment (a DataLoader starting its worker
+    processes after a step, as an evaluation's loader did) left a child that waits for that lock forever, inside
+    os.fork (CPython 3.11: PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept). Measured: 8 children of
+    18,000 forks made right after a backward hung with torch's own allreduce_hook, none of 18,000 with this
+    (benchmarks/fork_after_step.py, RESULTS.md section 18). One state per Gloo thread, made once."""
+    if not getattr(_kept, "yes", False):
+        ctypes.pythonapi.PyGILState_Ensure()  # never released: the state lives as long as its thread
+        _kept.yes = True
+    if fut is not None:
+        fut.set_result(value)
+    return value
 
 
 def attach_forward_mark(model: torch.nn.Module, timer: StepTimer | None) -> bool:
