@@ -8,6 +8,7 @@ ratio of integer counts and must agree to the last bit.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Any
 
@@ -146,3 +147,37 @@ def test_eval_across_ranks_is_exact(world: int, single) -> None:
         assert m["accuracy"] == ref["accuracy"]
         assert abs(m["loss"] - ref["loss"]) < 1e-12
     assert all(r["metrics"] == results[0]["metrics"] for r in results)  # every rank reports the same
+
+
+class _Pids(Dataset):
+    """(x[i], y[i]), read in a worker process: each read appends that process's pid to ``path``."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, path: str) -> None:
+        self.x, self.y, self.path = x, y, path
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
+        return self.x[i], self.y[i]
+
+
+def test_evaluations_share_one_loader_and_its_workers(tmp_path) -> None:
+    """With data.num_workers > 0 every evaluation forked new loader workers (a fork after steps, each time); the
+    loader and its workers are now made at the first evaluation and kept: three evaluations, one worker process,
+    and the same metrics each time."""
+    rt = runtime.init(DistConfig(device="cpu"))
+    try:
+        cfg = load(None, overrides={"data.source": "memory", "data.batch_size": 4, "data.eval_batch_size": 16,
+                                    "data.num_workers": 1, "train.progress": False, "dist.device": "cpu"})
+        x, y, xe, ye = tensors()
+        pids = tmp_path / "pids"
+        job = build_job(cfg, rt, in_memory((x, y), _Pids(xe, ye, str(pids))), model())
+        results = [evaluate(job) for _ in range(3)]
+    finally:
+        runtime.close(rt)
+    read = pids.read_text().split()
+    assert len(read) == 3 * N_EVAL and len(set(read)) == 1 and int(read[0]) != os.getpid()
+    assert results[0] == results[1] == results[2] and results[0]["count"] == N_EVAL

@@ -167,11 +167,12 @@ def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num
                 collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
     """Rank r evaluates samples r, r + W, ... of eval_indices: every one exactly once across ranks, none
     padded. Its own generator: an evaluation draws nothing from the global RNG, so evaluating (or not) between
-    two steps leaves training, and a resume, exactly as they were."""
+    two steps leaves training, and a resume, exactly as they were. Its worker processes, when it has any, stay
+    for the next evaluation (started once, not at every one)."""
     chosen = eval_indices(len(dataset), batch_size=batch_size, world=world,  # type: ignore[arg-type]
                           max_batches=max_batches)
     return DataLoader(dataset, batch_size=batch_size, sampler=chosen[rank::world], num_workers=num_workers,
-                      pin_memory=pin_memory, collate_fn=collate_fn or collate,
+                      pin_memory=pin_memory, collate_fn=collate_fn or collate, persistent_workers=num_workers > 0,
                       generator=torch.Generator().manual_seed(0))
 
 

@@ -36,9 +36,11 @@ def evaluate(job: Job) -> dict[str, float]:
     assert job.eval_data is not None
     batch_size = cfg.data.eval_batch_size or cfg.data.batch_size
     rank, world = layout.dp_rank(rt.rank), layout.dp_size  # the data-parallel readers
-    loader = eval_loader(job.eval_data, batch_size=batch_size, rank=rank, world=world,
-                         num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
-                         max_batches=cfg.train.eval_batches, collate_fn=job.collate_fn)
+    if job.eval_loader is None:  # the same samples every time: one loader, its workers kept between evaluations
+        job.eval_loader = eval_loader(job.eval_data, batch_size=batch_size, rank=rank, world=world,
+                                      num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
+                                      max_batches=cfg.train.eval_batches, collate_fn=job.collate_fn)
+    loader = job.eval_loader
     module.eval()
     with _rank0_buffers(job):
         totals = _evaluated(job, loader, batch_size)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from scaletrain.batch import Batch, Batcher, BatchFn, check_targets, collate_one, default_loss, leaves
 from scaletrain.config import Config, OptimConfig, TrainConfig
@@ -76,6 +76,7 @@ class Job:
     pipeline: PipelineRunner | None = None  # parallel.pp > 1: runs this rank's stage of every step
     scheduler: LambdaLR | None = None
     loader: Loader | None = None
+    eval_loader: DataLoader | None = None  # made at the first evaluation (train/evaluate.py), kept for the others
     st: Session | None = None
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_step: int = -1  # the step of the last evaluation
