@@ -513,8 +513,8 @@ def test_a_dataloader_of_ones_own_is_read_for_its_dataset_batch_size_collate_fn_
                                                                           shuffle=False), collate_fn=_padded)
     assert torch.equal(torch.cat([b["x"] for b in batches(lambda st: st.loader(sampled))[:6]]), x)
     weighted = DataLoader(dataset, batch_size=8, sampler=WeightedRandomSampler(torch.ones(48), 48))
-    with pytest.raises(UserError, match=r"^session.loader\(\): a DataLoader choosing its samples with its sampler "
-                                        r"WeightedRandomSampler, .*; fix: pass its dataset"), \
+    with pytest.raises(UserError, match=r"^session.loader\(\): a DataLoader reading its sampler "
+                                        r"WeightedRandomSampler cannot be sharded .*; fix: pass its dataset"), \
             scaletrain.session({"run.dir": str(tmp_path / "weighted")}) as st:
         st.loader(weighted)
 

@@ -277,22 +277,24 @@ def _from_dataloader(given: DataLoader, batch_size: int, shuffle: bool | None,
     """(dataset, batch size, shuffle, collate_fn, workers) of a DataLoader handed to session.loader(): what it was
     built with, each unless given to loader() itself. Its sampler says shuffle (random or in order; a
     DistributedSampler's own shuffle: the session shards anyway); one that chooses samples another way (weights,
-    a batch sampler) cannot be sharded and resumed exactly: one line."""
-    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler, default_collate
+    batches of its own making) cannot be sharded and resumed exactly: one line."""
+    from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler, default_collate
 
-    sampler = given.sampler
-    if given.batch_size is None or not isinstance(sampler, (RandomSampler, SequentialSampler, DistributedSampler)) \
-            and not isinstance(given.dataset, IterableDataset):
-        how = f"its batch_sampler {type(given.batch_sampler).__name__}" if given.batch_size is None else \
-            f"its sampler {type(sampler).__name__}"
-        raise UserError(f"session.loader(): a DataLoader choosing its samples with {how}, which cannot be sharded "
-                        "over ranks and resumed exactly; fix: pass its dataset, as st.loader(loader.dataset, "
-                        "batch_size=..., collate_fn=loader.collate_fn), with the samples weighted or grouped in the "
-                        "dataset itself")
-    if shuffle is None and not isinstance(given.dataset, IterableDataset):
+    stream = isinstance(given.dataset, IterableDataset)
+    batches = given.batch_sampler
+    plain = type(batches) is BatchSampler  # batch_size=N makes one; so does BatchSampler(sampler, N) given
+    sampler = batches.sampler if plain else given.sampler
+    if not stream and not (plain and isinstance(sampler, (RandomSampler, SequentialSampler, DistributedSampler))):
+        how = f"its sampler {type(sampler).__name__}" if plain else f"its batch_sampler {type(batches).__name__}" \
+            if batches is not None else "no batches (batch_size=None)"
+        raise UserError(f"session.loader(): a DataLoader reading {how} cannot be sharded over ranks and resumed "
+                        "exactly; fix: pass its dataset, as st.loader(loader.dataset, batch_size=..., "
+                        "collate_fn=loader.collate_fn), with any weighting or grouping of samples in the dataset")
+    if shuffle is None and not stream:
         shuffle = sampler.shuffle if isinstance(sampler, DistributedSampler) else isinstance(sampler, RandomSampler)
+    size = batches.batch_size if plain else given.batch_size
     own = given.collate_fn if given.collate_fn is not default_collate else None  # torch's default: scaletrain's
-    return given.dataset, batch_size or given.batch_size, shuffle, collate_fn or own, given.num_workers
+    return given.dataset, batch_size or size or 0, shuffle, collate_fn or own, given.num_workers
 
 
 class Session:
