@@ -84,7 +84,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
 
 from scaletrain import __version__, runtime
 from scaletrain.batch import map_tensors, to_device, tokens_per_sample
@@ -278,8 +286,6 @@ def _from_dataloader(given: DataLoader, batch_size: int, shuffle: bool | None,
     built with, each unless given to loader() itself. Its sampler says shuffle (random or in order; a
     DistributedSampler's own shuffle: the session shards anyway); one that chooses samples another way (weights,
     batches of its own making) cannot be sharded and resumed exactly: one line."""
-    from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler, default_collate
-
     stream = isinstance(given.dataset, IterableDataset)
     batches = given.batch_sampler
     plain = type(batches) is BatchSampler  # batch_size=N makes one; so does BatchSampler(sampler, N) given
