@@ -15,6 +15,29 @@ FAILED_WORKER_ENV = "SCALETRAIN_FAILED_WORKER"
 # worker that said a usage error in one line marks it (USAGE_SAID: its exit code 2 is that error).
 LAUNCH_DIR_ENV = "SCALETRAIN_LAUNCH_DIR"
 RUN_DIR, USAGE_SAID = "run_dir", "usage_said"
+# The stop signal a launcher received before its workers could take one (held_signal), passed down to them.
+HELD_SIGNAL_ENV = "SCALETRAIN_HELD_SIGNAL"
+_held: list[int] = []
+
+
+def hold_stop_signal() -> None:
+    """From a training command's first moment: keep a SIGUSR1 (Slurm's --signal=USR1@S, the time limit near) for
+    the run's own handler (train/preempt.py PreemptFlag.install, or the launcher's). Its default action kills the
+    process: one signalled while it was starting (importing torch, building the model) ended without the
+    checkpoint and the exit 0 its batch script requeues on, and the job was lost."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda signum, frame: _held.append(signum))
+
+
+def held_signal() -> int:
+    """The stop signal held since the process began (hold_stop_signal), or one its launcher held for it
+    (HELD_SIGNAL_ENV); 0 for none. Taken once: asked again, 0."""
+    signum = _held[0] if _held else int(os.environ.pop(HELD_SIGNAL_ENV, "0") or 0)
+    _held.clear()
+    return signum
 
 
 def tell_launcher(name: str, text: str = "") -> None:

@@ -106,3 +106,48 @@ def test_ctrl_c_sets_the_flag_and_a_second_one_exits_130_at_once(first):
         said = [("scaletrain: Ctrl-C after SIGTERM: stopping now, without a checkpoint (the last committed one "
                 "stays whole)")]
     assert err.splitlines() == said
+
+
+SIGNALLED_WHILE_STARTING = """\
+import os, signal, time
+from scaletrain.env import hold_stop_signal
+hold_stop_signal()  # what `scaletrain train` does first
+os.kill(os.getpid(), signal.SIGUSR1)  # Slurm's USR1 while torch is still importing
+time.sleep(0.5)
+from scaletrain.train.preempt import PreemptFlag
+flag = PreemptFlag().install()
+print("flag", flag.signum, flush=True)
+time.sleep(2.6)  # the model still building: longer than a step's grace (2 s), no step yet
+flag.tick()
+flag.finished()
+print("the first step saves and the run exits 0", flush=True)
+"""
+
+
+def test_slurms_usr1_while_the_run_starts_waits_for_its_first_step():
+    """SIGUSR1 before the run's handlers were installed killed the process (its default action): no checkpoint,
+    no exit 0 for the batch script's requeue, the job lost. A training command now holds it from its first
+    moment for the run's handler; and the watchdog, which ends a signalled process that completes no step for
+    5 step times (at least 2 s), waits for the first step (2 minutes) rather than ending a run still starting."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", SIGNALLED_WHILE_STARTING], env=env, text=True, capture_output=True,
+                          timeout=60)
+    assert (proc.returncode, proc.stdout.splitlines()) == \
+        (0, [f"flag {int(signal.SIGUSR1)}", "the first step saves and the run exits 0"]), proc.stderr
+
+
+def test_a_launcher_hands_a_usr1_it_held_or_got_before_its_workers_to_them(monkeypatch):
+    """`scaletrain train --nproc N` under Slurm: a USR1 reaching the launcher while it starts, or while its agent
+    waits at the rendezvous (no workers yet to pass it to), is in the environment its workers start with, and a
+    worker's flag takes it from there, once."""
+    monkeypatch.delenv(env.HELD_SIGNAL_ENV, raising=False)
+    monkeypatch.setattr(torchrun, "_descendants", lambda pid: [])
+    torchrun._forward_to_workers(signal.SIGUSR1, None)
+    assert os.environ[env.HELD_SIGNAL_ENV] == str(int(signal.SIGUSR1))
+    flag = preempt.PreemptFlag().install()
+    try:
+        assert flag.signum == signal.SIGUSR1 and env.HELD_SIGNAL_ENV not in os.environ
+        assert preempt.PreemptFlag().install().uninstall() is None and env.held_signal() == 0  # once
+    finally:
+        flag.finished()
+        flag.uninstall()

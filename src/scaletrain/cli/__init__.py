@@ -24,6 +24,7 @@ from scaletrain.cli import (
     verify_resume,
 )
 from scaletrain.cli.options import Parser
+from scaletrain.env import hold_stop_signal
 from scaletrain.errors import EXIT_USAGE, TrainingFailed, UserError
 from scaletrain.errors import report as report_error
 
@@ -88,6 +89,8 @@ class _CtrlCAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["train"], ["launch"]):  # a run, or its launcher: Slurm's USR1 while starting is kept for it
+        hold_stop_signal()
     where = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" \
         else ""
     if not any(isinstance(finder, _CtrlCAfterImport) for finder in sys.meta_path):

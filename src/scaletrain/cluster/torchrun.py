@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from scaletrain.config import DistConfig
-from scaletrain.env import FAILED_WORKER_ENV
+from scaletrain.env import FAILED_WORKER_ENV, HELD_SIGNAL_ENV, held_signal
 from scaletrain.errors import EXIT_USAGE, ConfigError, UserError
 
 # The agent stops the surviving workers with SIGTERM (then SIGKILL): those exits are consequences, not causes.
@@ -303,6 +303,8 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     failure_log.addFilter(failures)
     handlers = {signal.SIGUSR1: _forward_to_workers, signal.SIGINT: stop, signal.SIGTERM: stop}
     previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+    if signum := held_signal():  # it came while this process was starting: the workers take it as they start
+        os.environ[HELD_SIGNAL_ENV] = str(signum)
     try:
         with _stores_on_their_address():
             torchrun.run(parsed)
@@ -441,8 +443,12 @@ def _descendants(pid: int) -> list[int]:
 def _forward_to_workers(signum: int, frame: object) -> None:
     """Slurm's --signal=USR1@T reaches every process of the step, but a user's `kill -USR1` reaches only this
     one, whose default action would end the agent and orphan the workers: pass it on to them instead. The
-    workers treat it as preemption (save, exit 0)."""
-    for pid in _descendants(os.getpid()):
+    workers treat it as preemption (save, exit 0). Before there are any (the agent at its rendezvous, or between
+    two rounds of workers), the workers it starts next take it (env.py held_signal)."""
+    workers = _descendants(os.getpid())
+    if not workers:
+        os.environ[HELD_SIGNAL_ENV] = str(signum)
+    for pid in workers:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signum)
 

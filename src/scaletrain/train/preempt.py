@@ -36,11 +36,15 @@ from typing import Any
 import torch
 
 from scaletrain import runtime
-from scaletrain.env import under_launcher
+from scaletrain.env import held_signal, under_launcher
 from scaletrain.errors import Stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 MIN_GRACE_S = 2.0
+# Before the run's first step: its start-up (a resume's load, the first step's compile) is no step time to judge
+# by; a signal then waits this long for the first step and its save. A launcher's own SIGKILL comes sooner
+# (torchrun's: 30 s after its SIGTERM), Slurm's at the end of --signal=USR1@S (120 s by `scaletrain slurm`).
+FIRST_STEP_GRACE_S = 120.0
 
 
 class Interrupted(Stopped):
@@ -110,6 +114,8 @@ class PreemptFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if signum := held_signal():  # it came while the process was starting (env.py hold_stop_signal)
+                self._handle(signum, None)
         return self
 
     def uninstall(self) -> None:
@@ -149,7 +155,7 @@ class PreemptFlag:
         signalled = time.monotonic()
         while not self._finished:
             time.sleep(0.2)
-            grace = max(MIN_GRACE_S, 5 * self._step_time())
+            grace = max(MIN_GRACE_S, 5 * self._step_time()) if self._ticked else FIRST_STEP_GRACE_S
             idle = time.monotonic() - max(self._last_tick, signalled)
             if not self._saving and not self._finished and idle > grace:
                 print(f"{self.label}scaletrain: no step completed for {idle:.1f} s after {self.name(self.signum)}: "
