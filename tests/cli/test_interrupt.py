@@ -129,9 +129,9 @@ def test_slurms_usr1_while_the_run_starts_waits_for_its_first_step():
     no exit 0 for the batch script's requeue, the job lost. A training command now holds it from its first
     moment for the run's handler; and the watchdog, which ends a signalled process that completes no step for
     5 step times (at least 2 s), waits for the first step (2 minutes) rather than ending a run still starting."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-c", SIGNALLED_WHILE_STARTING], env=env, text=True, capture_output=True,
-                          timeout=60)
+    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", SIGNALLED_WHILE_STARTING], env=environ, text=True,
+                          capture_output=True, timeout=60, check=False)
     assert (proc.returncode, proc.stdout.splitlines()) == \
         (0, [f"flag {int(signal.SIGUSR1)}", "the first step saves and the run exits 0"]), proc.stderr
 
