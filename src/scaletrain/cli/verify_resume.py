@@ -19,11 +19,20 @@ from scaletrain.cli.options import (
     parse_count,
 )
 from scaletrain.config import RESTORABLE, load
-from scaletrain.errors import UserError
+from scaletrain.errors import ConfigError, UserError
 
 HELP = ("Check that your job resumes exactly: run it straight for N steps, and again interrupted at step K and "
         "resumed; report identical, or the first diverging step and which part of the state differs. The job is a "
         "recipe, a TOML config, or a script whose loop runs in scaletrain.session(argv=sys.argv[1:]).")
+
+
+def _dropped(text: str) -> str:
+    """--drop's parts, checked as debug.skip_restore checks them, and said as --drop when they are not parts."""
+    try:
+        return load(None, cli_overrides={"debug.skip_restore": text}).debug.skip_restore
+    except ConfigError:
+        raise UserError(f"--drop = {text!r}: expected a comma-separated subset of {', '.join(RESTORABLE)}; fix: "
+                        "--drop rng") from None
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -69,7 +78,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     overrides = config_overrides(args, leftovers)
     check_types(overrides)
     cfg = load(args.config, cli_overrides=overrides)
-    drop = load(None, cli_overrides={"debug.skip_restore": args.drop}).debug.skip_restore
+    drop = _dropped(args.drop)
     world = cfg.dist.nproc * cfg.dist.nnodes
     preflight(cfg, world)
     plan = plan_batches(cfg, world, len(build_splits(cfg.data, cfg.model).train))  # type: ignore[arg-type]
@@ -132,7 +141,7 @@ def _verify_script(args: argparse.Namespace, leftovers: list[str], argv: list[st
     steps = parse_count("--steps", args.steps, 0)
     # a script has no epochs we know of: every step is as good a place to stop
     n, k = choose_steps(steps or 20, steps or 20, steps, parse_count("--at", args.at, 0), random.Random())
-    drop = load(None, cli_overrides={"debug.skip_restore": args.drop}).debug.skip_restore
+    drop = _dropped(args.drop)
     if drop:
         raise UserError(f"--drop {drop}: a session restores every part; fix: leave --drop out for a script")
     console = Console(True, progress=False)
