@@ -43,8 +43,8 @@ def test_a_part_left_out_of_the_resume_is_named(tmp_path):
 @pytest.mark.parametrize(("args", "words"), [
     (["--steps", "12", "--at", "12"], "--at 12: expected a step in [1, 11]"),
     (["--steps", "5000"], "--steps 5000: the job has only 880 steps"),
-    (["--drop", "gradients"], "--drop = 'gradients': expected a comma-separated subset of weights, optimizer, rng, "
-                              "data, scheduler; fix: --drop rng"),  # it named debug.skip_restore, a key not typed
+    (["--drop", "gradients"], ("--drop = 'gradients': expected a comma-separated subset of weights, optimizer, "
+                               "rng, data, scheduler; fix: --drop rng")),  # it named debug.skip_restore, never typed
     (["--steps", "x"], "--steps = 'x': expected an integer >= 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words, capsys, monkeypatch):
