@@ -171,54 +171,80 @@ def first_line(err: BaseException) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(err).__name__
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
+def _job_env() -> dict[str, str]:
+    """This process's place in the job: the launcher's variables, or (a task of an srun step that has not set
+    them yet, as a usage error found before the run starts leaves it) those env.py adopt_slurm_task would set."""
+    from scaletrain.env import adopt_slurm_task
+
+    environ = dict(os.environ)
+    adopt_slurm_task(environ)
+    return environ
 
 
-def _first_to_say(line: str) -> bool:
-    """Under a launcher, True for the first rank of the job to report this line, through the launcher's
-    key-value store (torchrun's agent keeps it up for the whole job), so an error every rank raised is said
-    once. Without a reachable store every rank says it."""
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+def _first_to_say(line: str, environ: dict[str, str]) -> tuple[bool, Callable[[], None]]:
+    """Under a launcher, True for the first rank of the job to report this line, through a key-value store on
+    the job's MASTER_PORT, so an error every rank raised is said once: torchrun's agent keeps one up for the
+    whole job; where no agent does (srun's tasks, each a worker or an agent of its own), rank 0 opens one for
+    the others to count in (and a group already formed has its own there), and waits for them a few seconds,
+    since `srun --kill-on-bad-exit` ends every task as soon as one exits: the second value waits, to be called
+    once the line is out. Without a reachable store every rank says it."""
+    addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT", "")
     if not addr or not port.isdigit():
-        return True
+        return True, lambda: None
     try:
         import time
         from datetime import timedelta
 
         import torch.distributed as dist
 
-        if os.environ.get("RANK", "0") != "0":
-            time.sleep(0.3)  # rank 0 first: an error every rank raised is said without a rank prefix
+        rank, world = int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
+        store, hosting = None, False
+        if rank == 0 and "TORCHELASTIC_RUN_ID" not in environ:  # no agent's store: this rank's own
+            from scaletrain.cluster.torchrun import _bound  # listening on that address, not every interface
 
-        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=5))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            try:
+                store = _bound(dist.TCPStore)(addr, int(port), is_master=True, wait_for_workers=False,
+                                              timeout=timedelta(seconds=5))
+                hosting = True
+            except Exception:  # noqa: BLE001 -- the port is taken: the group's own store, which serves as well
+                store = None
+        if rank != 0:
+            time.sleep(0.3)  # rank 0 first: an error every rank raised is said without a rank prefix
+        if store is None:
+            store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=5))
+        attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         key = f"scaletrain/said/{attempt}/{hashlib.sha256(line.encode()).hexdigest()[:16]}"
-        return int(store.add(key, 1)) == 1
+        first = int(store.add(key, 1)) == 1
+
+        def linger() -> None:  # the others count themselves in before this store goes with this process
+            deadline = time.monotonic() + 3.0
+            while hosting and int(store.add(key, 0)) < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        return first, linger
     except Exception:  # noqa: BLE001 -- the store is gone or unreachable: say it rather than lose it
-        return True
+        return True, lambda: None
 
 
 def report(err: BaseException, stream: TextIO | None = None) -> int:
     """Say ``err`` in one line, once per job however many ranks raised it; returns its exit code.
 
-    Rank 0 alone reports an ``agreed`` error; any other is reported by the first rank to reach the launcher's
+    Rank 0 alone reports an ``agreed`` error; any other is reported by the first rank to reach the job's
     store with that text (prefixed with its rank when that is not rank 0)."""
     stream = stream or sys.stderr
-    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    environ = _job_env()
+    rank, world = int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
     line = one_line(err)
     if exit_code(err) == EXIT_USAGE:  # `scaletrain launch` takes a worker's exit 2 for this line only if said
         tell_launcher(USAGE_SAID)
-    if world > 1 and "RANK" in os.environ:
+    if world > 1 and "RANK" in environ:
         if getattr(err, "agreed", False) and rank != 0:
             return exit_code(err)
-        if not _first_to_say(line):
-            return exit_code(err)
-        if rank != 0:
-            line = f"[rank {rank}] {line}"
+        first, linger = _first_to_say(line, environ)
+        if first:
+            print(line if rank == 0 else f"[rank {rank}] {line}", file=stream, flush=True)
+        linger()
+        return exit_code(err)
     print(line, file=stream, flush=True)
     return exit_code(err)
 

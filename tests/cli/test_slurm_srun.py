@@ -31,6 +31,22 @@ code=0
 for pid in "${pids[@]}"; do wait "$pid" || code=$?; done
 exit $code
 """
+SRUN_KILL_ON_BAD_EXIT = """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done  # srun's own options: --kill-on-bad-exit=1, as scaletrain slurm writes
+n=${SLURM_NTASKS:-1}
+pids=()
+for ((i = 0; i < n; i++)); do
+  SLURM_STEP_ID=0 SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_NODEID=0 SLURM_STEP_NUM_TASKS=$n \\
+    SLURM_STEP_TASKS_PER_NODE=$n SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST "$@" &
+  pids+=($!)
+done
+code=0
+for ((i = 0; i < n; i++)); do
+  wait -n; c=$?
+  if [ "$c" -ne 0 ] && [ "$code" -eq 0 ]; then code=$c; kill "${pids[@]}" 2>/dev/null; fi
+done
+exit $code
+"""
 SCONTROL = """#!/bin/bash
 if [ "$1 $2" = "show hostnames" ]; then echo 127.0.0.1; exit 0; fi
 if [ "$1" = "requeue" ]; then echo "$2" >> "$REQUEUED"; exit 0; fi
@@ -106,3 +122,31 @@ def test_srun_tasks_train_as_torchrun_workers_and_resume_after_the_signal(tmp_pa
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
     assert losses(tmp_path / "run") == losses(tmp_path / "torchrun") and sorted(losses(tmp_path / "run")) == [4, 8, 12, 16]
+
+
+@pytest.mark.parametrize("where", ["every task", "rank 1 only"])
+def test_a_usage_error_in_srun_tasks_is_said_once(tmp_path: Path, where: str) -> None:
+    """A bad key in an srun job of 2 tasks (srun --kill-on-bad-exit, as the script `scaletrain slurm` writes):
+    each task found it before the run gave it a rank (a task becomes one after its config is read), so each said
+    it, or the first to exit killed the other first: the line came 0 to N times. Rank 0 now opens the job's
+    store for the count, as torchrun's agent does, says the line and waits for the others to count themselves:
+    once, without a rank prefix. An error only rank 1 meets (rank 0 forming the group meanwhile) is said once,
+    by rank 1, through the group's store."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text(SRUN_KILL_ON_BAD_EXIT)
+    (stubs / "srun").chmod(0o755)
+    env = {**os.environ, "PATH": os.pathsep.join([str(stubs), str(Path(sys.executable).parent), os.environ["PATH"]]),
+           "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "SLURM_JOB_ID": "4243", "SLURM_NNODES": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        env.pop(key, None)
+    who = "true" if where == "every task" else '[ "$SLURM_PROCID" = 1 ]'
+    command = ["srun", "bash", "-c", f'if {who}; then set -- "$@" --train.max_stpes=4; fi; exec "$@"', "-",
+               sys.executable, "-m", "scaletrain", "train", "digits", "--nproc=1", "--run.dir=run", *RUN]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(("scaletrain:", "[rank"))]
+    prefix = "" if where == "every task" else "[rank 1] "
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"{prefix}scaletrain: error: train.max_stpes"), lines
