@@ -179,9 +179,11 @@ def check_endpoint(cfg: DistConfig) -> None:
         raise ConfigError("dist.rdzv_endpoint", cfg.rdzv_endpoint, f"a host this machine can resolve ({host}: "
                           f"{getattr(err, 'strerror', None) or err})",
                           "the name or address of the first machine, as every machine resolves it") from None
-    address = _bind_address(host) if cfg.nnodes == 1 else None
-    if address is None:
+    if cfg.nnodes != 1:
         return
+    # torch's store listens on every interface for a name that is not an address (the machine's own host name):
+    # a port held on any of them stops it, which the wildcard address finds
+    address = _bind_address(host) or ("::" if ":" in socket.getaddrinfo(host, int(port))[0][4][0] else "0.0.0.0")
     try:
         _listening_socket(address, int(port)).close()
     except OSError as err:
