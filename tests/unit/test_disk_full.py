@@ -154,6 +154,26 @@ def test_metrics_on_a_full_disk_stop_the_run_in_one_line(tmp_path, capsys, monke
     _resumes_and_finishes(run_dir, 2, capsys)
 
 
+def test_final_weights_written_nowhere_leave_the_run_unfinished_and_the_same_command_resumes(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """The last checkpoint and model.safetensors both find the disk full (every checkpoint kept, keep=0, filled
+    it): the trained weights are nowhere. summary.json was still written, so the run counted as finished and the
+    same command refused its directory; the fix it offered (another --run.dir) trained from step 0. The summary
+    is now left out: the line says so, and the same command resumes from step 2 once there is room."""
+    run_dir = tmp_path / "run"
+    _full_for(monkeypatch, "step-00000004", "model.safetensors.tmp")
+    with pytest.raises(DiskFull) as caught:
+        run(_cfg(run_dir, **{"checkpoint.keep": 0}))
+    ckpt = run_dir / "checkpoints"
+    assert str(caught.value).endswith(
+        f"free; {ckpt / 'step-00000002'} stays the latest checkpoint; model.safetensors was not written either; the "
+        f"run is not marked finished (summary.json left out): the same command resumes from {ckpt / 'step-00000002'}"
+        f" once there is room{FIX}"), str(caught.value)
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "model.safetensors").exists()
+    monkeypatch.undo()
+    _resumes_and_finishes(run_dir, 2, capsys)
+
+
 @pytest.mark.parametrize("full", ["model.safetensors", "summary.json"])
 def test_final_outputs_on_a_full_disk_end_in_one_line_and_a_rerun_writes_them(tmp_path, capsys, monkeypatch, full):
     run_dir = tmp_path / "run"
@@ -205,9 +225,10 @@ def test_a_file_too_large_ends_in_one_line_that_names_the_limit(tmp_path, monkey
     message = str(caught.value)
     assert message.startswith(f"file too large: {run_dir / 'checkpoints' / 'step-00000004'} needs "), message
     assert "past this process's file size limit (ulimit -f)" in message and "free space" not in message
-    assert message.endswith("; no checkpoint saved yet; summary.json was written; model.safetensors was not written "
-                            "either; fix: raise the limit (ulimit -f unlimited), or point --run.dir at another "
-                            "filesystem"), message
+    assert message.endswith("; no checkpoint saved yet; model.safetensors was not written either; the run is not "
+                            "marked finished (summary.json left out): the same command trains it again (no checkpoint "
+                            "to resume from) once there is room; fix: raise the limit (ulimit -f unlimited), or point "
+                            "--run.dir at another filesystem"), message
     assert exit_code(caught.value) == 1 and one_line(caught.value) == f"scaletrain: training failed: {message}"
 
 

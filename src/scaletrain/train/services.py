@@ -172,20 +172,31 @@ def write_outputs(step: int, checkpointer: Checkpointer | None, writes: list[tup
     failed: list[tuple[str, Exception]] = []
     if checkpointer is not None and checkpointer.failed is not None:
         failed.append((f"the checkpoint of step {step}", checkpointer.failed))
-    written = []
+    written: list[str] = []
+    held: list[str] = []
     for name, write in writes:
+        if name == "summary.json" and any(what == WEIGHTS for what, _ in failed) and not _saved_at(step, checkpointer):
+            held.append(name)  # the final weights are nowhere: the run is not finished, and must not say so
+            continue
         try:
             write()
             written.append(name)
         except DiskFull as err:
             failed.append((name, err))
     if failed:
-        raise _unfinished(step, checkpointer, failed, written)
+        raise _unfinished(step, checkpointer, failed, written, held)
+
+
+def _saved_at(step: int, checkpointer: Checkpointer | None) -> bool:
+    """A committed checkpoint of ``step`` is on disk."""
+    latest = checkpointer.latest() if checkpointer is not None else None
+    return latest is not None and commit.step_of(latest) == step
 
 
 def _unfinished(step: int, checkpointer: Checkpointer | None, failed: list[tuple[str, Exception]],
-                written: list[str]) -> TrainingFailed:
-    """What ``write_outputs`` raises: the first failure, then what is on disk instead."""
+                written: list[str], held: list[str]) -> TrainingFailed:
+    """What ``write_outputs`` raises: the first failure, then what is on disk instead, and (``held``) the summary
+    left out, so that the same command resumes rather than find the run finished."""
     (what, first), others = failed[0], [name for name, _ in failed[1:]]
     latest = checkpointer.latest() if checkpointer is not None else None
     if checkpointer is not None and what.startswith("the checkpoint"):
@@ -199,6 +210,10 @@ def _unfinished(step: int, checkpointer: Checkpointer | None, failed: list[tuple
         notes.append(f"{' and '.join(written)} {'was' if len(written) == 1 else 'were'} written")
     if others:
         notes.append(f"{' and '.join(others)} {'was' if len(others) == 1 else 'were'} not written either")
+    if held:
+        again = f"resumes from {latest}" if latest else "trains it again (no checkpoint to resume from)"
+        notes.append(f"the run is not marked finished ({' and '.join(held)} left out): the same command {again} "
+                     "once there is room")
     if isinstance(first, DiskFull):
         return first.then("; ".join(notes))
     return TrainingFailed(f"the checkpoint of step {step} was not saved ({type(first).__name__}: {first}); "
