@@ -48,8 +48,8 @@ def test_the_script_runs_one_agent_per_machine_with_the_users_options(tmp_path, 
     directives = [ln.removeprefix("#SBATCH ") for ln in text.splitlines() if ln.startswith("#SBATCH")]
     assert directives == ["--job-name=scaletrain-gpt-stdlib", "--nodes=4", "--ntasks-per-node=1",
                           "--gpus-per-node=8", "--cpus-per-task=64", "--time=1-00:00:00", "--signal=USR1@120",
-                          "--requeue", "--open-mode=append", "--output=slurm-%x-%j.out", "--partition=h100",
-                          "--account=lab"]
+                          "--requeue", "--open-mode=append", f"--chdir={os.getcwd()}", "--output=slurm-%x-%j.out",
+                          "--partition=h100", "--account=lab"]  # --chdir: relative paths hold wherever sbatch runs
     srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
     # --cpus-per-task again on srun: from Slurm 22.05 a step no longer inherits the job's.
     assert srun == ("srun --kill-on-bad-exit=1 --cpus-per-task=64 scaletrain train gpt-stdlib --nproc=8 "

@@ -115,6 +115,11 @@ def time_limit_s(text: str) -> int:
     return parts[0] * 60 + (parts[1] if len(parts) == 2 else 0)
 
 
+def _directive_path(path: str) -> str:
+    """A path as an #SBATCH option's value: double-quoted where it holds a space (sbatch splits the line there)."""
+    return f'"{path}"' if any(c.isspace() for c in path) else path
+
+
 def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str, env: PythonEnv) -> str:
     """The script's text. ``config`` and ``overrides`` (--section.key=value) are passed to every machine's
     `scaletrain train`, after the layout this function sets (nnodes, nproc, rendezvous, run dir); ``env`` is
@@ -125,7 +130,9 @@ def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str
     directives = [f"--job-name={job.job_name}", f"--nodes={job.nodes}", f"--ntasks-per-node={tasks}",
                   f"--gpus-per-node={job.gpus_per_node}", f"--cpus-per-task={job.cpus_per_task}",
                   f"--time={job.time}", f"--signal=USR1@{job.signal_s}", "--requeue", "--open-mode=append",
-                  "--output=slurm-%x-%j.out"]  # in the submit directory: Slurm opens it before the script runs
+                  # the directory `scaletrain slurm` ran in, which the config's and run dir's paths are relative to
+                  # (Slurm's default is wherever sbatch runs), and the job's output there (opened before the script)
+                  f"--chdir={_directive_path(os.getcwd())}", "--output=slurm-%x-%j.out"]
     if job.partition:
         directives.append(f"--partition={job.partition}")
     if job.account:
