@@ -151,3 +151,17 @@ def test_a_launcher_hands_a_usr1_it_held_or_got_before_its_workers_to_them(monke
     finally:
         flag.finished()
         flag.uninstall()
+
+
+def test_a_sigterm_before_the_first_step_still_ends_the_process_in_seconds():
+    """The first step's long wait is USR1's only: torchrun stopping the survivors of a worker that failed while
+    starting sends SIGTERM, and a survivor still starting (no step to save) ends after the 2 s grace, not when the
+    agent's SIGKILL comes 30 s later."""
+    script = ("import os, signal, time\nfrom scaletrain.train.preempt import PreemptFlag\n"
+              "flag = PreemptFlag().install()\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(30)\n")
+    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], env=environ, text=True, capture_output=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 128 + signal.SIGTERM and time.monotonic() - started < 10, proc.stderr
+    assert "no step completed for 2." in proc.stderr and "after SIGTERM: exiting without a checkpoint" in proc.stderr

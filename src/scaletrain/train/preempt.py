@@ -41,9 +41,11 @@ from scaletrain.errors import Stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 MIN_GRACE_S = 2.0
-# Before the run's first step: its start-up (a resume's load, the first step's compile) is no step time to judge
-# by; a signal then waits this long for the first step and its save. A launcher's own SIGKILL comes sooner
-# (torchrun's: 30 s after its SIGTERM), Slurm's at the end of --signal=USR1@S (120 s by `scaletrain slurm`).
+# Slurm's USR1 before the run's first step: its start-up (a resume's load, the first step's compile) is no step
+# time to judge by, and the job needs the first step's save and exit 0 for its requeue, so it waits this long
+# (Slurm's SIGTERM comes at the end of --signal=USR1@S: 120 s by `scaletrain slurm`). A SIGTERM or Ctrl-C then
+# keeps the 2 s: a launcher stopping the survivors of a worker that failed while starting (torchrun would wait
+# 30 s for them before its SIGKILL), a user who wants out.
 FIRST_STEP_GRACE_S = 120.0
 
 
@@ -155,7 +157,8 @@ class PreemptFlag:
         signalled = time.monotonic()
         while not self._finished:
             time.sleep(0.2)
-            grace = max(MIN_GRACE_S, 5 * self._step_time()) if self._ticked else FIRST_STEP_GRACE_S
+            grace = FIRST_STEP_GRACE_S if not self._ticked and self.signum == signal.SIGUSR1 else \
+                max(MIN_GRACE_S, 5 * self._step_time())
             idle = time.monotonic() - max(self._last_tick, signalled)
             if not self._saving and not self._finished and idle > grace:
                 print(f"{self.label}scaletrain: no step completed for {idle:.1f} s after {self.name(self.signum)}: "
