@@ -19,20 +19,8 @@ from scaletrain.cli import main
 from scaletrain.env import _first_host, _tasks_on_node, adopt_slurm_task
 
 SRUN = """#!/bin/bash
-while [[ "$1" == --* ]]; do shift; done  # srun's own options
-n=${SLURM_NTASKS:-1}
-pids=()
-for ((i = 0; i < n; i++)); do
-  SLURM_STEP_ID=0 SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_NODEID=0 SLURM_STEP_NUM_TASKS=$n \\
-    SLURM_STEP_TASKS_PER_NODE=$n SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST "$@" &
-  pids+=($!)
-done
-code=0
-for pid in "${pids[@]}"; do wait "$pid" || code=$?; done
-exit $code
-"""
-SRUN_KILL_ON_BAD_EXIT = """#!/bin/bash
-while [[ "$1" == --* ]]; do shift; done  # srun's own options: --kill-on-bad-exit=1, as scaletrain slurm writes
+kill_bad=0  # srun's own options: --kill-on-bad-exit=1 (as scaletrain slurm writes) ends every task when one fails
+while [[ "$1" == --* ]]; do [[ "$1" == --kill-on-bad-exit=1 ]] && kill_bad=1; shift; done
 n=${SLURM_NTASKS:-1}
 pids=()
 for ((i = 0; i < n; i++)); do
@@ -43,7 +31,10 @@ done
 code=0
 for ((i = 0; i < n; i++)); do
   wait -n; c=$?
-  if [ "$c" -ne 0 ] && [ "$code" -eq 0 ]; then code=$c; kill "${pids[@]}" 2>/dev/null; fi
+  if [ "$c" -ne 0 ] && [ "$code" -eq 0 ]; then
+    code=$c
+    if [ "$kill_bad" = 1 ]; then kill "${pids[@]}" 2>/dev/null; fi
+  fi
 done
 exit $code
 """
@@ -134,7 +125,7 @@ def test_a_usage_error_in_srun_tasks_is_said_once(tmp_path: Path, where: str) ->
     by rank 1, through the group's store."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "srun").write_text(SRUN_KILL_ON_BAD_EXIT)
+    (stubs / "srun").write_text(SRUN)
     (stubs / "srun").chmod(0o755)
     env = {**os.environ, "PATH": os.pathsep.join([str(stubs), str(Path(sys.executable).parent), os.environ["PATH"]]),
            "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
@@ -143,7 +134,7 @@ def test_a_usage_error_in_srun_tasks_is_said_once(tmp_path: Path, where: str) ->
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
         env.pop(key, None)
     who = "true" if where == "every task" else '[ "$SLURM_PROCID" = 1 ]'
-    command = ["srun", "bash", "-c", f'if {who}; then set -- "$@" --train.max_stpes=4; fi; exec "$@"', "-",
+    command = ["srun", "--kill-on-bad-exit=1", "bash", "-c", f'if {who}; then set -- "$@" --train.max_stpes=4; fi; exec "$@"', "-",
                sys.executable, "-m", "scaletrain", "train", "digits", "--nproc=1", "--run.dir=run", *RUN]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     lines = [line for line in proc.stderr.splitlines() if line.startswith(("scaletrain:", "[rank"))]

@@ -94,10 +94,10 @@ def _callbacks(rank: int, world: int, overlap: bool) -> list[tuple[int, bool]]:
     calls: list[tuple[int, bool]] = []
     handed = timing._handed
 
-    def recorded(fut, value):
+    def recorded(value):
         calls.append((threading.get_native_id(), getattr(seen, "yes", False)))
         seen.yes = True
-        return handed(fut, value)
+        return handed(value)
 
     timing._handed = recorded
     try:

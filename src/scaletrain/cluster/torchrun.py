@@ -174,7 +174,7 @@ def check_endpoint(cfg: DistConfig) -> None:
     host, _, port = cfg.rdzv_endpoint.rpartition(":")
     host = host.strip("[]")
     try:
-        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as err:
         raise ConfigError("dist.rdzv_endpoint", cfg.rdzv_endpoint, f"a host this machine can resolve ({host}: "
                           f"{getattr(err, 'strerror', None) or err})",
@@ -183,7 +183,7 @@ def check_endpoint(cfg: DistConfig) -> None:
         return
     # torch's store listens on every interface for a name that is not an address (the machine's own host name):
     # a port held on any of them stops it, which the wildcard address finds
-    address = _bind_address(host) or ("::" if ":" in socket.getaddrinfo(host, int(port))[0][4][0] else "0.0.0.0")
+    address = _bind_address(host) or ("::" if found[0][0] == socket.AF_INET6 else "0.0.0.0")
     try:
         _listening_socket(address, int(port)).close()
     except OSError as err:

@@ -278,7 +278,7 @@ def attach_comm_hook(model: torch.nn.Module, timer: StepTimer | None, *, overlap
         held.append((bucket, mine))
         if bucket.is_last():
             for b, fut in held:
-                _allreduce(group, b).then(lambda done, fut=fut: _handed(fut, done.value()))
+                _allreduce(group, b).then(lambda done, fut=fut: fut.set_result(done.value()))
             held.clear()
         return mine
 
@@ -293,15 +293,16 @@ def _allreduce(group: Any, bucket: Any) -> torch.futures.Future:
 
     group = group if group is not None else dist.group.WORLD
     work = dist.all_reduce(bucket.buffer().div_(group.size()), group=group, async_op=True)
-    return work.get_future().then(lambda done: _handed(None, done.value()[0]))
+    return work.get_future().then(lambda done: _handed(done.value()[0]))
 
 
 _kept = threading.local()  # per Python thread state: set once this thread's state is kept for good
 
 
-def _handed(fut: torch.futures.Future | None, value: Any) -> Any:
-    """A comm hook's callback, which runs on the thread that completed the all-reduce (one of Gloo's): ``value``
-    (into ``fut``, when given). That thread keeps the Python thread state it was given to run this, for good.
+def _handed(value: Any) -> Any:
+    """A bucket's all-reduce callback, which runs on the thread that completed it (one of Gloo's): ``value``, the
+    bucket's mean (and, without overlap, what hands it to the held future runs next on that same thread). That
+    thread keeps the Python thread state it was given to run this, for good.
     Without, every bucket of every step made and dropped one (PyGILState_Ensure / Release); making one takes the
     interpreter's thread list lock without the GIL, and a fork() at that moment (a DataLoader starting its worker
     processes after a step, as an evaluation's loader did) left a child that waits for that lock forever, inside
@@ -311,8 +312,6 @@ def _handed(fut: torch.futures.Future | None, value: Any) -> Any:
     if not getattr(_kept, "yes", False):
         ctypes.pythonapi.PyGILState_Ensure()  # never released: the state lives as long as its thread
         _kept.yes = True
-    if fut is not None:
-        fut.set_result(value)
     return value
 
 

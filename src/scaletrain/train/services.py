@@ -201,7 +201,7 @@ def _unfinished(step: int, checkpointer: Checkpointer | None, failed: list[tuple
     latest = checkpointer.latest() if checkpointer is not None else None
     if checkpointer is not None and what.startswith("the checkpoint"):
         notes = [checkpointer.unchanged()]
-    elif what == WEIGHTS and latest is not None and commit.step_of(latest) == step:
+    elif what == WEIGHTS and _saved_at(step, checkpointer):
         export = f"scaletrain checkpoint export {latest} {getattr(first, 'path', WEIGHTS)}"
         notes = [f"{latest} holds the same weights (`{export}` writes them once there is room)"]
     else:
@@ -211,8 +211,8 @@ def _unfinished(step: int, checkpointer: Checkpointer | None, failed: list[tuple
     if others:
         notes.append(f"{' and '.join(others)} {'was' if len(others) == 1 else 'were'} not written either")
     if held:
-        again = f"resumes from {latest}" if latest else "trains it again (no checkpoint to resume from)"
-        notes.append(f"the run is not marked finished ({' and '.join(held)} left out): the same command {again} "
+        then = f"resumes from {latest}" if latest else "trains it again (no checkpoint to resume from)"
+        notes.append(f"the run is not marked finished ({' and '.join(held)} left out): the same command {then} "
                      "once there is room")
     if isinstance(first, DiskFull):
         return first.then("; ".join(notes))
