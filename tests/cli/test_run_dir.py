@@ -114,3 +114,28 @@ def test_a_forked_child_does_not_keep_the_run_dir_taken(tmp_path):
     finally:
         child.kill()
         child.join()
+
+
+def test_a_finished_run_with_checkpoints_says_how_to_train_it_further_and_that_works(tmp_path, monkeypatch, capsys):
+    """Asking a finished run directory for more steps (Lightning's fit(ckpt_path=...) with a larger max_steps) got
+    only "another --run.dir, or remove it": the fix now names the new directory and the latest checkpoint, and
+    that command goes on from the finished run's last step to the new end."""
+    import json
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "digits", "--train.max_steps=6", "--checkpoint.every=3", "--train.progress=false",
+            "--run.dir=runs/a"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main([*argv, "--train.max_steps=9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("scaletrain: error: run.dir = 'runs/a': expected a new or unfinished run directory "
+                    "(runs/a/summary.json says this one finished); fix: --run.dir=runs/a-2, or remove runs/a first; "
+                    "to train it further, add --run.dir=runs/a-2 --checkpoint.resume=runs/a/checkpoints/step-00000006 "
+                    "with a larger train.max_steps or train.epochs")]
+    further = shlex.split(err[0].split("add ", 1)[1].split(" with ", 1)[0])
+    assert main([*argv, "--train.max_steps=9", *further]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from runs/a/checkpoints/step-00000006: step 6 of 9" in out
+    assert json.loads((tmp_path / "runs/a-2/summary.json").read_text())["steps"] == 9

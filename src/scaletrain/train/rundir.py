@@ -14,6 +14,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+from scaletrain.checkpoint.commit import committed
 from scaletrain.config import Config, check_run_dir
 from scaletrain.errors import ConfigError
 from scaletrain.runtime import Runtime, rank0_decides
@@ -39,11 +40,22 @@ def choose_run_dir(cfg: Config) -> Config:
         check_run_dir(path)
         if finished(path):
             raise ConfigError("run.dir", cfg.run.dir, f"a new or unfinished run directory ({path / 'summary.json'} "
-                              "says this one finished)", f"--run.dir={_next_free(path)}, or remove {path} first")
+                              "says this one finished)", f"--run.dir={_next_free(path)}, or remove {path} first"
+                              + _further(path))
         return cfg
     check_run_dir(Path("runs") / cfg.run.name, "default: runs/<run.name>")
     path = _next_free(Path("runs") / cfg.run.name)
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(path)))
+
+
+def _further(path: Path) -> str:
+    """The rest of a finished run directory's fix: how to train that run further (a larger train.max_steps or
+    more epochs, as Lightning's fit(ckpt_path=...) does), from its latest checkpoint, in a directory of its own."""
+    saved = committed(path / "checkpoints")
+    if not saved:
+        return ""
+    return (f"; to train it further, add --run.dir={_next_free(path)} --checkpoint.resume={saved[-1][1]} with a "
+            "larger train.max_steps or train.epochs")
 
 
 LOCK = ".lock"
