@@ -7,7 +7,9 @@ micro-step k of all ranks together covers permutation positions [k*b*W, (k+1)*b*
 
 Tail rule (training): an epoch runs only whole optimizer steps. The last ``len % (b * W * accum)`` positions
 of each epoch's permutation are dropped; since the permutation changes every epoch, so do the dropped samples.
-Eval shards are never padded nor dropped: rank r evaluates samples r, r + W, ... once each.
+Eval shards are never padded nor dropped: rank r evaluates samples r, r + W, ... once each (fit()'s held-out
+split); a loader of a session's loop read inside session.evaluating() gives every sample once too, in as many
+batches on every rank (ShardedLoader.whole_pass).
 
 The loader's position is a *global sample cursor* (permutation positions consumed this epoch), which is what
 makes a resumed run exact, also at another world size: the resumed ranks continue at position ``cursor``
@@ -91,6 +93,7 @@ class ShardedLoader:
                                  persistent_workers=num_workers > 0, generator=self.generator)
         self.track_indices = False  # set to make last_indices available (verify-resume's traces)
         self.last_indices: list[int] = []
+        self._whole: DataLoader | None = None  # whole_pass()'s loader, made once (its workers kept)
 
     @property
     def epoch(self) -> int:
@@ -131,6 +134,37 @@ class ShardedLoader:
         s.epoch += 1
         s.cursor = 0
         s.end = s.usable
+
+    def whole_pass(self) -> Iterator[Any]:
+        """Every sample of the data set once over the ranks, this rank's share in whole_pass_batches()' batches:
+        an evaluation pass (session.evaluating()), which neither drops the tail nor moves the training position.
+        Its own generator, so it draws nothing from the global RNG; its workers stay for the next pass."""
+        if self._whole is None:
+            own = self.loader
+            self._whole = DataLoader(own.dataset, batch_sampler=self.whole_pass_batches(),
+                                     num_workers=own.num_workers, pin_memory=own.pin_memory,
+                                     collate_fn=own.collate_fn, persistent_workers=own.num_workers > 0,
+                                     generator=torch.Generator().manual_seed(self.seed))
+        return iter(self._whole)
+
+    def whole_pass_batches(self) -> list[list[int]]:
+        """This rank's batches of a whole pass: the first epoch's order (the data set's own without shuffle) cut
+        into k = ceil(size / (batch_size x world)) chunks as even as can be, rank r taking positions r, r + W, ...
+        of each. Every rank gets k batches of at most batch_size (a collective forward, FSDP's, runs as often on
+        each), together every sample once, none padded; the last batches are smaller rather than dropped. Only
+        a data set of fewer than world samples per chunk leaves a rank a batch short (an empty one is skipped)."""
+        s = self.sampler
+        order = epoch_permutation(s.size, s.seed, 0, s.shuffle).tolist()
+        chunks = -(-s.size // self.micro_samples)
+        even, extra = divmod(s.size, chunks)
+        batches, start = [], 0
+        for i in range(chunks):
+            end = start + even + (i < extra)
+            mine = order[start + s.rank : end : s.world]
+            if mine:
+                batches.append(mine)
+            start = end
+        return batches
 
     def state_dict(self) -> dict[str, int]:
         s = self.sampler
@@ -212,6 +246,7 @@ class StreamLoader:
         self.epoch, self.cursor = 0, 0  # the pass, and the items of it consumed (all ranks together)
         self.track_indices = False  # set to make last_indices available (verify-resume's traces)
         self.last_indices: list[int] = []
+        self._whole: DataLoader | None = None  # whole_pass()'s loader, made once (its workers kept)
         self._items: Iterator[Any] | None = None  # the current pass, read up to the cursor and the pending step
         self._pending: list[Any] = []  # this rank's micro-batches of the step read, not yet handed out
 

@@ -232,7 +232,9 @@ def _bare(resume: Resume) -> bool:
 class Loader:
     """One rank's shard of a data set for a loop of one's own: ``for batch in loader`` is the rest of the
     current epoch (then the next epoch begins), every batch on the session's device. Resumable: its position is
-    in the session's checkpoints, and a resumed run continues mid-epoch with the next unseen batch."""
+    in the session's checkpoints, and a resumed run continues mid-epoch with the next unseen batch. Read inside
+    session.evaluating(), it is one whole pass instead (every sample once over the ranks, as many batches on
+    each), and its position stays where training left it."""
 
     def __init__(self, session: Session, inner: ShardedLoader | StreamLoader) -> None:
         self._session, self.inner = session, inner
@@ -246,6 +248,8 @@ class Loader:
         return self.inner.epoch
 
     def __len__(self) -> int:
+        if self._session._evaluating and isinstance(self.inner, ShardedLoader):
+            return len(self.inner.whole_pass_batches())  # an evaluation's pass: every sample once (__iter__)
         if isinstance(self.inner, StreamLoader):
             # TypeError, as a DataLoader over an IterableDataset raises: what tqdm and others catch for "no length"
             raise TypeError("len(loader): a stream's length is unknown until a pass of it ends; train for "
@@ -253,7 +257,15 @@ class Loader:
         return self.inner.steps_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
-        batches, st = self.inner.epoch_batches(), self._session
+        st = self._session
+        if st._evaluating and isinstance(self.inner, ShardedLoader):
+            # Read inside st.evaluating(): one whole pass, every sample once over the ranks and as many batches
+            # on each (a collective forward, FSDP's, runs alike everywhere), the tail kept, the training position
+            # untouched: the next evaluation sees the same samples, and a resume is as exact as without it
+            for batch in self.inner.whole_pass():
+                yield to_device(batch, st.device)
+            return
+        batches = self.inner.epoch_batches()
         while True:
             st._start_training()  # the RNG is restored before anything can draw from it
             started = time.perf_counter()
@@ -263,7 +275,7 @@ class Loader:
             except StopIteration:
                 return
             waited = time.perf_counter() - started
-            if st._evaluating:  # a held-out loader read in st.evaluating(): not training's samples or wait
+            if st._evaluating:  # a held-out stream read in st.evaluating(): not training's samples or wait
                 yield to_device(batch, st.device)
                 continue
             self.drawn += 1

@@ -1,0 +1,95 @@
+"""A loop of one's own evaluating with a session's loader: read inside st.evaluating(), a loader gives every sample
+of its data set once over the ranks, in as many batches on every rank (FSDP's collective forward runs as often
+everywhere), and leaves the training position as it was. Before, it went on through its training epochs: the tail
+of a step's worth was dropped (96 of 100 held-out samples on 2 ranks at batch 16)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from spawn_ranks import run_ranks
+
+from scaletrain.data.loader import ShardedLoader
+
+HELD_OUT = 37  # not a multiple of batch x world: a tail the training rule would drop
+
+
+@pytest.mark.parametrize(("size", "batch", "world"), [(37, 8, 2), (100, 16, 2), (96, 16, 2), (10, 4, 3),
+                                                      (64, 1, 4), (1797, 64, 3), (5, 16, 2)])
+def test_a_whole_pass_is_every_sample_once_in_as_many_batches_on_every_rank(size, batch, world):
+    passes = [ShardedLoader(list(range(size)), batch_size=1 if size < batch * world else batch, rank=r, world=world,
+                            accum=1, seed=3, shuffle=True).whole_pass_batches() for r in range(world)]
+    if size >= batch * world:
+        assert {len(p) for p in passes} == {-(-size // (batch * world))}  # ceil(size / (batch x world)) each
+        assert all(0 < len(b) <= batch for b in itertools.chain(*passes))
+    assert sorted(itertools.chain(*itertools.chain(*passes))) == list(range(size))
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Sample i: (its index as a float feature row, a class)."""
+
+    def __init__(self, n: int) -> None:
+        self.x = torch.randn(n, 4, generator=torch.Generator().manual_seed(n))
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.tensor(i), self.x[i], torch.tensor(i % 3)
+
+
+def _loop(rank: int, world: int, where: str, strategy: str, evaluate: bool) -> list[list[int]]:
+    """8 steps of a small classifier; with ``evaluate``, a held-out pass at steps 3 and 6 (the indices each rank
+    saw, per pass)."""
+    import torch.distributed as dist
+
+    import scaletrain
+
+    seen: list[list[int]] = []
+    cfg = {"run.dir": str(Path(where) / f"{strategy}-{evaluate}"), "train.max_steps": 8, "log.every": 4,
+           "data.batch_size": 8, "parallel.strategy": strategy, "checkpoint.every": 100, "train.progress": False}
+    with scaletrain.session(cfg) as st:
+        model, opt = st.setup(torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)),
+                              lambda p: torch.optim.SGD(p, lr=0.1))
+        loader, val = st.loader(Indexed(64)), st.loader(Indexed(HELD_OUT), shuffle=False)
+        while not st.done:
+            for _, x, y in loader:
+                with st.step():
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                    st.backward(loss)
+                    opt.step()
+                    opt.zero_grad()
+                if evaluate and st.steps in (3, 6):
+                    with st.evaluating(), torch.no_grad():
+                        batches = len(val)
+                        mine = []
+                        for idx, x, _ in val:
+                            model(x)  # under FSDP a collective: every rank runs as many
+                            mine += idx.tolist()
+                    counts = [0] * world
+                    dist.all_gather_object(counts, batches)
+                    assert len(set(counts)) == 1, counts
+                    seen.append(mine)
+                if st.done:
+                    break
+    return seen
+
+
+def _both(rank: int, world: int, where: str, strategy: str) -> list[list[int]]:
+    _loop(rank, world, where, strategy, evaluate=False)
+    return _loop(rank, world, where, strategy, evaluate=True)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_evaluation_in_a_loop_sees_every_held_out_sample_once_and_training_is_unchanged(tmp_path, strategy):
+    per_rank = run_ranks(_both, 2, str(tmp_path), strategy)
+    for evaluation in zip(*per_rank):  # each pass: the ranks' indices together are the held-out set, once each
+        assert sorted(itertools.chain(*evaluation)) == list(range(HELD_OUT))
+    assert len(per_rank[0]) == 2
+    weights = [safetensors.torch.load_file(str(tmp_path / f"{strategy}-{e}" / "model.safetensors")) for e in (False, True)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # bitwise: nothing drawn or moved
