@@ -63,3 +63,32 @@ def test_tokens_are_each_batchs_own_and_held_out_batches_are_not_training(tmp_pa
     assert round(record["tokens_per_s"] / record["samples_per_s"], 6) == 6.0  # (3 + 5 + 7 + 9) / 4 (3.43 before)
     summary = json.loads((run / "summary.json").read_text())
     assert round(summary["tokens_per_s"] / summary["samples_per_s"], 6) == 6.0
+
+
+def _accumulating(run, steps: int) -> None:
+    """A loop accumulating over 2 batches of 4 it draws itself each step, from a loader made without accum=."""
+    cfg = {"run.dir": str(run), "dist.device": "cpu", "train.max_steps": steps, "checkpoint.every": 3,
+           "log.every": 3, "data.batch_size": 4, "train.progress": False}
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    with scaletrain.session(cfg) as st:
+        model, opt = st.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        batches = iter(st.loader((x, (x[:, 0] > 0).long())))
+        while not st.done:
+            with st.step():
+                for _ in range(2):
+                    xb, yb = next(batches)
+                    st.backward(nn.functional.cross_entropy(model(xb), yb) / 2)
+                opt.step()
+                opt.zero_grad()
+
+
+def test_samples_are_the_batches_a_loop_drew_however_it_accumulates(tmp_path):
+    """The summary's samples were steps x the loader's step (its accum=1): 24 for 6 steps of 2 batches of 4. Now
+    the batches drawn for steps, 48, and a resumed run goes on from the count its checkpoint saved."""
+    _accumulating(tmp_path / "whole", 6)
+    assert json.loads((tmp_path / "whole/summary.json").read_text())["samples"] == 48
+    _accumulating(tmp_path / "parts", 3)
+    assert json.loads((tmp_path / "parts/summary.json").read_text())["samples"] == 24
+    (tmp_path / "parts/summary.json").unlink()  # unfinished again: the same directory resumes from step 3
+    _accumulating(tmp_path / "parts", 6)
+    assert json.loads((tmp_path / "parts/summary.json").read_text())["samples"] == 48

@@ -241,6 +241,7 @@ class Loader:
         self.waited = 0.0  # seconds this rank waited for batches since the last step began
         self.drawn = 0  # batches handed out since the last step began
         self.tokens = 0  # their tokens (token-id batches: each batch's own width, padded batches of any length)
+        self.stepped = 0  # training batches handed out by the end of the last step, this session
 
     @property
     def epoch(self) -> int:
@@ -384,12 +385,12 @@ class Session:
         self._rank_state = _rank_as_session(self._read_rank_state())
         self.steps = int(self._trainer.get("step", 0))  # optimizer steps completed (st.step() blocks)
         self.train_time = float(self._trainer.get("train_time_s", 0.0))
-        # (step, samples drawn by then): a resume at another global batch goes on counting from the saved count
+        # samples drawn before this session: a resume at another global batch goes on counting from the saved count
         # (a checkpoint from before the count was saved: its steps at its own global batch)
         drawn = self._trainer.get("samples")
         if drawn is None and self.resume is not None:
             drawn = self.steps * int(self.resume.meta.get("global_batch", 0))
-        self._drawn_at = (self.steps, int(drawn or 0))
+        self._drawn_before = int(drawn or 0)
         self.services = services = RunServices.open(cfg, rt, self.console, self.resume, started=self.started)
         self.writer, self.checkpointer = services.writer, services.checkpointer
         if self.layout is not None and self.layout.pp > 1:  # a stage's replicas are its straggler peers
@@ -777,6 +778,7 @@ class Session:
         for loader in self._loaders:  # this rank's batches (the ranks of a TP group or a pipeline share one)
             self._samples += loader.drawn * loader.inner.batch_size
             self._tokens += loader.tokens
+            loader.stepped += loader.drawn
             loader.waited, loader.drawn, loader.tokens = 0.0, 0, 0
 
     def _model_state(self) -> MemoryBreakdown:
@@ -1117,11 +1119,12 @@ class Session:
     # -- checkpoints ---------------------------------------------------------------------------------------
 
     def samples_drawn(self) -> int:
-        """Training samples the first st.loader handed out over the whole run, all ranks and every attempt: a
-        resume at another world size changes the global batch, not what was drawn before it."""
-        steps, drawn = self._drawn_at
-        first = self._loaders[0].inner if self._loaders else None
-        return drawn + (self.steps - steps) * first.step_samples if first is not None else drawn
+        """Training samples the first st.loader handed out to steps over the whole run, all ranks and every attempt:
+        a resume at another world size changes the global batch, not what was drawn before it. Counted from its
+        batches (each rank draws alike), not from steps x its accum: a loop accumulating over batches it draws
+        itself, from a loader made without accum=, draws more than one batch a step."""
+        first = self._loaders[0] if self._loaders else None
+        return self._drawn_before + (first.stepped * first.inner.micro_samples if first is not None else 0)
 
     def _save(self, *, final: bool) -> None:
         ckpt = self.checkpointer
