@@ -169,3 +169,21 @@ def test_export_passes_over_a_damaged_newest_checkpoint_as_a_resume_does(tmp_pat
     assert safetensors.torch.load_file(str(tmp_path / "new" / "w.safetensors"))
     assert main(["checkpoint", "export", str(newest.parent), str(tmp_path / "x.safetensors")]) == 2
     assert "SHA-256 does not match" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()
+
+
+def test_inspect_gives_a_truncated_checkpoints_size_as_it_is_on_disk(fsdp_run, tmp_path, monkeypatch, capsys):
+    """The size column summed the manifest's sizes: a checkpoint whose file was cut to 1,000 bytes showed its whole
+    size beside BAD. Now the files' own sizes: what the BAD one holds."""
+    shutil.copytree(fsdp_run / "run", tmp_path / "run")
+    latest = tmp_path / "run" / "checkpoints" / "step-00000008"
+    manifest = json.loads((latest / commit.MANIFEST).read_text())
+    biggest = max(manifest["files"], key=lambda name: manifest["files"][name]["bytes"])
+    recorded = sum(f["bytes"] for f in manifest["files"].values())
+    os.truncate(latest / biggest, 1000)
+    code, out = inspect(str(tmp_path / "run"), capsys, "--json")
+    assert code == 1
+    infos = {i["step"]: i for i in json.loads(out)}
+    assert infos[8]["status"] == "BAD"
+    assert infos[8]["bytes"] == recorded - manifest["files"][biggest]["bytes"] + 1000
+    assert infos[4]["bytes"] == sum(f["bytes"] for f in json.loads(
+        (latest.parent / "step-00000004" / commit.MANIFEST).read_text())["files"].values())

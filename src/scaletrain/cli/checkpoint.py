@@ -87,10 +87,18 @@ def _describe(path: Path, hashes: bool) -> dict[str, Any]:
             info.update(status="damaged", problem=str(err))
     meta = manifest.get("meta", {})
     info.update(step=manifest["step"], created=manifest.get("created"), files=manifest["files"],
-                bytes=sum(f["bytes"] for f in manifest["files"].values()),
+                bytes=sum(_on_disk(path / name) for name in manifest["files"]),  # a truncated file's own size
                 **{k: meta.get(k) for k in ("format", "epoch", "world_size", "global_batch", "config_digest",
                                             "torch", "scaletrain")})
     return info
+
+
+def _on_disk(file: Path) -> int:
+    """A file's size as it is (0 when it is missing), not as the manifest recorded it."""
+    try:
+        return file.stat().st_size
+    except OSError:
+        return 0
 
 
 def _table(title: str, columns: dict[str, str]) -> Any:
