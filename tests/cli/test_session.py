@@ -201,6 +201,37 @@ def test_parts_of_the_bare_model_called_under_ddp_are_one_line_not_ranks_driftin
         "since the last step") and "fix: call the model setup() returned" in said[0], said
 
 
+BREAKS_ALONE = """
+import sys, torch, scaletrain
+x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+with scaletrain.session({"train.max_steps": 10, "log.every": 5, "data.batch_size": 16}, argv=sys.argv[1:]) as st:
+    model, opt = st.setup(torch.nn.Linear(8, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+    for xb, yb in st.loader((x, (x[:, 0] > 0).long())):
+        with st.step():
+            st.backward(torch.nn.functional.cross_entropy(model(xb), yb))
+            opt.step()
+            opt.zero_grad()
+        if st.rank == 1 and st.steps == 3:  # an early stop decided from this rank's own state
+            break
+"""
+
+
+def test_a_rank_leaving_the_loop_alone_is_named_not_a_logging_mistake(tmp_path: Path) -> None:
+    """Rank 1 breaks out at step 3 while rank 0 goes on: rank 1's closing gather met rank 0's next all-reduce and
+    the line blamed "different names logged". It now says which rank left, at which step, and the fix."""
+    script = tmp_path / "breaks_alone.py"
+    script.write_text(BREAKS_ALONE)
+    done = _launch(tmp_path / "run", "--dist.timeout_s=5", script=script, run=[])
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines() if "scaletrain: error:" in line]
+    assert said and said[0] == (
+        "[rank 1] scaletrain: error: session: rank 1 left the loop at step 3 of 10 (st.done was False) and closed "
+        "the session, while the other ranks went on to the next step (RuntimeError in the closing gather); fix: "
+        "leave the loop on every rank at the same step: on st.done, or on a decision every rank shares (all-reduce "
+        "the flag that stops one)"), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+
+
 def _trace(run_dir: Path, rank: int) -> dict[Any, dict[str, Any]]:
     """debug.trace's records of one rank: by step, and a resume event under ("resume", step)."""
     records = [json.loads(line) for line in (run_dir / "trace" / f"rank-{rank:05d}.jsonl").read_text().splitlines()]

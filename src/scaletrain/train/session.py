@@ -359,6 +359,7 @@ class Session:
         self._nnodes = max(1, rt.world_size // rt.local_world_size)
         self.chaos = Chaos(cfg.chaos, rt.rank, rt.world_size)  # first: a rank beyond the world writes nothing
         self.total_steps = cfg.train.max_steps  # 0: the loop decides when it is done
+        self._closing = False  # close() has begun its final gathers
         self.flops_per_sample = 0.0  # model FLOPs per training sample, where known: MFU in the records
         # the trainer's own cross-entropy on a built-in model under tensor parallelism: logits kept split
         # (parallel/tensor.py loss_context); a loop of one's own sees ordinary logits
@@ -1004,6 +1005,15 @@ class Session:
                           arrivals=self._arrivals.read() if phases and self._arrivals is not None
                           and self._arrivals.due() else None)
         except RuntimeError as err:  # rows of other lengths: other numbers of names
+            if self._closing and not self.done and self.total_steps:
+                # this rank left the loop before the run's end, and the others' next collective was not its
+                # closing gather: they went on stepping (a break on this rank's own condition, an early stop
+                # decided from its own loss)
+                raise UserError(f"session: rank {self.rank} left the loop at step {self.steps} of "
+                                f"{self.total_steps} (st.done was False) and closed the session, while the other "
+                                f"ranks went on to the next step ({type(err).__name__} in the closing gather); "
+                                "fix: leave the loop on every rank at the same step: on st.done, or on a decision "
+                                "every rank shares (all-reduce the flag that stops one)") from err
             raise UserError("session.log(): the ranks logged different names (or numbers of them) in this "
                             f"interval ({type(err).__name__}); fix: log the same names on every rank") from err
 
@@ -1293,6 +1303,7 @@ class Session:
             if finished and self.steps:
                 if ckpt is not None and self.cfg.checkpoint.every > 0 and ckpt.last_step != self.steps:
                     self._save(final=False)  # as fit()'s last save: a failure is said once the outputs are written
+                self._closing = True  # a failing gather from here on: the ranks may have left the loop apart
                 if self._ran:
                     self._log()
                 if self.timer.timeline is not None:
