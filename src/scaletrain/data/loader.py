@@ -246,7 +246,6 @@ class StreamLoader:
         self.epoch, self.cursor = 0, 0  # the pass, and the items of it consumed (all ranks together)
         self.track_indices = False  # set to make last_indices available (verify-resume's traces)
         self.last_indices: list[int] = []
-        self._whole: DataLoader | None = None  # whole_pass()'s loader, made once (its workers kept)
         self._items: Iterator[Any] | None = None  # the current pass, read up to the cursor and the pending step
         self._pending: list[Any] = []  # this rank's micro-batches of the step read, not yet handed out
 
