@@ -65,10 +65,52 @@ def check_tp(model: nn.Module, tp: int) -> None:
         first = model.blocks[0] if isinstance(model, GPT) else next(iter(model.blocks.values()))
         check_tp_split(tp, "gpt", (("model.n_head", first.attn.n_head),), hidden=first.mlp[0].out_features,
                        loss="fused" if getattr(model, "fused_loss", False) else "split")
+    elif tp > 1 and (hf := _hf_plan(model)) is not None:  # a transformers model that states its own split
+        _check_hf(model, hf[1], tp)
     elif tp > 1:  # a model of the user's (fit(), a session): nothing says how to split its matrices
         raise ConfigError("parallel.tp", tp, f"1 for a {type(model).__name__} (a model of yours): tensor parallelism "
-                          "splits the built-in GPT and Llama (model.name=gpt or llama)", "--parallel.tp=1, and "
-                          "--parallel.strategy=fsdp for a model that does not fit one device")
+                          "splits the built-in GPT and Llama (model.name=gpt or llama) and Hugging Face models "
+                          "whose config has a base_model_tp_plan", "--parallel.tp=1, and --parallel.strategy=fsdp "
+                          "for a model that does not fit one device")
+
+
+# A Hugging Face plan's styles, as torch's parallel styles: a matrix split by output (its input whole) or by input
+# (its output all-reduced whole). transformers names others (gathered, packed, local, sequence-parallel) that
+# the models it plans with these two do not need.
+HF_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def _hf_plan(model: nn.Module) -> tuple[nn.Module, dict[str, str]] | None:
+    """(the module its names start from, the plan) of a Hugging Face transformers model whose config says how to
+    split it (config.base_model_tp_plan: module patterns such as "layers.*.self_attn.q_proj" -> "colwise", what
+    transformers' own tensor parallelism reads); None for any other model."""
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    base = getattr(model, "base_model", None)
+    if not plan or not isinstance(base, nn.Module):
+        return None
+    return base, dict(plan)
+
+
+def _check_hf(model: nn.Module, plan: dict[str, str], tp: int) -> None:
+    """A transformers model's plan in styles HF_STYLES knows, and its heads and MLP width divided whole."""
+    name = type(model).__name__
+    other = sorted({style for style in plan.values() if style not in HF_STYLES})
+    if other:
+        raise ConfigError("parallel.tp", tp, f"1 for a {name}: its config's base_model_tp_plan splits modules as "
+                          f"{', '.join(other)}, and scaletrain splits a Hugging Face model's matrices by "
+                          f"{' and '.join(HF_STYLES)} only", "--parallel.tp=1, and --parallel.strategy=fsdp for a "
+                          "model that does not fit one device")
+    config = model.config  # type: ignore[union-attr]
+    heads = getattr(config, "num_attention_heads", None)
+    counts = [("num_attention_heads", heads), ("num_key_value_heads", getattr(config, "num_key_value_heads", heads))]
+    for key, n in counts:
+        if isinstance(n, int) and n % tp:
+            raise ConfigError("parallel.tp", tp, f"a divisor of the {name}'s {key} = {n} (each rank takes whole "
+                              "heads)", f"--parallel.tp={max(d for d in range(1, tp) if n % d == 0)}")
+    width = getattr(config, "intermediate_size", None)
+    if isinstance(width, int) and width % tp:
+        raise ConfigError("parallel.tp", tp, f"a divisor of the {name}'s intermediate_size = {width}",
+                          f"--parallel.tp={max(d for d in range(1, tp) if width % d == 0)}")
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -167,7 +209,15 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, loss_parallel: bool = False)
     _quiet()
     logits = {"output_layouts": Shard(-1), "use_local_output": False} if loss_parallel else \
         {"output_layouts": Replicate()}
-    model.loss_parallel = loss_parallel
+    hf = _hf_plan(model)
+    model.loss_parallel = loss_parallel and hf is None
+    if hf is not None:  # its own plan (_hf_plan), applied by torch's parallelize_module: no sequence parallelism,
+        base, plan = hf  # the embeddings and the head whole on every rank, its loss on whole logits
+        parallelize_module(base, mesh, {pattern: HF_STYLES[style]() for pattern, style in plan.items()})
+        _replicate_rest(model, mesh)
+        log.info("tensor parallel: %s split %d ways by its config's base_model_tp_plan", type(model).__name__,
+                 mesh.size())
+        return model
     if hasattr(model, "blocks"):  # a GPT or a pipeline stage of one (a Llama's are its layers)
         return _apply_tp_gpt(model, mesh, logits)
     ends = {
@@ -199,6 +249,22 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, loss_parallel: bool = False)
         })
     log.info("tensor parallel: %d blocks split %d ways (sequence-parallel norms)", len(_blocks(model)), mesh.size())
     return model
+
+
+def _replicate_rest(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Every parameter a plan left whole (embeddings, norms, the head) a Replicate DTensor, as Replicated() makes
+    them, so that clipping and DCP see DTensors only (torch refuses a norm over a mix); a parameter two modules
+    share (a head tied to the embedding) stays one parameter."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        whole = {k: p for k, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)}
+        for key, param in whole.items():
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(distribute_tensor(param.data, mesh, [Replicate()]),
+                                               requires_grad=param.requires_grad)
+            module.register_parameter(key, made[id(param)])
+        if whole:
+            Replicated()._apply(module, mesh)  # its inputs made DTensors, its outputs local again
 
 
 def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
