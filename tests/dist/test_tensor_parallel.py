@@ -146,7 +146,8 @@ def test_a_model_of_ones_own_named_gpt_is_not_taken_for_the_built_in_one():
     with pytest.raises(ConfigError) as err:
         check_tp(GPT(), 2)
     assert str(err.value) == ("parallel.tp = 2: expected 1 for a GPT (a model of yours): tensor parallelism splits "
-                              "the built-in GPT and Llama (model.name=gpt or llama); fix: --parallel.tp=1, and "
+                              "the built-in GPT and Llama (model.name=gpt or llama) and Hugging Face models whose "
+                              "config has a base_model_tp_plan; fix: --parallel.tp=1, and "
                               "--parallel.strategy=fsdp for a model that does not fit one device")
 
 
