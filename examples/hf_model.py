@@ -5,6 +5,7 @@ a few modules of this Python's own standard library (vocabulary 256: one token p
     python examples/hf_model.py [--section.key=value ...]                       # one process
     torchrun --nproc_per_node 2 examples/hf_model.py [--section.key=value ...]  # two workers, torchrun itself
     scaletrain launch --nproc 2 examples/hf_model.py [--section.key=value ...]  # the same, through scaletrain
+    scaletrain launch --nproc 2 examples/hf_model.py --parallel.tp=2  # tensor parallel, by its config's own plan
 
 The batches are dicts, as transformers takes them (``model(**batch)``); the model computes its own loss from
 ``labels`` (it shifts them by one itself) and returns it in its ModelOutput. The sizes come from the session's

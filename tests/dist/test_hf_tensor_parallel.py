@@ -78,3 +78,12 @@ def test_what_a_transformers_model_cannot_split_is_one_line():
     with pytest.raises(ConfigError) as err:
         check_tp(gpt2, 2)
     assert "base_model_tp_plan" in str(err.value) and "fix: --parallel.tp=1" in str(err.value)
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=2))
+    styles = sorted({s for s in mixtral.config.base_model_tp_plan.values() if s not in ("colwise", "rowwise")})
+    with pytest.raises(ConfigError) as err:
+        check_tp(mixtral, 2)
+    assert str(err.value).startswith(f"parallel.tp = 2: expected 1 for a MixtralForCausalLM: its config's "
+                                     f"base_model_tp_plan splits modules as {' and '.join(styles)}, and scaletrain "
+                                     "splits a Hugging Face model's matrices by colwise and rowwise only"), err.value

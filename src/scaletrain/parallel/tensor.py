@@ -96,8 +96,9 @@ def _check_hf(model: nn.Module, plan: dict[str, str], tp: int) -> None:
     name = type(model).__name__
     other = sorted({style for style in plan.values() if style not in HF_STYLES})
     if other:
+        listed = " and ".join([", ".join(other[:-1]), other[-1]] if len(other) > 1 else other)
         raise ConfigError("parallel.tp", tp, f"1 for a {name}: its config's base_model_tp_plan splits modules as "
-                          f"{', '.join(other)}, and scaletrain splits a Hugging Face model's matrices by "
+                          f"{listed}, and scaletrain splits a Hugging Face model's matrices by "
                           f"{' and '.join(HF_STYLES)} only", "--parallel.tp=1, and --parallel.strategy=fsdp for a "
                           "model that does not fit one device")
     config = model.config  # type: ignore[union-attr]
