@@ -92,3 +92,4 @@ def test_samples_are_the_batches_a_loop_drew_however_it_accumulates(tmp_path):
     (tmp_path / "parts/summary.json").unlink()  # unfinished again: the same directory resumes from step 3
     _accumulating(tmp_path / "parts", 6)
     assert json.loads((tmp_path / "parts/summary.json").read_text())["samples"] == 48
+

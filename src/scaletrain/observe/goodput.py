@@ -150,8 +150,14 @@ def earlier_attempts(records: Sequence[Mapping[str, Any]], resume_step: int, *, 
 
 def describe(goodput: Mapping[str, Any]) -> str:
     """One line for the summary table: every part with its share."""
-    return ", ".join(f"{NAMES[k]} {goodput['parts_s'][k]:.1f} s ({100 * goodput['fraction'][k]:.0f}%)"
+    return ", ".join(f"{NAMES[k]} {seconds(goodput['parts_s'][k])} ({100 * goodput['fraction'][k]:.0f}%)"
                      for k in (*PARTS, *EARLIER) if k in goodput["parts_s"])
+
+
+def seconds(s: float) -> str:
+    """A duration for the summary: tenths of a second, hundredths below one (a short run's parts read "0.0 s
+    (11%)" otherwise)."""
+    return f"{s:.2f} s" if 0 < s < 1 else f"{s:.1f} s"
 
 
 def process_started() -> float:

@@ -18,7 +18,7 @@ from scaletrain.config import Config
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory, train_size
 from scaletrain.errors import DiskFull, Reported, TrainingFailed, first_line, says_errors
 from scaletrain.observe.console import Console
-from scaletrain.observe.goodput import WARMUP_STEPS, describe
+from scaletrain.observe.goodput import WARMUP_STEPS, describe, seconds
 from scaletrain.observe.memory import (
     device_capacity_bytes,
     fmt_bytes,
@@ -220,9 +220,9 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
               f"{s['host']}, {s['phase']}, +{1000 * s['slower_by_s']:.1f} ms/step in {s['intervals']} interval(s)")
              for s in summary["stragglers"]]
     good = summary["goodput"]
-    wall = f"{summary['wall_s']:.1f} s"
+    wall = seconds(summary["wall_s"])
     if good.get("attempts", 1) > 1:  # the account below spans every attempt of the run: say both
-        wall += f" this attempt; {good['wall_s']:.1f} s over its {good['attempts']} attempts"
+        wall += f" this attempt; {seconds(good['wall_s'])} over its {good['attempts']} attempts"
     rows += [("wall time", wall), ("time spent on", describe(good)),
              ("peak memory / rank", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB"),
              *_memory_row(summary.get("mem", {})),
