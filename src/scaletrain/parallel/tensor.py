@@ -74,10 +74,35 @@ def check_tp(model: nn.Module, tp: int) -> None:
                           "for a model that does not fit one device")
 
 
-# A Hugging Face plan's styles, as torch's parallel styles: a matrix split by output (its input whole) or by input
-# (its output all-reduced whole). transformers names others (gathered, packed, local, sequence-parallel) that
-# the models it plans with these two do not need.
-HF_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+class ReplicatedGradSummed(ParallelStyle):
+    """transformers' "replicated_with_grad_allreduce": a module every rank holds whole but applies to its own
+    heads only (Qwen3's and Gemma3's per-head query and key norms, after the split projections), so each rank's
+    gradient is its heads' share: summed over the group in backward, one all-reduce of the weight's size."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        Replicated()._apply(module, device_mesh)
+        group = device_mesh.get_group()
+
+        def summed(grad: torch.Tensor) -> torch.Tensor:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            torch.distributed.all_reduce(local, group=group)
+            return grad
+
+        for param in module.parameters(recurse=False):
+            if param.requires_grad:
+                param.register_hook(summed)
+        return module
+
+
+# A Hugging Face plan's styles (config.base_model_tp_plan), as torch's parallel styles: a matrix split by output
+# (its input whole; "gather_output": its output all-gathered whole again) or by input (its output all-reduced;
+# "split_input": a whole input sliced here, no communication), an embedding split by vocabulary rows, a module
+# kept whole whose gradient is summed. transformers names others (packed, local, MoE experts) that are refused.
+HF_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+             "colwise_gather_output": functools.partial(ColwiseParallel, output_layouts=Replicate()),
+             "rowwise_split_input": functools.partial(RowwiseParallel, input_layouts=Replicate()),
+             "embedding_rowwise": functools.partial(RowwiseParallel, input_layouts=Replicate()),  # whole token ids
+             "replicated_with_grad_allreduce": ReplicatedGradSummed}
 
 
 def _hf_plan(model: nn.Module) -> tuple[nn.Module, dict[str, str]] | None:
@@ -98,8 +123,8 @@ def _check_hf(model: nn.Module, plan: dict[str, str], tp: int) -> None:
     if other:
         listed = " and ".join([", ".join(other[:-1]), other[-1]] if len(other) > 1 else other)
         raise ConfigError("parallel.tp", tp, f"1 for a {name}: its config's base_model_tp_plan splits modules as "
-                          f"{listed}, and scaletrain splits a Hugging Face model's matrices by "
-                          f"{' and '.join(HF_STYLES)} only", "--parallel.tp=1, and --parallel.strategy=fsdp for a "
+                          f"{listed}, which scaletrain does not apply (it applies "
+                          f"{', '.join(HF_STYLES)})", "--parallel.tp=1, and --parallel.strategy=fsdp for a "
                           "model that does not fit one device")
     config = model.config  # type: ignore[union-attr]
     heads = getattr(config, "num_attention_heads", None)
