@@ -123,3 +123,13 @@ def test_an_uncaught_mistake_in_plan_fit_ends_as_fits_does(tmp_path) -> None:
     assert proc.returncode == 2 and proc.stdout.strip() == "caught", proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("scaletrain: error: data.batch_size = 100000")
+
+
+def test_a_split_the_plan_does_not_make_is_said_not_dropped(capsys) -> None:
+    """parallel.tp = 2 given to plan_fit() planned DDP over all GPUs and said nothing of the tp asked for."""
+    got = scaletrain.plan_fit(Tagger, _samples(64), gpu="h100", config={"dist.nproc": 4, "data.batch_size": 3,
+                                                                        "parallel.tp": 2})
+    assert got["world_size"] == 4
+    said = " ".join(capsys.readouterr().out.split())
+    assert ("plan: parallel.tp = 2 not planned: a model of one's own is planned with data parallelism (DDP, FSDP) "
+            "over all 4 GPUs (the dp x tp x pp search covers the built-in GPT and Llama only)") in said

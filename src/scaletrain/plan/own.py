@@ -78,6 +78,11 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     if show:
         name = type(signature).__name__  # the model's class, whatever built it (a lambda has no name to show)
         print_plan(name, planned, batches.describe(), WIDTH, mfu_source=source)
+        split = {k: v for k, v in (("parallel.tp", cfg.parallel.tp), ("parallel.pp", cfg.parallel.pp)) if v > 1}
+        if split:  # asked for, and not what the table plans: said, not dropped in silence
+            given = " and ".join(f"{k} = {v}" for k, v in split.items())
+            say(f"plan: {given} not planned: a model of one's own is planned with data parallelism (DDP, FSDP) over "
+                f"all {world} GPUs (the dp x tp x pp search covers the built-in GPT and Llama only)", WIDTH)
         if facts.units == 1:
             say(f"plan: {name} has no repeated blocks scaletrain can find, so FSDP's unit is the whole model (its "
                 "working set a whole replica in the compute dtype); name its blocks with config "
