@@ -250,17 +250,22 @@ def check_tp_split(tp: int, name: str, heads: tuple[tuple[str, int], ...], *, hi
     if name == "gpt" and loss == "fused":
         raise ConfigError("model.loss", "fused", "split with parallel.tp > 1 (the fused loss reads the whole "
                           "output matrix, which tensor parallelism splits)", "--model.loss=split")
-    for key, n in heads:
-        if n % tp:
-            raise ConfigError("parallel.tp", tp, f"a divisor of {key} = {n} (each rank takes whole heads)",
-                              f"--parallel.tp={_divisor_below(n, tp)}")
-    if hidden is not None and hidden % tp:
-        raise ConfigError("parallel.tp", tp, f"a divisor of the MLP's width {hidden}",
-                          f"--parallel.tp={_divisor_below(hidden, tp)}")
+    check_whole_split(tp, heads, hidden=(f"the MLP's width {hidden}", hidden) if hidden is not None else None)
     if seq_len % tp:  # gloo aborted the worker on the uneven shards (NCCL would hang)
         raise ConfigError("data.seq_len", seq_len, f"a multiple of parallel.tp = {tp} (sequence parallelism gives "
                           f"each rank seq_len / tp positions of the residual stream)",
                           f"--data.seq_len={max(tp, seq_len // tp * tp)}, or --parallel.tp={_divisor_below(seq_len, tp)}")
+
+
+def check_whole_split(tp: int, heads: tuple[tuple[str, int], ...], *, hidden: tuple[str, int] | None = None) -> None:
+    """Each of ``heads`` (what, count) and the MLP's ``hidden`` (what, width) divided whole by ``tp``, or the
+    ConfigError naming the first that is not and the largest degree below tp that divides it."""
+    for key, n in heads:
+        if n % tp:
+            raise ConfigError("parallel.tp", tp, f"a divisor of {key} = {n} (each rank takes whole heads)",
+                              f"--parallel.tp={_divisor_below(n, tp)}")
+    if hidden is not None and hidden[1] % tp:
+        raise ConfigError("parallel.tp", tp, f"a divisor of {hidden[0]}", f"--parallel.tp={_divisor_below(hidden[1], tp)}")
 
 
 def _divisor_below(n: int, tp: int) -> int:

@@ -94,6 +94,7 @@ class ShardedLoader:
         self.track_indices = False  # set to make last_indices available (verify-resume's traces)
         self.last_indices: list[int] = []
         self._whole: DataLoader | None = None  # whole_pass()'s loader, made once (its workers kept)
+        self._whole_batches: list[list[int]] | None = None  # its batches, which never change
 
     @property
     def epoch(self) -> int:
@@ -153,6 +154,8 @@ class ShardedLoader:
         of each. Every rank gets k batches of at most batch_size (a collective forward, FSDP's, runs as often on
         each), together every sample once, none padded; the last batches are smaller rather than dropped. Only
         a data set of fewer than world samples per chunk leaves a rank a batch short (an empty one is skipped)."""
+        if self._whole_batches is not None:
+            return self._whole_batches
         s = self.sampler
         order = epoch_permutation(s.size, s.seed, 0, s.shuffle).tolist()
         chunks = -(-s.size // self.micro_samples)
@@ -164,6 +167,7 @@ class ShardedLoader:
             if mine:
                 batches.append(mine)
             start = end
+        self._whole_batches = batches
         return batches
 
     def state_dict(self) -> dict[str, int]:

@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from scaletrain.errors import ConfigError
-from scaletrain.layout import check_tp_split
+from scaletrain.layout import check_tp_split, check_whole_split
 
 log = logging.getLogger(__name__)
 
@@ -128,15 +128,10 @@ def _check_hf(model: nn.Module, plan: dict[str, str], tp: int) -> None:
                           "model that does not fit one device")
     config = model.config  # type: ignore[union-attr]
     heads = getattr(config, "num_attention_heads", None)
-    counts = [("num_attention_heads", heads), ("num_key_value_heads", getattr(config, "num_key_value_heads", heads))]
-    for key, n in counts:
-        if isinstance(n, int) and n % tp:
-            raise ConfigError("parallel.tp", tp, f"a divisor of the {name}'s {key} = {n} (each rank takes whole "
-                              "heads)", f"--parallel.tp={max(d for d in range(1, tp) if n % d == 0)}")
+    counts = (("num_attention_heads", heads), ("num_key_value_heads", getattr(config, "num_key_value_heads", heads)))
     width = getattr(config, "intermediate_size", None)
-    if isinstance(width, int) and width % tp:
-        raise ConfigError("parallel.tp", tp, f"a divisor of the {name}'s intermediate_size = {width}",
-                          f"--parallel.tp={max(d for d in range(1, tp) if width % d == 0)}")
+    check_whole_split(tp, tuple((f"the {name}'s {key}", n) for key, n in counts if isinstance(n, int)),
+                      hidden=(f"the {name}'s intermediate_size = {width}", width) if isinstance(width, int) else None)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -233,8 +228,6 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, loss_parallel: bool = False)
 
     check_tp(model, mesh.size())
     _quiet()
-    logits = {"output_layouts": Shard(-1), "use_local_output": False} if loss_parallel else \
-        {"output_layouts": Replicate()}
     hf = _hf_plan(model)
     model.loss_parallel = loss_parallel and hf is None
     if hf is not None:  # its own plan (_hf_plan), applied by torch's parallelize_module: no sequence parallelism,
@@ -244,6 +237,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, loss_parallel: bool = False)
         log.info("tensor parallel: %s split %d ways by its config's base_model_tp_plan", type(model).__name__,
                  mesh.size())
         return model
+    logits = {"output_layouts": Shard(-1), "use_local_output": False} if loss_parallel else \
+        {"output_layouts": Replicate()}
     if hasattr(model, "blocks"):  # a GPT or a pipeline stage of one (a Llama's are its layers)
         return _apply_tp_gpt(model, mesh, logits)
     ends = {
