@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader, Dataset
 
 from scaletrain.batch import Batch, Batcher, BatchFn, check_targets, collate_one, default_loss, leaves
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
     from scaletrain.train.session import Loader, Session
 
 LossFn = Callable[[Any, Any], torch.Tensor]  # (the model's output as it returned it, the batch's target)
+# fit()'s optimizer=: one built on the model given, or a function of its trainable parameters building one
+OwnOptimizer = Optimizer | Callable[[list[nn.Parameter]], Optimizer]
+# fit()'s scheduler=: one built on the optimizer given, or a function of the optimizer building one
+OwnScheduler = LRScheduler | Callable[[Optimizer], LRScheduler]
 
 
 @dataclass
@@ -74,7 +78,10 @@ class Job:
     first: Batch | None = None  # a batch of the first training sample, on the host (plan vs actual measures it)
     build: Callable[[], nn.Module] | None = None  # a model of one's own given as its class or a builder: builds it
     pipeline: PipelineRunner | None = None  # parallel.pp > 1: runs this rank's stage of every step
-    scheduler: LambdaLR | None = None
+    scheduler: LRScheduler | None = None
+    own_optimizer: OwnOptimizer | None = None  # fit(optimizer=...): the user's, in place of optim.*
+    own_scheduler: OwnScheduler | None = None  # fit(scheduler=...): the user's, in place of schedule.*
+    peak_lrs: list[float] = dataclasses.field(default_factory=list)  # the user's optimizer's lr per group, as given
     loader: Loader | None = None
     eval_loader: DataLoader | None = None  # made at the first evaluation (train/evaluate.py), kept for the others
     st: Session | None = None
@@ -105,6 +112,11 @@ class Job:
         return self.model is not None and is_fsdp(self.model)
 
     @property
+    def optim_kind(self) -> str:
+        """The optimizer as the memory model counts its state: optim.name, or the kind of one given to fit()."""
+        return optim_kind(self.cfg, self.optimizer, self.own_optimizer)
+
+    @property
     def step(self) -> int:
         """Optimizer steps completed."""
         return self.st.steps if self.st is not None else 0
@@ -123,18 +135,29 @@ class Job:
             raise UserError("log.grad_noise_scale compares the gradients of several ranks, or of the micro-batches "
                             "of one step: this run has one of each (one data-parallel rank, no accumulation); fix: "
                             "--nproc 2, or --train.accum_steps=2")
-        _, self.optimizer = st.setup(self.module, lambda params: build_optimizer(params, cfg.optim,
-                                                                                          plan.peak_lr), name="model")
+        if self.own_optimizer is None:
+            optimizer: OwnOptimizer = lambda params: build_optimizer(params, cfg.optim, plan.peak_lr)
+        else:  # the instance given (FSDP or TP rebinds it to their parameters), or the function given, again
+            optimizer = self.optimizer if isinstance(self.own_optimizer, Optimizer) else self.own_optimizer
+        _, self.optimizer = st.setup(self.module, optimizer, name="model")
         if st._stage is not None:  # pp > 1: this rank's stage is the model it trains, evaluates and saves
             self.module = st._stage
             self.pipeline = PipelineRunner(st._stage, st._stage.mesh, device=st.device,
                                            microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.pp_schedule,
                                            loss_fn=self.loss_fn, accum=plan.accum_steps)
-        for group in self.optimizer.param_groups:  # this run's peak (a restored group holds the saved one)
-            group["initial_lr"] = plan.peak_lr
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, plan.total_steps)
-        st.track(Schedule(self.scheduler, self.optimizer, skip="scheduler" in st.skip, step=st.steps),
-                 name="scheduler")
+        if self.own_scheduler is not None:  # the user's schedule, checkpointed as a session tracks one
+            self.scheduler = own_scheduler(self.own_scheduler, self.optimizer)
+            st.track(self.scheduler, name="lr_scheduler")
+        else:
+            # this run's peak (a restored group holds the saved one): optim.lr, or the lr of each group of the
+            # optimizer given, under the linear scaling rule when optim.scale_lr is on
+            scale = plan.peak_lr / cfg.optim.lr
+            peaks = [lr * scale for lr in self.peak_lrs] or [plan.peak_lr] * len(self.optimizer.param_groups)
+            for group, peak in zip(self.optimizer.param_groups, peaks):
+                group["initial_lr"] = peak
+            self.scheduler = build_scheduler(self.optimizer, cfg.schedule, plan.total_steps)
+            st.track(Schedule(self.scheduler, self.optimizer, skip="scheduler" in st.skip, step=st.steps),
+                     name="scheduler")
         self.loader = st.loader(self.train_data, batch_size=plan.batch_size, accum=plan.accum_steps,
                                 collate_fn=self.collate_fn)
 
@@ -155,6 +178,70 @@ class Schedule:
             self.scheduler.last_epoch = self.step  # at least at the right step count, so the run ends where it should
             return
         load_scheduler_tree(self.scheduler, self.optimizer, tree)
+
+
+def optim_kind(cfg: Config, opt: Optimizer, given: OwnOptimizer | None) -> str:
+    """The optimizer as the memory model counts its state (observe/memory.py OPTIM_STATES): optim.name, or for an
+    optimizer given to fit() SGD's one buffer per parameter, or Adam's two for any other."""
+    if given is None:
+        return cfg.optim.name
+    return "sgd" if isinstance(opt, torch.optim.SGD) else "adamw"
+
+
+def own_optimizer(given: OwnOptimizer, module: nn.Module, built: bool) -> Optimizer:
+    """fit(optimizer=...) checked against the model: an optimizer of this model's parameters that has not
+    stepped, or a function of them that returns one (called here, on the bare model, to check a checkpoint
+    against; the session calls it again on the parameters of the model it wraps). ``built``: fit() built the
+    model itself (given its class), so no optimizer made before can hold its parameters."""
+    if isinstance(given, Optimizer):
+        if built:
+            raise UserError("fit(optimizer=...): the optimizer was built before fit() built the model (given as its "
+                            "class), so it holds another model's parameters; fix: optimizer=lambda params: "
+                            f"torch.optim.{type(given).__name__}(params, ...)")
+        opt = given
+    elif callable(given):
+        opt = given([p for p in module.parameters() if p.requires_grad])
+        if not isinstance(opt, Optimizer):
+            raise UserError(f"fit(optimizer=...): the function given returned a {type(opt).__name__}, not a torch "
+                            "optimizer; fix: optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)")
+    else:
+        raise UserError(f"fit(optimizer=...): a {type(given).__name__} is neither a torch optimizer nor a function "
+                        "of the parameters returning one; fix: optimizer=lambda params: torch.optim.AdamW(params, "
+                        "lr=3e-4)")
+    mine = {id(p) for p in module.parameters()}
+    if any(id(p) not in mine for g in opt.param_groups for p in g["params"]):
+        raise UserError("fit(optimizer=...): the optimizer holds parameters that are not the model's; fix: build it "
+                        "on the model given to fit() (torch.optim.AdamW(model.parameters())), or pass a function of "
+                        "the parameters")
+    if opt.state:
+        raise UserError("fit(optimizer=...): the optimizer has taken steps already; fix: give fit() a new one (its "
+                        "checkpoints keep the optimizer's state from then on)")
+    return opt
+
+
+def own_scheduler(given: OwnScheduler, optimizer: Optimizer) -> LRScheduler:
+    """fit(scheduler=...): one built on the optimizer given to fit(), or a function of the optimizer returning
+    one (called here, once the optimizer is set up and restored), stepped after every optimizer step."""
+    sched = given if isinstance(given, (LRScheduler, ReduceLROnPlateau)) else None
+    if sched is None:
+        if not callable(given):
+            raise UserError(f"fit(scheduler=...): a {type(given).__name__} is neither an LR scheduler nor a function "
+                            "of the optimizer returning one; fix: scheduler=lambda opt: "
+                            "torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)")
+        sched = given(optimizer)
+    if isinstance(sched, ReduceLROnPlateau):
+        raise UserError("fit(scheduler=...): ReduceLROnPlateau steps on a metric, which fit() does not pass it; fix: "
+                        "a schedule of steps (CosineAnnealingLR, OneCycleLR, LambdaLR, or scaletrain's own: "
+                        "--schedule.warmup_steps, --schedule.decay), or a loop of your own with scaletrain.session()")
+    if not isinstance(sched, LRScheduler):
+        raise UserError(f"fit(scheduler=...): the function given returned a {type(sched).__name__}, not an LR "
+                        "scheduler; fix: scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, "
+                        "T_max=1000)")
+    if sched.optimizer is not optimizer:
+        raise UserError("fit(scheduler=...): the scheduler drives another optimizer than the one fit() trains with; "
+                        "fix: build it on the optimizer given to fit(optimizer=...), or pass a function of the "
+                        "optimizer (scheduler=lambda opt: ...)")
+    return sched
 
 
 def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
@@ -323,11 +410,17 @@ def _targets_in_memory(data: Any) -> torch.Tensor | None:
 
 def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
               loss_fn: LossFn | None = None, resume: dict[str, Any] | None = None,
-              batch_fn: BatchFn | None = None) -> Job:
+              batch_fn: BatchFn | None = None, optimizer: OwnOptimizer | None = None,
+              scheduler: OwnScheduler | None = None) -> Job:
     """``model``: None (the built-in model the config names), a module, or a callable building one (a class
     works): a callable is called after seeding, so run.seed decides the initial weights. ``resume``: the
     metadata of the checkpoint the job will continue from (its global batch and position shape the plan).
-    ``batch_fn``: maps a loader batch to (inputs, target) where scaletrain.batch's convention does not fit."""
+    ``batch_fn``: maps a loader batch to (inputs, target) where scaletrain.batch's convention does not fit.
+    ``optimizer``, ``scheduler``: the user's (fit()'s), in place of the optim.* and schedule.* keys."""
+    if scheduler is not None and cfg.optim.scale_lr:
+        raise UserError("optim.scale_lr = true: the linear scaling rule scales the lr of scaletrain's schedule, and "
+                        "fit() was given a scheduler of its own; fix: --optim.scale_lr=false, and scale the lr you "
+                        "give the optimizer (lr x global batch / base batch)")
     # Once, with the strategy as given; again below only if auto resolves to another one (a sharded layout
     # refuses fp16).
     check_precision(cfg.train.precision, rt.device, cfg.parallel.strategy)
@@ -358,16 +451,27 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     seen = None if loss_fn is not None else functools.partial(  # the default loss: are these its kind of targets?
         check_targets, target=one.target, own_in_tuple=own_in_tuple, targets=_targets_in_memory(splits.train))
     flops = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device), seen)
+    if optimizer is None:
+        opt, peaks = build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), []
+    else:  # its lr per group as given (a scheduler built on it already moved "lr" and kept it as "initial_lr")
+        opt = own_optimizer(optimizer, module, built=build is not None)
+        peaks = [float(g.get("initial_lr", g["lr"])) for g in opt.param_groups]
+    if isinstance(scheduler, LRScheduler):  # one built already: checked now, before the run starts
+        own_scheduler(scheduler, opt)
     strategy, reason = resolve_strategy(module, cfg.parallel, world_size=rt.world_size, nnodes=nnodes,
-                                        precision=cfg.train.precision, optimizer=cfg.optim.name,
+                                        precision=cfg.train.precision, optimizer=optim_kind(cfg, opt, optimizer),
                                         sample=one if cfg.parallel.strategy == "auto" else None,
                                         batch_size=plan.batch_size, cpu_offload=cfg.memory.cpu_offload)
     if strategy != cfg.parallel.strategy:
         check_precision(cfg.train.precision, rt.device, strategy)
     layout = resolve_layout(cfg.parallel, cfg.memory, rt.world_size, nnodes, strategy=strategy)  # once, read below
+    if isinstance(optimizer, Optimizer) and layout.pp > 1:
+        raise UserError(f"fit(optimizer=...): with parallel.pp = {layout.pp} each rank trains its stage of the model, "
+                        "with an optimizer of that stage's parameters, which one built on the whole model is not; fix: "
+                        f"optimizer=lambda params: torch.optim.{type(optimizer).__name__}(params, ...)")
     loss = _checked(loss_fn) if loss_fn else _default_loss(cfg.train, own_in_tuple)
-    return Job(cfg, rt, plan, module, build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), splits.train,
-               splits.eval, loss, batcher, layout, reason, flops=flops,
+    return Job(cfg, rt, plan, module, opt, splits.train, splits.eval, loss, batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
                model_name=type(module).__name__, given_mode=given_mode, collate_fn=splits.collate_fn,
-               user_loss=loss_fn is not None, first=one, build=build)
+               user_loss=loss_fn is not None, first=one, build=build, own_optimizer=optimizer,
+               own_scheduler=scheduler, peak_lrs=peaks)

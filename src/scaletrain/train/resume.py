@@ -108,7 +108,7 @@ def misfit(job: Job, resume: Resume, skip: set[str] = frozenset()) -> Checkpoint
         problem = model_misfit(want, model)
     if problem is None and "optimizer" not in skip:
         where = where if dcp_format else resume.path / OPTIMIZER
-        problem = _optimizer_misfit(job, state, groups) or _other_optimizer(job, resume)
+        problem = _other_optimizer(job, resume) or _optimizer_misfit(job, state, groups)
     if problem is None:
         return None
     return CheckpointError(where, problem, "resume with the model and optimizer configuration the checkpoint "
@@ -168,7 +168,9 @@ def _optimizer_misfit(job: Job, state: dict[tuple[str, str], Shape], groups: lis
     names = {id(p): name for name, p in params.items()}
     live = [sorted(names[id(p)] for p in g["params"]) for g in job.optimizer.param_groups]
     if [sorted(g) for g in groups] != live:
-        return "optimizer state does not fit this model's parameter groups"
+        sizes = (f"{len(groups)} parameter group{'s' * (len(groups) != 1)} in the checkpoint, {len(live)} here"
+                 if len(groups) != len(live) else "the same groups hold other parameters")
+        return f"optimizer state does not fit this model's parameter groups ({sizes})"
     for (name, field), shape in state.items():
         if name not in params:
             return f"optimizer state for {name!r}, which this model does not have"
@@ -178,12 +180,17 @@ def _optimizer_misfit(job: Job, state: dict[tuple[str, str], Shape], groups: lis
 
 
 def _other_optimizer(job: Job, resume: Resume) -> str | None:
-    """The optimizer's name differs from the checkpoint's (its state then lacks fields this one reads)."""
+    """The optimizer differs from the checkpoint's (its state then lacks fields this one reads): by class where
+    the checkpoint names it, else (older checkpoints) by optim.name."""
+    saved = resume.meta.get("optimizers")
+    if isinstance(saved, list) and len(saved) == 1:
+        was, now = saved[0], type(job.optimizer).__name__
+        return f"the optimizer state is {was}'s, this run uses {now}" if was != now else None
     try:
         was = tomllib.loads(resume.meta.get("config", ""))["optim"]["name"]
     except (tomllib.TOMLDecodeError, TypeError, KeyError):  # no config, or not one this can read
         return None
-    now = job.cfg.optim.name
+    now = job.optim_kind
     return f"the optimizer state is {was}'s, this run uses {now}" if was and was != now else None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -33,7 +34,16 @@ from scaletrain.runtime import Runtime
 from scaletrain.train.batching import plan_batches
 from scaletrain.train.checkpointing import Resume, find_resume
 from scaletrain.train.evaluate import evaluate
-from scaletrain.train.job import Job, LossFn, ModelArg, batches_of, build_job, train_step
+from scaletrain.train.job import (
+    Job,
+    LossFn,
+    ModelArg,
+    OwnOptimizer,
+    OwnScheduler,
+    batches_of,
+    build_job,
+    train_step,
+)
 from scaletrain.train.precision import slow_here
 from scaletrain.train.preempt import Preempted, PreemptFlag, restart_line
 from scaletrain.train.resume import config_changes, fitting
@@ -46,6 +56,24 @@ PREEMPTED, INTERRUPTED = "preempted", "interrupted"
 def _count(dataset: Any) -> str:
     size = train_size(dataset)
     return "a training stream" if size is None else f"{size} train"
+
+
+def _optimizer_line(job: Job) -> str:
+    """The peak lr, the optimizer and the schedule, as the config or fit()'s optimizer= and scheduler= set them."""
+    cfg, plan = job.cfg, job.plan
+    scale = f" x {plan.global_batch}/{cfg.optim.base_batch} (linear scaling rule)" if cfg.optim.scale_lr else ""
+    if job.own_optimizer is None:
+        lr, opt = f"peak lr {plan.peak_lr:.4g}" + (f" = {cfg.optim.lr:g}{scale}" if scale else ""), cfg.optim.name
+    else:  # the lr of each of its groups: as given (scaled when optim.scale_lr is on), or as its schedule has it now
+        groups = job.optimizer.param_groups
+        lrs = [g["lr"] for g in groups] if job.own_scheduler is not None else job.peak_lrs
+        lr = ", ".join(sorted({f"{lr:.4g}" for lr in lrs}, key=float))
+        lr = f"lr {lr} now" if job.own_scheduler is not None else f"peak lr {lr} (the optimizer's own{scale})"
+        opt = f"{type(job.optimizer).__name__} (given), {len(groups)} parameter group{'s' * (len(groups) != 1)}"
+    if job.own_scheduler is not None:
+        return f"{lr} | {opt} | schedule {type(job.scheduler).__name__} (given)"
+    sched = cfg.schedule
+    return f"{lr} | {opt} | warmup {sched.warmup_steps} steps, then {sched.decay}"
 
 
 def _header(job: Job, splits: Splits, console: Console) -> None:
@@ -76,12 +104,7 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
                   + "".join(f" | {e}" for e in extras))
     per_epoch = f"{plan.steps_per_epoch} steps/epoch" if plan.steps_per_epoch else "a stream, read in its order"
     console.print(f"{plan.describe()} | {per_epoch}, {plan.total_steps} steps")
-    lr = f"peak lr {plan.peak_lr:.4g}"
-    if cfg.optim.scale_lr:
-        lr += f" = {cfg.optim.lr:g} x {plan.global_batch}/{cfg.optim.base_batch} (linear scaling rule)"
-    sched = cfg.schedule
-    console.print(f"{lr} | {cfg.optim.name} | warmup {sched.warmup_steps} steps, then {sched.decay} | "
-                  f"precision {cfg.train.precision}")
+    console.print(f"{_optimizer_line(job)} | precision {cfg.train.precision}")
     slow = slow_here(cfg.train.precision, rt.device)
     if slow:
         console.print(f"warning: {slow}")
@@ -113,7 +136,9 @@ def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any], model_giv
     # given built cannot be: the plan then has the model state only)
     task, info, sample = (OWN, {"build": job.build} if job.build else {}, (job.first, None)) if model_given else \
         (splits.task, splits.info, splits.train[0][:2])
-    return plan_vs_actual(job.cfg, task, info, *sample, module, device=rt.device,
+    cfg = job.cfg if job.own_optimizer is None else dataclasses.replace(  # an optimizer given: its state's kind
+        job.cfg, optim=dataclasses.replace(job.cfg.optim, name=job.optim_kind))
+    return plan_vs_actual(cfg, task, info, *sample, module, device=rt.device,
                           parallel=job.layout, batch_size=plan.batch_size, accum_steps=plan.accum_steps, flops=job.flops,
                           state=summary["mem"], peak_bytes=summary["peak_mem_bytes"],
                           step_s=plan.global_batch / rate if rate else None, mfu=summary.get("hfu", summary.get("mfu")))
@@ -249,6 +274,10 @@ def _resumed(job: Job, st: Session, resume: Resume, console: Console) -> None:
         console.print(f"resume: the checkpoint was made with {was} rank{'s' if was != 1 else ''}; ranks without "
                       "saved state seed their RNG from run.seed + rank")
     changes = config_changes(resume.meta.get("config", ""), cfg)
+    # keys fit()'s optimizer= and scheduler= stand in for: their changes change nothing
+    unused = tuple(k for k, own in (("optim.", job.own_optimizer), ("schedule.", job.own_scheduler)) if own is not None)
+    changes = [c for c in changes if not c.startswith(unused) or c.startswith(("optim.grad_clip", "optim.scale_lr",
+                                                                                "optim.base_batch"))]
     if changes:
         console.print(f"warning: the configuration differs from the checkpoint's: {'; '.join(changes)}")
     if cfg.debug.skipped():
@@ -341,12 +370,14 @@ def _train(job: Job, console: Console) -> None:
 
 def open_job(cfg: Config, rt: Runtime, splits: Splits, *, console: Console, preempt: PreemptFlag,
              model: ModelArg = None, loss_fn: LossFn | None = None, batch_fn: BatchFn | None = None,
+             optimizer: OwnOptimizer | None = None, scheduler: OwnScheduler | None = None,
              started: float | None = None) -> Job:
     """The job built and attached to its session: the checkpoint to continue from chosen for the model built
     (train/resume.py fitting), the session opened on it, the model set up and restored. ``cfg``'s run dir
     is agreed already."""
     cfg = cfg.for_device(rt.device.type)  # once: the job, its session and the run dir's config see what runs
-    build = functools.partial(build_job, cfg, rt, splits, model, loss_fn, batch_fn=batch_fn)
+    build = functools.partial(build_job, cfg, rt, splits, model, loss_fn, batch_fn=batch_fn, optimizer=optimizer,
+                              scheduler=scheduler)
     job, resume = _job_and_resume(cfg, rt, build, train_size(splits.train), console)
     st = Session(cfg, opened=Opened(rt, console, resume, preempt, job.layout,
                                     time.perf_counter() if started is None else started))
@@ -376,6 +407,7 @@ def step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
 
 def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         loss_fn: LossFn | None = None, rt: Runtime | None = None, batch_fn: BatchFn | None = None,
+        optimizer: OwnOptimizer | None = None, scheduler: OwnScheduler | None = None,
         started: float | None = None) -> dict[str, Any]:
     """Train as configured, resuming from the run directory's latest checkpoint if there is one; returns the
     summary (the same dict on every rank), or, when preempted, ``{"stopped": ..., "steps": ...}``. After
@@ -393,7 +425,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         console = Console(rt.is_main, cfg.train.progress)
         splits = splits or build_splits(cfg.data, cfg.model)
         job = open_job(cfg, rt, splits, console=console, preempt=preempt, model=model, loss_fn=loss_fn,
-                       batch_fn=batch_fn, started=started)
+                       batch_fn=batch_fn, optimizer=optimizer, scheduler=scheduler, started=started)
         st = job.st
         assert st is not None
         resume = st.resume
@@ -438,7 +470,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
 def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_data: Any = None,
         loss_fn: LossFn | None = None, config: Config | Mapping[str, Any] | str | None = None,
         batch_fn: BatchFn | None = None, argv: list[str] | None = None,
-        collate_fn: Callable[[list[Any]], Any] | None = None) -> dict[str, Any]:
+        collate_fn: Callable[[list[Any]], Any] | None = None, optimizer: OwnOptimizer | None = None,
+        scheduler: OwnScheduler | None = None) -> dict[str, Any]:
     """Train your own model on your own data, on one process or every rank of a torchrun job.
 
     ``model``: a module, or better its class (or any callable building it): it is then built after seeding
@@ -453,6 +486,14 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     collator such as transformers' DataCollatorWithPadding); by default scaletrain.batch.collate.
     ``loss_fn(output, target)`` receives the model's output as it returned it (a tensor, tuple, dict or
     ModelOutput); by default the model's own ``loss`` if it computed one, else cross-entropy of its logits.
+    ``optimizer``: your own, in place of optim.name/lr/momentum/betas/weight_decay: a torch optimizer built on the
+    model given (nanoGPT's ``model.configure_optimizers(...)``), or, for a model given as its class, a function of
+    the trainable parameters returning one (``lambda params: torch.optim.AdamW(params, lr=6e-4)``). Under FSDP
+    or tensor parallelism it is given the sharded parameters. optim.grad_clip still clips, and scaletrain's
+    schedule (schedule.*) scales each group's lr as given, by the linear scaling rule too when optim.scale_lr is on.
+    ``scheduler``: your own LR schedule in place of schedule.*: one built on that optimizer, or a function of
+    the optimizer returning one (``lambda opt: get_cosine_schedule_with_warmup(opt, 100, 1000)``), stepped after
+    every optimizer step and checkpointed with it.
     ``config``: a Config, a mapping of dotted keys ({"optim.lr": 0.1}), or a recipe/TOML path.
     ``argv``: ``--section.key=value`` strings on top of it, as scaletrain.session() takes them (pass
     sys.argv[1:], and `scaletrain launch --nproc 2 my.py --parallel.strategy=fsdp` reaches the run).
@@ -464,4 +505,5 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     cfg = resolve_config(config, argv, defaults=memory, pinned=memory)
     check_workers(cfg)
     splits = in_memory(train_data, eval_data, cfg.data.val_fraction, collate_fn=collate_fn)
-    return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn)
+    return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn, optimizer=optimizer,
+               scheduler=scheduler)

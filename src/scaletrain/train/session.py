@@ -1161,7 +1161,9 @@ class Session:
                 "epoch": first.epoch + 1 if first else 0,
                 **({"layout": self.layout.as_dict()} if self.layout is not None else {}),
                 "loader": first.state_dict() if first else {},
-                "config_digest": self.cfg.digest(), "config": self.cfg.to_toml(), **describe_versions()}
+                "config_digest": self.cfg.digest(), "config": self.cfg.to_toml(), **describe_versions(),
+                # their classes: a resume with another optimizer is refused before its state is loaded into it
+                "optimizers": [type(o).__name__ for m in self._models for o in m.optimizers]}
         with self.preempt.saving():
             if self.sharded:  # every rank writes its shards of every model and optimizer through DCP
                 blocked = ckpt.save_sharded(self.steps, self._box(), [o for m in self._models for o in m.optimizers],
