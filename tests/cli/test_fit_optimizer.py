@@ -5,6 +5,8 @@ resumed exactly, given the sharded parameters under FSDP, and the mistakes one l
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +190,38 @@ def test_a_resume_with_another_optimizer_names_both(tmp_path: Path) -> None:
                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     with pytest.raises(CheckpointError, match=r"the optimizer state is SGD's, this run uses AdamW; fix: resume"):
         scaletrain.fit(Net(), _data(), config=config, optimizer=lambda params: torch.optim.AdamW(params, lr=0.1))
+
+
+LOOP = """
+import sys, torch, scaletrain
+from torch import nn
+with scaletrain.session({"train.max_steps": 6, "train.progress": False}, argv=sys.argv[2:]) as st:
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "adam": lambda ps: torch.optim.Adam(ps)}
+    model, opt = st.setup(nn.Linear(4, 1), make[sys.argv[1]])
+    while not st.done:
+        with st.step():
+            st.backward(model(torch.randn(8, 4)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+"""
+
+
+def test_a_loop_resumed_with_another_optimizer_is_one_line(tmp_path: Path) -> None:
+    """A session's checkpoint of SGD's state, set up again with Adam: one line and exit 2 (it was Adam's
+    KeyError 'step' from inside torch, a traceback), and nothing of the checkpoint lost."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    run = [sys.executable, str(script)]
+    where = f"--run.dir={tmp_path / 'r'}"
+    stopped = subprocess.run([*run, "sgd", where, "--chaos.interrupt_step=3"], capture_output=True, text=True, check=False)
+    assert "checkpoint" in stopped.stdout + stopped.stderr, stopped.stderr
+    other = subprocess.run([*run, "adam", where], capture_output=True, text=True, check=False)
+    assert other.returncode == 2, other.stderr
+    assert other.stderr.strip().splitlines()[-1] == (
+        f"scaletrain: error: checkpoint {tmp_path / 'r' / 'checkpoints' / 'step-00000003'}: the optimizer state of "
+        "'model0' is SGD's, this run sets up Adam; fix: set up the optimizers the checkpoint was made with (the state "
+        "of one is not another's), or start a new --run.dir")
+    assert "Traceback" not in other.stderr
+    same = subprocess.run([*run, "sgd", where], capture_output=True, text=True, check=False)
+    assert same.returncode == 0, same.stderr
+    assert "resumed from" in same.stdout + same.stderr

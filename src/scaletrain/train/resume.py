@@ -183,8 +183,8 @@ def _other_optimizer(job: Job, resume: Resume) -> str | None:
     """The optimizer differs from the checkpoint's (its state then lacks fields this one reads): by class where
     the checkpoint names it, else (older checkpoints) by optim.name."""
     saved = resume.meta.get("optimizers")
-    if isinstance(saved, list) and len(saved) == 1:
-        was, now = saved[0], type(job.optimizer).__name__
+    if isinstance(saved, dict) and len(saved) == 1 and len(classes := next(iter(saved.values()))) == 1:
+        was, now = classes[0], type(job.optimizer).__name__
         return f"the optimizer state is {was}'s, this run uses {now}" if was != now else None
     try:
         was = tomllib.loads(resume.meta.get("config", ""))["optim"]["name"]

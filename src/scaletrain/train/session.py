@@ -1163,7 +1163,7 @@ class Session:
                 "loader": first.state_dict() if first else {},
                 "config_digest": self.cfg.digest(), "config": self.cfg.to_toml(), **describe_versions(),
                 # their classes: a resume with another optimizer is refused before its state is loaded into it
-                "optimizers": [type(o).__name__ for m in self._models for o in m.optimizers]}
+                "optimizers": {m.name: [type(o).__name__ for o in m.optimizers] for m in self._models}}
         with self.preempt.saving():
             if self.sharded:  # every rank writes its shards of every model and optimizer through DCP
                 blocked = ckpt.save_sharded(self.steps, self._box(), [o for m in self._models for o in m.optimizers],
@@ -1221,6 +1221,12 @@ class Session:
             raise CheckpointError(resume.path, misfit, "set up the model the checkpoint was made with (the same "
                                   "configuration), or start a new --run.dir")
         weights, optimizers = "weights" not in self.skip, "optimizer" not in self.skip
+        was = resume.meta.get("optimizers", {}).get(entry.name)  # their classes (older checkpoints: not said)
+        now = [type(o).__name__ for o in entry.optimizers]
+        if optimizers and was is not None and was != now:
+            raise CheckpointError(resume.path, f"the optimizer state of {entry.name!r} is {', '.join(was)}'s, this run "
+                                  f"sets up {', '.join(now)}", "set up the optimizers the checkpoint was made with (the "
+                                  "state of one is not another's), or start a new --run.dir")
         if resume.meta.get("format") == FORMAT_DCP:
             self._restore_dcp(entry, box, bare)
         elif has_dtensors(entry.wrapped):  # a consolidated checkpoint (a DDP or one-process run) into shards
