@@ -512,3 +512,39 @@ def test_a_collate_fn_pads_sequences_of_unequal_length(tmp_path: Path) -> None:
     summary = scaletrain.fit(FirstToken, Ragged(512, 0), eval_data=Ragged(128, 1), collate_fn=pad,
                              config={**config, "run.dir": str(tmp_path / "padded")})
     assert summary["eval"]["count"] == 128.0 and summary["eval"]["accuracy"] == 1.0, summary["eval"]
+
+
+def test_dataloaders_train_as_their_datasets_with_their_settings(tmp_path: Path) -> None:
+    """A script's own DataLoaders (plain torch, Lightning's trainer.fit): their dataset, batch size, collate_fn
+    and shuffle, sharded and reshuffled as fit()'s own; the same weights, bitwise, as the dataset given with
+    the same settings. A key given in the config wins over the loader's."""
+    from torch.utils.data import DataLoader
+
+    config = {**_config(tmp_path, "set"), "train.epochs": 2, "data.batch_size": 16, "data.eval_batch_size": 50}
+    torch.manual_seed(0)
+    by_set = FirstToken()
+    summary = scaletrain.fit(by_set, Ragged(512, 0), eval_data=Ragged(128, 1), collate_fn=pad, config=config)
+    torch.manual_seed(0)
+    by_loader = FirstToken()
+    loaders = (DataLoader(Ragged(512, 0), batch_size=16, shuffle=True, collate_fn=pad),
+               DataLoader(Ragged(128, 1), batch_size=50, collate_fn=pad))
+    unset = {k: v for k, v in QUICK.items() if k != "data.batch_size"}  # the loaders' batch sizes, then
+    loaded = scaletrain.fit(by_loader, loaders[0], eval_data=loaders[1],
+                            config={**unset, "run.dir": str(tmp_path / "loader"), "train.epochs": 2})
+    assert loaded["steps"] == summary["steps"] == 2 * (512 // 16)
+    assert all(torch.equal(a, b) for a, b in zip(by_set.parameters(), by_loader.parameters()))
+    assert loaded["eval"] == summary["eval"] and loaded["eval"]["count"] == 128.0
+    wider = scaletrain.fit(FirstToken(), loaders[0], config={**unset, "run.dir": str(tmp_path / "wide"),
+                                                             "train.epochs": 1, "data.batch_size": 64})
+    assert wider["steps"] == (512 - math.ceil(512 * 0.2)) // 64  # the config's 64, not the loader's 16
+
+
+def test_a_dataloader_with_a_sampler_of_its_own_is_one_line(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader, WeightedRandomSampler
+
+    x, y = _points(256, 0)
+    loader = DataLoader(list(zip(x, y)), batch_size=32, sampler=WeightedRandomSampler(torch.ones(256), 256))
+    with pytest.raises(UserError, match=(r"^fit\(\): a DataLoader reading its sampler WeightedRandomSampler cannot be "
+                                         r"sharded over ranks and resumed exactly; fix: pass its dataset, as fit\(model, "
+                                         r"loader.dataset, config=\{'data.batch_size': ...\}, collate_fn=")):
+        scaletrain.fit(nn.Linear(8, 4), loader, config=_config(tmp_path, "w"))

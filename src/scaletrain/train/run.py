@@ -466,6 +466,30 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
             runtime.close(rt)
 
 
+def _loaders_read(train_data: Any, eval_data: Any, collate_fn: Callable[[list[Any]], Any] | None) -> tuple[
+        Any, Any, Callable[[list[Any]], Any] | None, dict[str, Any]]:
+    """DataLoaders given to fit() (a script written for plain torch, or for Lightning's trainer.fit): their datasets,
+    their collate_fn (unless fit() was given one), and their batch size, shuffle and workers as the defaults of
+    data.batch_size, data.eval_batch_size, data.shuffle and data.num_workers (a config or the command line wins).
+    The batch size is per rank, as the loader's was per process; the samples are sharded and resumed as any
+    dataset's, reshuffled from run.seed."""
+    from torch.utils.data import DataLoader
+
+    from scaletrain.train.session import from_dataloader
+
+    given: dict[str, Any] = {}
+    if isinstance(train_data, DataLoader):
+        train_data, batch, shuffle, own, workers = from_dataloader(train_data, 0, None, None, who="fit()")
+        given.update({"data.batch_size": batch, "data.num_workers": workers,
+                      **({"data.shuffle": shuffle} if shuffle is not None else {})})
+        collate_fn = collate_fn or own
+    if isinstance(eval_data, DataLoader):
+        eval_data, batch, _, own, _ = from_dataloader(eval_data, 0, False, None, who="fit(eval_data=...)")
+        given["data.eval_batch_size"] = batch
+        collate_fn = collate_fn or own
+    return train_data, eval_data, collate_fn, given
+
+
 @says_errors
 def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_data: Any = None,
         loss_fn: LossFn | None = None, config: Config | Mapping[str, Any] | str | None = None,
@@ -477,7 +501,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     ``model``: a module, or better its class (or any callable building it): it is then built after seeding
     from run.seed, so the same config gives the same initial weights on every run.
     ``train_data``/``eval_data``: a torch Dataset, any map-style dataset a DataLoader takes (a list of samples,
-    a Hugging Face datasets.Dataset), or (inputs, targets) as tensors or numpy arrays; train_data may be a
+    a Hugging Face datasets.Dataset), (inputs, targets) as tensors or numpy arrays, or a DataLoader (its dataset,
+    sharded, with its batch size per rank, collate_fn, shuffle and workers as defaults); train_data may be a
     stream (an IterableDataset: train.max_steps, no held-out split); without eval_data, data.val_fraction of the
     training data is held out. A Dataset's samples may be tuples of any
     length (the last is the target), dicts (Hugging Face style: ``model(**batch)``, target ``labels``) or
@@ -502,7 +527,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     2 (1 when training failed), said once however many ranks raised it.
     """
     memory = {"data.source": "memory"}  # the data are the arguments, whatever a recipe or TOML file says
-    cfg = resolve_config(config, argv, defaults=memory, pinned=memory)
+    train_data, eval_data, collate_fn, given = _loaders_read(train_data, eval_data, collate_fn)
+    cfg = resolve_config(config, argv, defaults={**given, **memory}, pinned=memory)
     check_workers(cfg)
     splits = in_memory(train_data, eval_data, cfg.data.val_fraction, collate_fn=collate_fn)
     return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn, optimizer=optimizer,

@@ -293,10 +293,11 @@ class Loader:
                 yield to_device(batch, st.device)
 
 
-def _from_dataloader(given: DataLoader, batch_size: int, shuffle: bool | None,
-                     collate_fn: Callable[[list[Any]], Any] | None) -> tuple[Any, int, bool | None, Any, int]:
-    """(dataset, batch size, shuffle, collate_fn, workers) of a DataLoader handed to session.loader(): what it was
-    built with, each unless given to loader() itself. Its sampler says shuffle (random or in order; a
+def from_dataloader(given: DataLoader, batch_size: int, shuffle: bool | None,
+                    collate_fn: Callable[[list[Any]], Any] | None, *,
+                    who: str = "session.loader()") -> tuple[Any, int, bool | None, Any, int]:
+    """(dataset, batch size, shuffle, collate_fn, workers) of a DataLoader handed to session.loader() or fit():
+    what it was built with, each unless given to ``who`` itself. Its sampler says shuffle (random or in order; a
     DistributedSampler's own shuffle: the session shards anyway); one that chooses samples another way (weights,
     batches of its own making) cannot be sharded and resumed exactly: one line."""
     stream = isinstance(given.dataset, IterableDataset)
@@ -306,9 +307,11 @@ def _from_dataloader(given: DataLoader, batch_size: int, shuffle: bool | None,
     if not stream and not (plain and isinstance(sampler, (RandomSampler, SequentialSampler, DistributedSampler))):
         how = f"its sampler {type(sampler).__name__}" if plain else f"its batch_sampler {type(batches).__name__}" \
             if batches is not None else "no batches (batch_size=None)"
-        raise UserError(f"session.loader(): a DataLoader reading {how} cannot be sharded over ranks and resumed "
-                        "exactly; fix: pass its dataset, as st.loader(loader.dataset, batch_size=..., "
-                        "collate_fn=loader.collate_fn), with any weighting or grouping of samples in the dataset")
+        as_given = "st.loader(loader.dataset, batch_size=..., " if who.startswith("session") else \
+            "fit(model, loader.dataset, config={'data.batch_size': ...}, "
+        raise UserError(f"{who}: a DataLoader reading {how} cannot be sharded over ranks and resumed exactly; fix: "
+                        f"pass its dataset, as {as_given}collate_fn=loader.collate_fn), with any weighting or "
+                        "grouping of samples in the dataset")
     if shuffle is None and not stream:
         shuffle = sampler.shuffle if isinstance(sampler, DistributedSampler) else isinstance(sampler, RandomSampler)
     size = batches.batch_size if plain else given.batch_size
@@ -590,8 +593,8 @@ class Session:
 
         self._usable("loader")
         if isinstance(dataset, DataLoader):
-            dataset, batch_size, shuffle, collate_fn, workers = _from_dataloader(dataset, batch_size, shuffle,
-                                                                                 collate_fn)
+            dataset, batch_size, shuffle, collate_fn, workers = from_dataloader(dataset, batch_size, shuffle,
+                                                                                collate_fn)
         else:
             workers = 0
         # a Dataset or a stream as it is; (inputs, targets) made one; a wrong type: one line
