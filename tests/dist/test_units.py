@@ -331,16 +331,54 @@ class Shaped(nn.Module):
         return {"tuple": (logits, aux), "dict": {"logits": logits, "aux": aux}, "dataclass": Out(logits, aux)}[self.kind]
 
 
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.gate(x))
+
+
+class Listed(nn.Module):
+    """Blocks in lists fully_shard cannot take as units (containers without a forward): one list per stage
+    (transformers' Funnel: encoder.blocks), or one list of layers of two classes in turn (a model's children
+    are then the units, the list standing for its layers)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        if kind == "stages":
+            self.stages = nn.ModuleList([nn.ModuleList([Layer()]), nn.ModuleList([Layer()])])
+        else:
+            self.stages = nn.ModuleList([nn.ModuleList([Layer(), Gate(), Layer(), Gate()])])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for stage in self.stages:
+            for layer in stage:
+                h = layer(h)
+        return self.head(h)
+
+
+def test_lists_of_lists_and_of_mixed_layers_give_their_layers_as_units():
+    """fully_shard refused the ModuleLists these gave as units (a traceback from inside torch)."""
+    assert _described(Listed("stages")) == ("repeated", "2 x Layer")
+    assert _described(Listed("mixed")) == ("children", "stem, head, stages.0.0, stages.0.1, stages.0.2, stages.0.3")
+    assert find_units(Listed("mixed"), "ModuleList").describe() == "2 x Layer, 2 x Gate"
+
+
 def _fit_ranks(rank: int, world: int, root: str) -> dict:
     runtime.init(DistConfig(device="cpu"))  # fit() joins this group and leaves it open
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
     y = x[:, :4].argmax(dim=1)
     out: dict = {}
-    for kind in ("tuple", "dict", "dataclass"):
+    for kind in ("tuple", "dict", "dataclass", "stages", "mixed"):
         for strategy in ("ddp", "fsdp"):
             said = io.StringIO()
+            model = functools.partial(Listed if kind in ("stages", "mixed") else Shaped, kind)
             with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-                summary = scaletrain.fit(functools.partial(Shaped, kind), (x, y), config={
+                summary = scaletrain.fit(model, (x, y), config={
                     "run.dir": f"{root}/{kind}-{strategy}", "parallel.strategy": strategy, "dist.device": "cpu",
                     "data.batch_size": 16, "train.max_steps": 6, "optim.lr": 1e-2, "train.progress": False,
                     "train.eval_batches": 1})
@@ -351,10 +389,11 @@ def _fit_ranks(rank: int, world: int, root: str) -> dict:
 
 def test_tuple_dict_and_dataclass_outputs_train_under_fit_with_ddp_and_fsdp(tmp_path: Path):
     ranks = run_ranks(_fit_ranks, 2, str(tmp_path))
-    for kind in ("tuple", "dict", "dataclass"):
+    units = {"stages": "2 x Layer", "mixed": "stem, head, stages.0.0, stages.0.1, stages.0.2, stages.0.3"}
+    for kind in ("tuple", "dict", "dataclass", "stages", "mixed"):
         ddp, fsdp = ranks[0][f"{kind}-ddp"], ranks[0][f"{kind}-fsdp"]
         assert ddp["steps"] == fsdp["steps"] == 6 and math.isfinite(fsdp["loss"])
-        assert "parallel: fsdp | FSDP: 2 x Layer + root" in fsdp["said"], fsdp["said"]
+        assert f"parallel: fsdp | FSDP: {units.get(kind, '2 x Layer')} + root" in fsdp["said"], fsdp["said"]
         assert "warning" not in fsdp["said"] + ddp["said"]
         weights = [safetensors.torch.load_file(tmp_path / f"{kind}-{s}" / "model.safetensors") for s in ("ddp", "fsdp")]
         assert _max_diff(weights[1], weights[0]) < 1e-5, kind

@@ -8,14 +8,16 @@ The first rule that finds any wins:
    so): its children;
 3. transformers' ``_no_split_modules`` (class names a model declares indivisible: ``GPT2Block``,
    ``LlamaDecoderLayer``): every module of those classes, when the model or a submodule declares them;
-4. the largest (by parameters) ModuleList or Sequential of two or more children of one class, wherever it is
-   nested (nanoGPT's ``transformer.h``, Llama's ``model.layers``); then every child of that class in every
-   ModuleList/Sequential made of it, so a ResNet's ``layer1`` .. ``layer4`` give all its BasicBlocks or
-   Bottlenecks, one unit each (per block rather than per stage: a late stage holds most of the parameters);
+4. repeated blocks: of the classes that fill a ModuleList or Sequential on their own (two or more children in
+   all such lists, wherever they are nested: nanoGPT's ``transformer.h``, Llama's ``model.layers``, Funnel's
+   one list per stage), the one with the most parameters; every child of that class in those lists, so a
+   ResNet's ``layer1`` .. ``layer4`` give all its BasicBlocks or Bottlenecks, one unit each (per block rather
+   than per stage: a late stage holds most of the parameters);
 5. no repeated blocks: the model's direct children that hold parameters, when there are two or more (the
    built-in CNN's ``features`` and ``head``).
 
-Then two rules for all: a unit inside another unit is not a unit of its own (the outer one covers it), and a
+Then three rules for all: a container without a forward (a ModuleList) stands for its children, which
+fully_shard can call; a unit inside another unit is not a unit of its own (the outer one covers it), and a
 unit holding a parameter that a module outside it also holds (tied embedding and head across a unit's
 border) is left to the root: fully_shard keeps a parameter tied only among the modules of one call, so a
 unit would shard its own copy and the module outside would keep the old one (measured: two parameters where
@@ -134,13 +136,26 @@ def _same_class_lists(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.
 
 
 def _repeated(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    lists = _same_class_lists([("", model), *named])  # the model itself may be the Sequential of blocks
-    runs = [(m, cls) for _, m, cls in lists if len(m) > 1]
+    # the model itself may be the Sequential of blocks; a list of lists is not one of blocks (Funnel's
+    # encoder.blocks holds a ModuleList of layers per stage): its lists are looked into instead
+    lists = [(n, m, cls) for n, m, cls in _same_class_lists([("", model), *named]) if not _container(cls)]
+    # a class repeated: two or more of it over its lists (Funnel with one layer per stage has two lists of one)
+    count, size = Counter(), Counter()
+    for _, m, cls in lists:
+        count[cls] += len(m)
+        size[cls] += _size(m)
+    runs = [cls for cls in count if count[cls] > 1]
     if not runs:
         return []
-    chosen = max(runs, key=lambda r: _size(r[0]))[1]  # the first of equal sizes
+    chosen = max(runs, key=lambda cls: size[cls])  # the first of equal sizes
     return [(f"{name}.{key}" if name else key, child) for name, m, cls in lists if cls is chosen
             for key, child in m.named_children()]
+
+
+def _container(cls: type) -> bool:
+    """A module class that only holds others (ModuleList, ModuleDict): no forward of its own, so fully_shard
+    refuses it as a unit ("does not support containers that do not implement forward")."""
+    return cls.forward is nn.Module.forward
 
 
 def _children(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -149,9 +164,10 @@ def _children(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tupl
 
 
 def _settle(model: nn.Module, found: list[tuple[str, nn.Module]], rule: str) -> Units:
-    """Each module once, outermost only, and none that shares a parameter with a module outside it."""
+    """Each module once, outermost only, and none that shares a parameter with a module outside it; a container
+    found (a ModuleList among a model's children, or named in parallel.fsdp_units) stands for its children."""
     first: dict[int, tuple[str, nn.Module]] = {}
-    for name, module in found:
+    for name, module in _opened(found):
         first.setdefault(id(module), (name, module))
     inner = {id(sub) for _, m in first.values() for sub in m.modules() if sub is not m}
     outer = [(n, m) for n, m in first.values() if id(m) not in inner]
@@ -165,6 +181,17 @@ def _settle(model: nn.Module, found: list[tuple[str, nn.Module]], rule: str) -> 
         else:
             kept.append((name, unit))
     return Units(tuple(m for _, m in kept), tuple(n for n, _ in kept), rule, tuple(left))
+
+
+def _opened(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Containers replaced by their children that hold parameters, as deep as containers nest."""
+    out = []
+    for name, module in found:
+        if _container(class_of(module)):
+            out += _opened([(f"{name}.{key}", child) for key, child in module.named_children() if _has_params(child)])
+        else:
+            out.append((name, module))
+    return out
 
 
 def _holders(model: nn.Module) -> dict[int, set[int]]:
