@@ -92,4 +92,9 @@ def test_samples_are_the_batches_a_loop_drew_however_it_accumulates(tmp_path):
     (tmp_path / "parts/summary.json").unlink()  # unfinished again: the same directory resumes from step 3
     _accumulating(tmp_path / "parts", 6)
     assert json.loads((tmp_path / "parts/summary.json").read_text())["samples"] == 48
+    # the checkpoints' batch per step (checkpoint inspect's, a resume's at another world size): 8 in 2 batches,
+    # not the loader's 4 in 1; the one made by the resumed attempt too
+    for step in (3, 6):
+        meta = json.loads((tmp_path / f"parts/checkpoints/step-{step:08d}/manifest.json").read_text())["meta"]
+        assert (meta["global_batch"], meta["accum_steps"]) == (8, 2), meta
 

@@ -1139,6 +1139,17 @@ class Session:
         first = self._loaders[0] if self._loaders else None
         return self._drawn_before + (first.stepped * first.inner.micro_samples if first is not None else 0)
 
+    def _batches_per_step(self) -> int:
+        """The first loader's batches per optimizer step: its accum=, or, for a loop accumulating over batches it
+        draws itself from a loader made without it, as many as this attempt's steps drew each (evenly)."""
+        first = self._loaders[0] if self._loaders else None
+        if first is None:
+            return 1
+        given = first.inner.step_samples // first.inner.micro_samples
+        steps = self.steps - (self.resume.step if self.resume is not None else 0)
+        drawn, extra = divmod(first.stepped, steps) if steps > 0 else (given, 0)
+        return drawn if drawn and not extra else given
+
     def _save(self, *, final: bool) -> None:
         ckpt = self.checkpointer
         assert ckpt is not None
@@ -1155,12 +1166,13 @@ class Session:
                       "sums": {k: float(v.item()) for k, v in self._sums.items()}}
         first = self._loaders[0].inner if self._loaders else None
         single = self._single()
+        accum = self._batches_per_step()
         meta = {"format": FORMAT_FULL, "session": True, "bare": single, "step": self.steps,
                 "world_size": self.world_size,
                 # the first loader's batch: a resume at another world size keeps this global batch if it can
-                "global_batch": first.step_samples if first else 0,
+                "global_batch": accum * first.micro_samples if first else 0,
                 "batch_size": first.batch_size if first else 0,
-                "accum_steps": first.step_samples // first.micro_samples if first else 1,
+                "accum_steps": accum,
                 "epoch": first.epoch + 1 if first else 0,
                 **({"layout": self.layout.as_dict()} if self.layout is not None else {}),
                 "loader": first.state_dict() if first else {},
