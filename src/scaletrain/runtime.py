@@ -6,6 +6,7 @@ A single process with no launcher around it is world size 1 and starts no proces
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -464,8 +465,11 @@ def rank0_values(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def close(rt: Runtime) -> None:
-    """End the process group if this runtime started it (a user's own group is left alone).
+def close(rt: Runtime, *, keep: bool = False) -> None:
+    """End the process group if this runtime started it (a user's own group is left alone). ``keep``: a model the
+    caller holds is sharded over the group (FSDP, tensor parallelism): the group stays open until the process
+    exits, so that the model can still run forward, be gathered whole (DTensor.full_tensor resolves the group
+    by name: 'Could not resolve the process group' once it is destroyed) or be saved by save_pretrained.
 
     destroy_process_group() only drops the registry's reference. Anything else holding the group (a DDP
     wrapper, often in a reference cycle) keeps Gloo's worker threads alive until interpreter shutdown, where
@@ -480,7 +484,21 @@ def close(rt: Runtime) -> None:
         return
     flight.stop_all()  # a watcher of a session left open holds the session, and its wrappers, alive
     gc.collect()
-    if rt.owns_group:
+    if rt.owns_group and keep:
+        if not _AT_EXIT:
+            atexit.register(_end_group)  # before the interpreter's finalization, as a close here would
+            _AT_EXIT.append(True)
+    elif rt.owns_group:
+        dist.destroy_process_group()
+        gc.collect()
+
+
+_AT_EXIT: list[bool] = []  # the group left open for a sharded model is ended at exit (registered once)
+
+
+def _end_group() -> None:
+    if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
         gc.collect()
 

@@ -117,28 +117,32 @@ def test_a_scheduler_given_drives_the_lr_and_resumes_bit_for_bit(tmp_path: Path,
     assert _lrs(tmp_path / "cut") == _lrs(tmp_path / "whole")[:7] + _lrs(tmp_path / "whole")[7:]
 
 
-def _sharded(rank: int, world: int, run_dir: str, strategy: str) -> list[torch.Tensor]:
-    """nanoGPT's configure_optimizers and a OneCycleLR, built on the model before fit() shards it."""
-    if world > 1:
-        dist.init_process_group("gloo")  # the script's own group: the sharded model stays usable after fit()
+def _sharded(rank: int, world: int, run_dir: str, strategy: str) -> tuple[list[torch.Tensor], bool]:
+    """nanoGPT's configure_optimizers and a OneCycleLR, built on the model before fit() shards it. fit() starts
+    the process group; under FSDP it leaves it open for the sharded model the script holds, which can then
+    be gathered whole (full_tensor() found no group by its name before) and run."""
     model = Net()
     opt = model.configure_optimizers(0.1, 3e-3)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=16)
     scaletrain.fit(model, _data(), optimizer=opt, scheduler=sched, config={
         **QUICK, "run.dir": run_dir, "data.batch_size": 32 // world, "train.global_batch": 32,
         "train.max_steps": 16, "parallel.strategy": strategy})
-    return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in _weights(model)]
+    weights = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in _weights(model)]
+    if strategy == "fsdp":
+        assert model(_data()[0][:4]).shape == (4, 2)
+    return weights, dist.is_initialized()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_an_optimizer_built_before_sharding_trains_as_on_one_process(tmp_path: Path, strategy: str) -> None:
     """Under FSDP the optimizer built on the whole model is handed the shards; two ranks end within 1e-6 of
     one process (float sums in another order), weight decay and the schedule included."""
-    one = _sharded(0, 1, str(tmp_path / "one"), "ddp")
+    one, _ = _sharded(0, 1, str(tmp_path / "one"), "ddp")
     per_rank = run_ranks(_sharded, 2, str(tmp_path / strategy), strategy)
     assert not torch.equal(one[0], Net().inp.weight)  # it trained
-    for a, b in zip(one, per_rank[0]):
+    for a, b in zip(one, per_rank[0][0]):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    assert [r[1] for r in per_rank] == [strategy == "fsdp"] * 2  # the group left open for a sharded model only
     assert _lrs(tmp_path / strategy) == pytest.approx(_lrs(tmp_path / "one"), rel=1e-12)
 
 

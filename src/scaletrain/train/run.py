@@ -381,6 +381,7 @@ def open_job(cfg: Config, rt: Runtime, splits: Splits, *, console: Console, pree
     job, resume = _job_and_resume(cfg, rt, build, train_size(splits.train), console)
     st = Session(cfg, opened=Opened(rt, console, resume, preempt, job.layout,
                                     time.perf_counter() if started is None else started))
+    st.caller_holds = isinstance(model, nn.Module)  # given built (torch.compile's too), not as a class
     try:
         job.attach(st)
     except BaseException:

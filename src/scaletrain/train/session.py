@@ -363,6 +363,9 @@ class Session:
         self.chaos = Chaos(cfg.chaos, rt.rank, rt.world_size)  # first: a rank beyond the world writes nothing
         self.total_steps = cfg.train.max_steps  # 0: the loop decides when it is done
         self._closing = False  # close() has begun its final gathers
+        # the caller holds the models set up (a loop's own; fit()'s when given built, not as a class): a sharded
+        # one keeps the process group open past close() (runtime.close)
+        self.caller_holds = True
         self.flops_per_sample = 0.0  # model FLOPs per training sample, where known: MFU in the records
         # the trainer's own cross-entropy on a built-in model under tensor parallelism: logits kept split
         # (parallel/tensor.py loss_context); a loop of one's own sees ordinary logits
@@ -1422,7 +1425,9 @@ class Session:
             m.wrapped = m.module  # drop the DDP wrapper: it holds the process group
         if hasattr(self, "cfg"):
             release_run_dir(self.cfg.run_dir)  # after the last write to it
-        runtime.close(self.rt)
+        # a model the caller holds, sharded over the group: the group stays open (until exit) for it
+        held = getattr(self, "caller_holds", False) and any(has_dtensors(m.module) for m in self._models)
+        runtime.close(self.rt, keep=held)
 
     def _usable(self, what: str) -> None:
         if self._closed:
