@@ -160,7 +160,10 @@ def _summarize(job: Job, splits: Splits, model_given: bool) -> Callable[[dict[st
             summary["pipeline"] = _pipeline_record(job)
         # The comparison needs a step counted in this process. The planner builds the model the config names, or a
         # model of one's own by the class (or function) fit() was given (plan/own.py's way).
-        if job.cfg.log.plan_vs_actual and "params_bytes" in summary["mem"]:
+        # Not for tensor or pipeline parallelism of a model of one's own: the planner splits the built-in models
+        # only (plan_fit() says so), and its split of their blocks does not apply to another model's.
+        split = job.layout.tp > 1 or job.layout.pp > 1
+        if job.cfg.log.plan_vs_actual and "params_bytes" in summary["mem"] and not (model_given and split):
             try:
                 summary["plan_vs_actual"] = _plan_vs_actual(job, splits, summary, model_given)
             except Exception as err:  # a model of one's own that fake tensors cannot build: the run's outputs first
