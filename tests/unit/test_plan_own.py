@@ -133,3 +133,22 @@ def test_a_split_the_plan_does_not_make_is_said_not_dropped(capsys) -> None:
     said = " ".join(capsys.readouterr().out.split())
     assert ("plan: parallel.tp = 2 not planned: a model of one's own is planned with data parallelism (DDP, FSDP) "
             "over all 4 GPUs (the dp x tp x pp search covers the built-in GPT and Llama only)") in said
+
+
+def test_fits_optimizer_and_dataloader_are_planned_as_fit_runs_them(capsys) -> None:
+    """plan_fit() takes what fit() takes: an optimizer of one's own (SGD's one state buffer per parameter, not
+    AdamW's two: the optimizer row halves) and a DataLoader (its batch size per rank)."""
+    from torch.utils.data import DataLoader
+
+    config = {"dist.nproc": 4, "data.batch_size": 3}
+    adamw = scaletrain.plan_fit(Tagger, _samples(64), gpu="h100", config=config)
+    sgd = scaletrain.plan_fit(Tagger, _samples(64), gpu="h100", config=config,
+                              optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    rows = {r["strategy"]: r for r in adamw["layouts"] if r["checkpointing"] == "none"}
+    halved = {r["strategy"]: r for r in sgd["layouts"] if r["checkpointing"] == "none"}
+    assert rows["ddp"]["optim_bytes"] == 2 * halved["ddp"]["optim_bytes"] > 0
+    loaded = scaletrain.plan_fit(Tagger, DataLoader(_samples(64), batch_size=3, shuffle=True), gpu="h100",
+                                 config={"dist.nproc": 4})
+    assert loaded["layouts"] == adamw["layouts"] and loaded["total_steps"] == adamw["total_steps"]
+    with pytest.raises(UserError, match=r"fit\(optimizer=...\): the function given returned a NoneType"):
+        scaletrain.plan_fit(Tagger, _samples(64), gpu="h100", config=config, optimizer=lambda params: None)

@@ -30,13 +30,16 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
          config: Config | Mapping[str, Any] | str | None = None, argv: list[str] | None = None,
          batch_fn: Callable[[Any], tuple[Any, Any]] | None = None,
          collate_fn: Callable[[list[Any]], Any] | None = None, mfu: float | None = None,
-         price_per_gpu_hour: float | None = None, net_gbps: float = 400.0, show: bool = True) -> dict[str, Any]:
+         price_per_gpu_hour: float | None = None, net_gbps: float = 400.0, show: bool = True,
+         optimizer: Callable[[list[nn.Parameter]], Any] | None = None) -> dict[str, Any]:
     """Plan training ``model`` (its class, or a function of no arguments that builds it: it is called on fake
     tensors) on ``train_data`` (what fit() takes) on ``gpu`` (h100, h200, a100-80gb, a100-40gb, l40s, l4), with
     ``config`` and ``argv`` as fit() takes them: dist.nproc GPUs per machine, dist.nnodes machines,
     data.batch_size, train.precision, optim.name, train.max_steps or train.epochs, parallel.fsdp_units. ``mfu``:
     the model FLOPs utilization a run without recompute reaches (default: the measured run nearest in size,
-    plan/catalog.py). Prints the plan as `scaletrain plan` does (``show``) and returns it as its --json has it."""
+    plan/catalog.py). Prints the plan as `scaletrain plan` does (``show``) and returns it as its --json has it.
+    ``optimizer``: fit()'s, as a function of the parameters (called on the model built on the meta device): its
+    state is planned as SGD's one buffer per parameter, or Adam's two for any other, in place of optim.name's."""
     from scaletrain.batch import Batcher, collate_one
     from scaletrain.data import in_memory, train_size
     from scaletrain.plan.catalog import ACCELERATORS, default_mfu
@@ -44,7 +47,7 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     from scaletrain.plan.table import WIDTH, print_plan, say
     from scaletrain.train.batching import plan_batches
     from scaletrain.train.job import builder
-    from scaletrain.train.session import resolve_config
+    from scaletrain.train.session import loaders_read, resolve_config
 
     acc = ACCELERATORS.get(gpu.lower())
     if acc is None:
@@ -58,7 +61,8 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     build = builder(model, instead="a function")
     # the data are the arguments; several machines need no rendezvous to be planned (the run will)
     given = {"data.source": "memory", "dist.rdzv_endpoint": "planned:29500"}
-    cfg = resolve_config(config, argv, defaults=given, pinned=given).for_device("cuda")  # a plan is for a GPU
+    train_data, _, collate_fn, loader = loaders_read(train_data, None, collate_fn)  # a DataLoader's settings
+    cfg = resolve_config(config, argv, defaults={**loader, **given}, pinned=given).for_device("cuda")  # for a GPU
     cfg = dataclasses.replace(cfg, model=ModelConfig())  # the model is the user's: no built-in's key applies
     splits = in_memory(train_data, None, cfg.data.val_fraction, collate_fn=collate_fn)
     world = cfg.dist.nproc * cfg.dist.nnodes
@@ -67,6 +71,11 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
 
     with torch.device("meta"):  # its forward's signature, for the batch's split (nothing allocated)
         signature = build()
+    if optimizer is not None:  # its kind of state, from the optimizer built on the meta parameters
+        from scaletrain.train.job import optim_kind, own_optimizer
+
+        kind = optim_kind(cfg, own_optimizer(optimizer, signature, built=True), optimizer)
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name=kind))
     one = Batcher(signature, batch_fn)(collate_one(splits.train, collate_fn))
     facts = measure_model(cfg, OWN, {"build": build}, one, modes=AC_PLANNED)  # type: ignore[arg-type]
     source = f"given (mfu={mfu})"

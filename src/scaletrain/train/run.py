@@ -48,7 +48,7 @@ from scaletrain.train.precision import slow_here
 from scaletrain.train.preempt import Preempted, PreemptFlag, restart_line
 from scaletrain.train.resume import config_changes, fitting
 from scaletrain.train.rundir import agree_run_dir, release_run_dir
-from scaletrain.train.session import Opened, Session, check_workers, resolve_config
+from scaletrain.train.session import Opened, Session, check_workers, loaders_read, resolve_config
 
 PREEMPTED, INTERRUPTED = "preempted", "interrupted"
 
@@ -470,30 +470,6 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
             runtime.close(rt)
 
 
-def _loaders_read(train_data: Any, eval_data: Any, collate_fn: Callable[[list[Any]], Any] | None) -> tuple[
-        Any, Any, Callable[[list[Any]], Any] | None, dict[str, Any]]:
-    """DataLoaders given to fit() (a script written for plain torch, or for Lightning's trainer.fit): their datasets,
-    their collate_fn (unless fit() was given one), and their batch size, shuffle and workers as the defaults of
-    data.batch_size, data.eval_batch_size, data.shuffle and data.num_workers (a config or the command line wins).
-    The batch size is per rank, as the loader's was per process; the samples are sharded and resumed as any
-    dataset's, reshuffled from run.seed."""
-    from torch.utils.data import DataLoader
-
-    from scaletrain.train.session import from_dataloader
-
-    given: dict[str, Any] = {}
-    if isinstance(train_data, DataLoader):
-        train_data, batch, shuffle, own, workers = from_dataloader(train_data, 0, None, None, who="fit()")
-        given.update({"data.batch_size": batch, "data.num_workers": workers,
-                      **({"data.shuffle": shuffle} if shuffle is not None else {})})
-        collate_fn = collate_fn or own
-    if isinstance(eval_data, DataLoader):
-        eval_data, batch, _, own, _ = from_dataloader(eval_data, 0, False, None, who="fit(eval_data=...)")
-        given["data.eval_batch_size"] = batch
-        collate_fn = collate_fn or own
-    return train_data, eval_data, collate_fn, given
-
-
 @says_errors
 def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_data: Any = None,
         loss_fn: LossFn | None = None, config: Config | Mapping[str, Any] | str | None = None,
@@ -531,7 +507,7 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     2 (1 when training failed), said once however many ranks raised it.
     """
     memory = {"data.source": "memory"}  # the data are the arguments, whatever a recipe or TOML file says
-    train_data, eval_data, collate_fn, given = _loaders_read(train_data, eval_data, collate_fn)
+    train_data, eval_data, collate_fn, given = loaders_read(train_data, eval_data, collate_fn)
     cfg = resolve_config(config, argv, defaults={**given, **memory}, pinned=memory)
     check_workers(cfg)
     splits = in_memory(train_data, eval_data, cfg.data.val_fraction, collate_fn=collate_fn)

@@ -319,6 +319,26 @@ def from_dataloader(given: DataLoader, batch_size: int, shuffle: bool | None,
     return given.dataset, batch_size or size or 0, shuffle, collate_fn or own, given.num_workers
 
 
+def loaders_read(train_data: Any, eval_data: Any, collate_fn: Callable[[list[Any]], Any] | None) -> tuple[
+        Any, Any, Callable[[list[Any]], Any] | None, dict[str, Any]]:
+    """DataLoaders given to fit() (and plan_fit()) (a script written for plain torch, or for Lightning's trainer.fit): their datasets,
+    their collate_fn (unless fit() was given one), and their batch size, shuffle and workers as the defaults of
+    data.batch_size, data.eval_batch_size, data.shuffle and data.num_workers (a config or the command line wins).
+    The batch size is per rank, as the loader's was per process; the samples are sharded and resumed as any
+    dataset's, reshuffled from run.seed."""
+    given: dict[str, Any] = {}
+    if isinstance(train_data, DataLoader):
+        train_data, batch, shuffle, own, workers = from_dataloader(train_data, 0, None, None, who="fit()")
+        given.update({"data.batch_size": batch, "data.num_workers": workers,
+                      **({"data.shuffle": shuffle} if shuffle is not None else {})})
+        collate_fn = collate_fn or own
+    if isinstance(eval_data, DataLoader):
+        eval_data, batch, _, own, _ = from_dataloader(eval_data, 0, False, None, who="fit(eval_data=...)")
+        given["data.eval_batch_size"] = batch
+        collate_fn = collate_fn or own
+    return train_data, eval_data, collate_fn, given
+
+
 class Session:
     """See the module docstring. Use it as a context manager (or call close()): closing waits for the last
     checkpoint, writes summary.json and the final weights, and ends the process group."""
