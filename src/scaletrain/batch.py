@@ -95,14 +95,15 @@ def logits_of(output: Any) -> torch.Tensor | None:
 
 
 def loss_of(output: Any, *, in_tuple: bool = False) -> torch.Tensor | None:
-    """The loss a model computed itself (``output.loss`` / ``output["loss"]``, a scalar tensor), or None.
+    """The loss a model computed itself (``output.loss`` / ``output["loss"]``, a scalar tensor; the output itself
+    when it is one number), or None.
 
     ``in_tuple``: the model was given the targets (a ``targets``/``labels`` parameter of its forward), so a
     tuple it returns carries its loss as its first scalar (0-dim floating) item: nanoGPT's ``(logits, loss)``,
     transformers' ``(loss, logits, ...)`` under ``return_dict=False``. Without the targets a tuple's scalar is
     not the loss (an auxiliary loss beside the logits), so it is never taken for one."""
-    if isinstance(output, torch.Tensor):
-        return None
+    if isinstance(output, torch.Tensor):  # one number: the loss (a VAE's, a contrastive model's), not logits
+        return output if output.dim() == 0 and output.is_floating_point() else None
     if isinstance(output, (tuple, list)):
         if not in_tuple:
             return None

@@ -191,6 +191,7 @@ def test_default_loss_takes_the_models_own_loss_else_cross_entropy_of_its_logits
     assert default_loss({"logits": logits, "loss": own}, None) is own
     with pytest.raises(UserError, match="with no loss, and the batch has no target; fix: pass loss_fn"):
         default_loss(logits, None)
+    assert default_loss(own, None) is own and default_loss(own, Y) is own  # one number returned: the loss
 
 
 def test_a_tuples_scalar_is_the_models_own_loss_only_when_it_was_given_the_targets() -> None:

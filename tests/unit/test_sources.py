@@ -279,7 +279,7 @@ def test_mismatched_lengths_is_a_one_line_user_error() -> None:
     ([], "train has no samples"),
     (type("Table", (), {"__len__": lambda self: 3, "__getitem__": lambda self, k: {"a": [1, 2, 3]}[k]})(),
      "train is a Table whose [0] is not a sample (KeyError: 0)"),
-    (torch.zeros(4, 2), "train is a Tensor"),
+    (torch.zeros(()), "train is a tensor of shape (), which has no rows to be samples"),
     ("data.csv", "train is a str"),
     (([1, 2], [3, 4]), "train inputs is a list"),
     ((torch.zeros(2), {"y": 1}), "train targets is a dict"),

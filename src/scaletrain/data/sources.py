@@ -226,7 +226,13 @@ def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task
         if (isinstance(d, tuple) and len(d) == 2) or (isinstance(d, list) and len(d) == 2
                                                       and all(isinstance(a, arrays) for a in d)):
             return TensorPairs(_as_tensor(d[0], f"{what} inputs"), _as_tensor(d[1], f"{what} targets"))
-        if hasattr(d, "__len__") and hasattr(d, "__getitem__") and not isinstance(d, (*arrays, str, bytes, dict)):
+        if isinstance(d, arrays):  # its rows are the samples, unlabelled (a model computing its own loss: a VAE's)
+            rows = _as_tensor(d, what)
+            if rows.dim() == 0 or len(rows) == 0:
+                raise UserError(f"data: {what} is a tensor of shape {tuple(rows.shape)}, which has no rows to be "
+                                "samples; fix: pass (inputs, targets), or a tensor of one sample per row")
+            return rows  # type: ignore[return-value]
+        if hasattr(d, "__len__") and hasattr(d, "__getitem__") and not isinstance(d, (str, bytes, dict)):
             if len(d) == 0:
                 raise UserError(f"data: {what} has no samples; fix: pass a dataset with at least one sample")
             try:
