@@ -574,3 +574,37 @@ def test_a_tensor_of_rows_trains_a_model_that_returns_its_loss(tmp_path: Path) -
     evals = [r["eval_loss"] for r in records if r.get("kind") == "eval"]
     assert summary["eval"]["count"] == 205.0 and "accuracy" not in summary["eval"]
     assert evals[-1] < 0.4 * evals[0], evals
+
+
+class Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body, self.head = nn.Sequential(nn.Linear(8, 16), nn.ReLU()), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _wrapped(rank: int, world: int, root: str) -> list[dict[str, torch.Tensor]]:
+    """A script's own DDP wrapper given to fit(), beside the bare model, on the script's own group."""
+    import safetensors.torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    x, y = _points(256, 0)
+    out = []
+    for name, model in (("bare", Deep()), ("ddp", DistributedDataParallel(Deep())), ("dp", nn.DataParallel(Deep()))):
+        scaletrain.fit(model, (x, y), config={**QUICK, "run.dir": f"{root}/{name}", "train.max_steps": 5})
+        out.append(safetensors.torch.load_file(f"{root}/{name}/model.safetensors"))
+    return out
+
+
+def test_a_model_the_script_wrapped_in_ddp_itself_trains_as_the_bare_model(tmp_path: Path) -> None:
+    """DistributedDataParallel (or DataParallel) made by the script is taken off: fit() wraps the module for
+    its layout, so the gradients are all-reduced once (DDP in DDP did it twice) and the weights keep their own
+    names (they were saved as module.body.0.weight, which the bare model does not load)."""
+    bare, ddp, dp = run_ranks(_wrapped, 2, str(tmp_path), timeout_s=120)[0]
+    assert sorted(ddp) == sorted(dp) == sorted(bare) == sorted(Deep().state_dict())
+    assert all(torch.equal(bare[k], ddp[k]) and torch.equal(bare[k], dp[k]) for k in bare)

@@ -92,11 +92,20 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh | None, *, bucket_mb: float, fi
 def uncompiled(model: nn.Module) -> tuple[nn.Module, str | None]:
     """(the module, its compile_mode) for what torch.compile(module, mode=...) returned, else (model, None):
     scaletrain compiles it itself as train.compile does (before DDP or FSDP wrap it), in that mode, and names its
-    weights by the module's own names, not _orig_mod.*."""
-    bare = getattr(model, "_orig_mod", None)
-    if isinstance(bare, nn.Module) and type(model).__name__ == "OptimizedModule":
-        return bare, compile_mode(model)
-    return model, None
+    weights by the module's own names, not _orig_mod.*. A DistributedDataParallel or DataParallel wrapper a
+    script made itself is taken off too: scaletrain wraps the module for the run's layout (DDP in DDP
+    all-reduced every gradient twice; FSDP would shard the wrapper), and its weights keep their names, not
+    module.*. (The wrapper left behind does nothing: its gradient hooks wait for its own forward.)"""
+    mode = None
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+            continue
+        bare = getattr(model, "_orig_mod", None)
+        if isinstance(bare, nn.Module) and type(model).__name__ == "OptimizedModule":
+            model, mode = bare, compile_mode(model)
+            continue
+        return model, mode
 
 
 def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> UserError | None:
