@@ -397,6 +397,8 @@ class NeedsWidth(nn.Module):
                          r"inputs hold int64 tensors and the model's parameters are float32; fix: make the features")),
     ("multi-hot targets", r"loss: the float targets are not class probabilities .*binary_cross_entropy_with_logits"),
     ("a label too many", r"loss: class target 4 for logits of 4 classes .* \(5 here\)"),
+    ("a bfloat16 model", (r"model: its first forward failed \(.*\): its parameters are bfloat16 and the inputs "
+                          r"float32; fix: keep the model in float32 and train with --train.precision=bf16-mixed")),
 ])
 def test_first_mistakes_with_fit_are_one_line(tmp_path: Path, mistake: str, said: str) -> None:
     """What users get wrong in the first minutes, before or at the first step: one line naming it, with the fix
@@ -415,6 +417,8 @@ def test_first_mistakes_with_fit_are_one_line(tmp_path: Path, mistake: str, said
         data = ((x * 10).long(), y)
     elif mistake == "multi-hot targets":
         data = (x, (x[:, :4] > 0).float())
+    elif mistake == "a bfloat16 model":
+        model = lambda: nn.Linear(8, 4).to(torch.bfloat16)
     elif mistake == "a label too many":
         data = (x, torch.where(torch.arange(256) == 200, 4, y))  # one sample of 256, not the first
     with pytest.raises(UserError, match=said) as err:

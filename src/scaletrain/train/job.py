@@ -332,6 +332,13 @@ def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any], None] | 
         ints = next((t.dtype for t in inputs if not t.is_floating_point() and t.dtype != torch.bool), None)
         said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         mismatch = "dtype" in said.lower() or "scalar type" in said
+        halves = params & {torch.bfloat16, torch.float16}
+        if halves and mismatch and any(t.dtype == torch.float32 for t in inputs):  # model.to(torch.bfloat16)
+            half = str(min(halves, key=str)).removeprefix("torch.")
+            raise UserError(f"model: its first forward failed ({said}): its parameters are {half} and the inputs "
+                            f"float32; fix: keep the model in float32 and train with --train.precision="
+                            f"{'bf16' if half == 'bfloat16' else 'fp16'}-mixed ({half} compute, float32 weights "
+                            f"and optimizer state: the updates too small for {half} are not lost)") from err
         if not params or not (doubles or (ints is not None and mismatch)):
             raise
         dtype = str(min(params, key=str)).removeprefix("torch.")
