@@ -360,6 +360,10 @@ class TrainConfig:
     """Evaluate every this many optimizer steps (0 = at the end of every epoch, and at the end)."""
     eval_batches: Annotated[int, Range(0, most=I64)] = 100
     """Eval batches per rank per evaluation, spread evenly over the held-out split (0 = the whole split)."""
+    early_stop: Annotated[int, Range(0, most=I64, fix="--train.early_stop=3")] = 0
+    """Stop when the held-out loss has not fallen below its best (by more than train.early_stop_delta) for this many evaluations in a row (0 = never): the run ends finished, at the step of that evaluation, naming the best one."""
+    early_stop_delta: Annotated[float, Range(0, fix="--train.early_stop_delta=0.001")] = 0.0
+    """With train.early_stop: the fall of the held-out loss that counts as an improvement."""
     progress: bool = True
     """Show a progress bar on rank 0 when the console is a terminal."""
     deterministic: bool = False

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from scaletrain.batch import Batch, Batcher, BatchFn, check_targets, collate_one, default_loss, leaves
 from scaletrain.config import Config, OptimConfig, TrainConfig
 from scaletrain.data import Splits, TensorPairs, train_size
-from scaletrain.errors import UserError
+from scaletrain.errors import ConfigError, UserError
 from scaletrain.layout import check_pipeline
 from scaletrain.models import GPT, build_model
 from scaletrain.models.init import refuse_sync_batchnorm, refuse_unfilled
@@ -85,6 +86,7 @@ class Job:
     loader: Loader | None = None
     eval_loader: DataLoader | None = None  # made at the first evaluation (train/evaluate.py), kept for the others
     st: Session | None = None
+    early_stop: EarlyStop | None = None  # train.early_stop > 0 with held-out data
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_step: int = -1  # the step of the last evaluation
 
@@ -160,6 +162,37 @@ class Job:
                      name="scheduler")
         self.loader = st.loader(self.train_data, batch_size=plan.batch_size, accum=plan.accum_steps,
                                 collate_fn=self.collate_fn)
+        if cfg.train.early_stop and self.eval_data is not None:
+            self.early_stop = st.track(EarlyStop(cfg.train.early_stop, cfg.train.early_stop_delta),
+                                       name="early_stop", _new=True)
+
+
+class EarlyStop:
+    """train.early_stop: the best held-out loss so far, its step, and the evaluations since it (checkpointed:
+    a resumed run stops where the uninterrupted one would). Every rank reads the same all-reduced loss, so every
+    rank decides alike, with no collective of its own."""
+
+    def __init__(self, patience: int, delta: float) -> None:
+        self.patience, self.delta = patience, delta
+        self.best, self.best_step, self.since = math.inf, 0, 0
+
+    def saw(self, loss: float, step: int) -> bool:
+        """Record an evaluation; True when the run should stop here."""
+        if loss < self.best - self.delta:
+            self.best, self.best_step, self.since = loss, step, 0
+        else:
+            self.since += 1
+        return self.stopped
+
+    @property
+    def stopped(self) -> bool:
+        return self.since >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step, "since": self.since}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_step, self.since = float(state["best"]), int(state["best_step"]), int(state["since"])
 
 
 class Schedule:
@@ -424,6 +457,10 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     metadata of the checkpoint the job will continue from (its global batch and position shape the plan).
     ``batch_fn``: maps a loader batch to (inputs, target) where scaletrain.batch's convention does not fit.
     ``optimizer``, ``scheduler``: the user's (fit()'s), in place of the optim.* and schedule.* keys."""
+    if cfg.train.early_stop and splits.eval is None:
+        raise ConfigError("train.early_stop", cfg.train.early_stop, "0 for training data without a held-out split "
+                          "(a stream): it stops on the held-out loss", "eval_data=... (a list of held-out samples), "
+                          "or --train.early_stop=0")
     if scheduler is not None and cfg.optim.scale_lr:
         raise UserError("optim.scale_lr = true: the linear scaling rule scales the lr of scaletrain's schedule, and "
                         "fit() was given a scheduler of its own; fix: --optim.scale_lr=false, and scale the lr you "

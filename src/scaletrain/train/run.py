@@ -158,6 +158,8 @@ def _summarize(job: Job, splits: Splits, model_given: bool) -> Callable[[dict[st
                         "params": job.params, "strategy": job.strategy})
         if job.pipeline is not None:
             summary["pipeline"] = _pipeline_record(job)
+        if job.early_stop is not None and job.early_stop.stopped:
+            summary["early_stop"] = {"step": st.steps, **job.early_stop.state_dict()}
         # The comparison needs a step counted in this process. The planner builds the model the config names, or a
         # model of one's own by the class (or function) fit() was given (plan/own.py's way).
         # Not for tensor or pipeline parallelism of a model of one's own: the planner splits the built-in models
@@ -225,6 +227,9 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
             ("train loss", f"{summary['train_loss']:.4f}")]
     rows += [(f"eval {k}", f"{100 * v:.2f}%" if k == "accuracy" else f"{v:.4f}")
              for k, v in summary["eval"].items() if k in ("loss", "accuracy")]
+    if (stop := summary.get("early_stop")) is not None:
+        said = f"at step {stop['step']:,}: best eval loss {stop['best']:.4f} at step {stop['best_step']:,}"
+        rows += [("early stop", said)]
     if summary["samples_per_s"] is None:  # a resumed run that had no step left to run: nothing was timed
         rows += [("throughput", "not measured: no step ran in this attempt")]
     else:
@@ -350,6 +355,12 @@ def _evaluate(job: Job, console: Console) -> None:
     if "accuracy" in metrics:
         text += f" | accuracy {100 * metrics['accuracy']:.2f}% ({metrics['correct']:.0f}/{metrics['count']:.0f})"
     console.print(text)
+    stop = job.early_stop
+    if stop is not None and stop.saw(metrics["loss"], st.steps):  # the same loss on every rank: the same decision
+        console.print(f"early stop at step {st.steps}: the held-out loss has not fallen below {stop.best:.4f} (step "
+                      f"{stop.best_step}) for {stop.since} evaluations (train.early_stop = {stop.patience})")
+        st.writer.write({"kind": "early_stop", "step": st.steps, "best_loss": stop.best,
+                         "best_step": stop.best_step, "evaluations_since": stop.since})
 
 
 def _train(job: Job, console: Console) -> None:
@@ -367,6 +378,8 @@ def _train(job: Job, console: Console) -> None:
             train_step(job, batches)
         if job.eval_data is not None and (st.steps % every == 0 or st.done):
             _evaluate(job, console)
+            if job.early_stop is not None and job.early_stop.stopped:
+                break
     if job.eval_data is not None and job.eval_step != st.steps:
         _evaluate(job, console)
 

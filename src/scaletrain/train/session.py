@@ -648,7 +648,7 @@ class Session:
         self._loaders.append(loader)
         return loader
 
-    def track(self, obj: Any, *, name: str = "") -> Any:
+    def track(self, obj: Any, *, name: str = "", _new: bool = False) -> Any:
         """Anything else a resume needs (an LR scheduler, a GradScaler, an EMA of the weights): an object with
         ``state_dict()`` and ``load_state_dict()``. Its state goes into every checkpoint and, on resume, is
         restored here. Track in the same order (or with the same ``name=``) in every run. Returns ``obj``."""
@@ -676,6 +676,9 @@ class Session:
                             "state_dict()")
         if self.resume is not None:
             saved = self._trainer.get("tracked", {})
+            if name not in saved and _new:  # the trainer's own state that older checkpoints lack: starts afresh
+                self._tracked[name] = obj
+                return obj
             if name not in saved:
                 raise CheckpointError(self.resume.path, f"it tracked {sorted(saved)}, not {name!r}",
                                       "track the same objects, in the same order (or with the same name=)")
