@@ -196,6 +196,17 @@ def test_a_resume_with_another_optimizer_names_both(tmp_path: Path) -> None:
         scaletrain.fit(Net(), _data(), config=config, optimizer=lambda params: torch.optim.AdamW(params, lr=0.1))
 
 
+def test_a_resume_with_another_kind_of_schedule_names_both(tmp_path: Path) -> None:
+    config = {**QUICK, "run.dir": str(tmp_path / "r"), "chaos.interrupt_step": 3}
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)
+    scaletrain.fit(Net(), _data(), config=config, optimizer=sgd)
+    config.pop("chaos.interrupt_step")
+    with pytest.raises(CheckpointError, match=r"its LR schedule is scaletrain's \(schedule.\*\), this run's is the "
+                                              r"scheduler given to fit\(\); fix: resume with the schedule it was made"):
+        scaletrain.fit(Net(), _data(), config=config, optimizer=sgd,
+                       scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5))
+
+
 LOOP = """
 import sys, torch, scaletrain
 from torch import nn

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from scaletrain.batch import Batch, Batcher, BatchFn, check_targets, collate_one, default_loss, leaves
 from scaletrain.config import Config, OptimConfig, TrainConfig
 from scaletrain.data import Splits, TensorPairs, train_size
-from scaletrain.errors import ConfigError, UserError
+from scaletrain.errors import CheckpointError, ConfigError, UserError
 from scaletrain.layout import check_pipeline
 from scaletrain.models import GPT, build_model
 from scaletrain.models.init import refuse_sync_batchnorm, refuse_unfilled
@@ -147,6 +147,7 @@ class Job:
             self.pipeline = PipelineRunner(st._stage, st._stage.mesh, device=st.device,
                                            microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.pp_schedule,
                                            loss_fn=self.loss_fn, accum=plan.accum_steps)
+        _same_schedule(st, own=self.own_scheduler is not None)
         if self.own_scheduler is not None:  # the user's schedule, checkpointed as a session tracks one
             self.scheduler = own_scheduler(self.own_scheduler, self.optimizer)
             st.track(self.scheduler, name="lr_scheduler")
@@ -165,6 +166,19 @@ class Job:
         if cfg.train.early_stop and self.eval_data is not None:
             self.early_stop = st.track(EarlyStop(cfg.train.early_stop, cfg.train.early_stop_delta),
                                        name="early_stop", _new=True)
+
+
+def _same_schedule(st: Session, *, own: bool) -> None:
+    """A checkpoint made with scaletrain's schedule resumed with fit(scheduler=...), or the other way round: one
+    line saying which is which (the session's own refusal names tracked objects a fit() user never named)."""
+    saved = st._trainer.get("tracked", {}) if st.resume is not None else {}
+    was = "lr_scheduler" if "lr_scheduler" in saved else "scheduler" if "scheduler" in saved else None
+    if st.resume is None or was is None or (was == "lr_scheduler") == own:
+        return
+    made, now = ("the scheduler given to fit()", "scaletrain's (schedule.*)") if was == "lr_scheduler" else \
+        ("scaletrain's (schedule.*)", "the scheduler given to fit()")
+    raise CheckpointError(st.resume.path, f"its LR schedule is {made}, this run's is {now}",
+                          "resume with the schedule it was made with, or start a new --run.dir")
 
 
 class EarlyStop:
