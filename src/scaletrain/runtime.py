@@ -483,20 +483,17 @@ def close(rt: Runtime, *, keep: bool = False) -> None:
     if not dist.is_initialized():
         return
     flight.stop_all()  # a watcher of a session left open holds the session, and its wrappers, alive
-    gc.collect()
-    if rt.owns_group and keep:
-        if not _AT_EXIT:
-            atexit.register(_end_group)  # before the interpreter's finalization, as a close here would
-            _AT_EXIT.append(True)
+    if rt.owns_group and keep:  # ended at exit, before the interpreter's finalization, as a close here would
+        atexit.unregister(_end_group)  # registered once, however many runs kept it
+        atexit.register(_end_group)
     elif rt.owns_group:
-        dist.destroy_process_group()
+        _end_group()
+    else:
         gc.collect()
 
 
-_AT_EXIT: list[bool] = []  # the group left open for a sharded model is ended at exit (registered once)
-
-
 def _end_group() -> None:
+    """Free what holds the group (cycles), end it, and let its destructor join Gloo's threads now."""
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()

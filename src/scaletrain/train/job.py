@@ -137,10 +137,9 @@ class Job:
             raise UserError("log.grad_noise_scale compares the gradients of several ranks, or of the micro-batches "
                             "of one step: this run has one of each (one data-parallel rank, no accumulation); fix: "
                             "--nproc 2, or --train.accum_steps=2")
-        if self.own_optimizer is None:
-            optimizer: OwnOptimizer = lambda params: build_optimizer(params, cfg.optim, plan.peak_lr)
-        else:  # the instance given (FSDP or TP rebinds it to their parameters), or the function given, again
-            optimizer = self.optimizer if isinstance(self.own_optimizer, Optimizer) else self.own_optimizer
+        # the user's (an instance FSDP or TP rebinds to their parameters, or the function, called again), else ours
+        optimizer = self.own_optimizer if self.own_optimizer is not None else \
+            lambda params: build_optimizer(params, cfg.optim, plan.peak_lr)
         _, self.optimizer = st.setup(self.module, optimizer, name="model")
         if st._stage is not None:  # pp > 1: this rank's stage is the model it trains, evaluates and saves
             self.module = st._stage
@@ -168,17 +167,20 @@ class Job:
                                        name="early_stop", _new=True)
 
 
+SCHEDULES = {"scheduler": "scaletrain's (schedule.*)", "lr_scheduler": "the scheduler given to fit()"}  # tracked as
+
+
 def _same_schedule(st: Session, *, own: bool) -> None:
     """A checkpoint made with scaletrain's schedule resumed with fit(scheduler=...), or the other way round: one
     line saying which is which (the session's own refusal names tracked objects a fit() user never named)."""
-    saved = st._trainer.get("tracked", {}) if st.resume is not None else {}
-    was = "lr_scheduler" if "lr_scheduler" in saved else "scheduler" if "scheduler" in saved else None
-    if st.resume is None or was is None or (was == "lr_scheduler") == own:
+    if st.resume is None:
         return
-    made, now = ("the scheduler given to fit()", "scaletrain's (schedule.*)") if was == "lr_scheduler" else \
-        ("scaletrain's (schedule.*)", "the scheduler given to fit()")
-    raise CheckpointError(st.resume.path, f"its LR schedule is {made}, this run's is {now}",
-                          "resume with the schedule it was made with, or start a new --run.dir")
+    mine, other = ("lr_scheduler", "scheduler") if own else ("scheduler", "lr_scheduler")
+    saved = st._trainer.get("tracked", {})
+    if other in saved and mine not in saved:
+        raise CheckpointError(st.resume.path, f"its LR schedule is {SCHEDULES[other]}, this run's is "
+                              f"{SCHEDULES[mine]}", "resume with the schedule it was made with, or start a new "
+                              "--run.dir")
 
 
 class EarlyStop:
@@ -255,21 +257,19 @@ def own_optimizer(given: OwnOptimizer, module: nn.Module, built: bool) -> Optimi
         raise UserError(f"fit(optimizer=...): a {type(given).__name__} is neither a torch optimizer nor a function "
                         "of the parameters returning one; fix: optimizer=lambda params: torch.optim.AdamW(params, "
                         "lr=3e-4)")
-    mine = {id(p) for p in module.parameters()}
-    if any(id(p) not in mine for g in opt.param_groups for p in g["params"]):
-        raise UserError("fit(optimizer=...): the optimizer holds parameters that are not the model's; fix: build it "
-                        "on the model given to fit() (torch.optim.AdamW(model.parameters())), or pass a function of "
-                        "the parameters")
-    if opt.state:
-        raise UserError("fit(optimizer=...): the optimizer has taken steps already; fix: give fit() a new one (its "
-                        "checkpoints keep the optimizer's state from then on)")
+    from scaletrain.train.session import check_optimizer
+
+    check_optimizer(opt, module, who="fit(optimizer=...)",
+                    foreign="that are not the model's; fix: build it on the model given to fit() "
+                            "(torch.optim.AdamW(model.parameters())), or pass a function of the parameters",
+                    stepped="give fit() a new one (its checkpoints keep the optimizer's state from then on)")
     return opt
 
 
 def own_scheduler(given: OwnScheduler, optimizer: Optimizer) -> LRScheduler:
     """fit(scheduler=...): one built on the optimizer given to fit(), or a function of the optimizer returning
     one (called here, once the optimizer is set up and restored), stepped after every optimizer step."""
-    sched = given if isinstance(given, (LRScheduler, ReduceLROnPlateau)) else None
+    sched = given if isinstance(given, LRScheduler) else None  # ReduceLROnPlateau is one too (torch >= 2.2)
     if sched is None:
         if not callable(given):
             raise UserError(f"fit(scheduler=...): a {type(given).__name__} is neither an LR scheduler nor a function "

@@ -1591,12 +1591,20 @@ def _check_optimizer(opt: Any, model: nn.Module) -> None:
     if not isinstance(opt, Optimizer):
         raise UserError(f"session.setup(): an optimizer argument gave a {type(opt).__name__}; fix: pass a torch "
                         "optimizer or a function of the parameters returning one")
+    check_optimizer(opt, model)
+
+
+def check_optimizer(opt: Optimizer, model: nn.Module, *, who: str = "session.setup()",
+                    foreign: str = "of another model; fix: set up each model with its own optimizers",
+                    stepped: str = "set up before training") -> None:
+    """An optimizer given for ``model`` (to session.setup() or fit()): of its parameters only, and not stepped
+    yet (its state would be restored over, or trained on, as if new). ``foreign``, ``stepped``: what ``who``
+    says of each."""
     mine = {id(p) for p in model.parameters()}
     if any(id(p) not in mine for g in opt.param_groups for p in g["params"]):
-        raise UserError("session.setup(): the optimizer holds parameters of another model; fix: set up each model "
-                        "with its own optimizers")
+        raise UserError(f"{who}: the optimizer holds parameters {foreign}")
     if opt.state:
-        raise UserError("session.setup(): the optimizer has taken steps already; fix: set up before training")
+        raise UserError(f"{who}: the optimizer has taken steps already; fix: {stepped}")
 
 
 def resolve_config(config: Config | Mapping[str, Any] | str | None, argv: list[str] | None, *,
