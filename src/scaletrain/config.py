@@ -405,6 +405,8 @@ class CheckpointConfig:
     """Save a checkpoint every this many optimizer steps, and at the end (0 = only when preempted)."""
     keep: Annotated[int, Range(0, most=I32)] = 3
     """Complete checkpoints kept; older ones are deleted once a newer one is committed (0 = keep all)."""
+    best: bool = False
+    """scaletrain train and fit(), with held-out data: after each evaluation whose loss is the lowest so far (lower by more than train.early_stop_delta), save a checkpoint at that step (unless one is there) and keep it whatever checkpoint.keep says until a better one replaces it (checkpoints/best.json and summary.json's best_checkpoint name it; `scaletrain checkpoint export RUN OUT --best` exports it)."""
     resume: Annotated[str, Text("auto, never or a checkpoint path", _nonempty, "--checkpoint.resume=auto")] = "auto"
     """auto (the latest complete checkpoint in the run directory, if any), never, or the path of a checkpoint."""
     preempt_check: Literal["log", "step"] = "log"

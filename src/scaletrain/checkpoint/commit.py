@@ -13,6 +13,9 @@ a save, or before it when the disk has no room for it otherwise (``make_room``; 
 ``step-*`` directory whose manifest is missing or does not match its files (tampering, a damaged disk) is
 moved aside to ``corrupt-step-<s>-<n>`` with a warning, never deleted: nothing already saved is lost.
 
+``ROOT/best.json`` (written whole by a rename, after the checkpoint it names is committed) names the best
+checkpoint (checkpoint.best, Session.save_best): pruning and ``make_room`` never delete it.
+
 Any format can use this: the consolidated files of a DDP run, or the shards of a DCP checkpoint written by
 every rank into the staging directory before rank 0 writes the manifest.
 """
@@ -34,6 +37,7 @@ from typing import Any
 from scaletrain.errors import CheckpointError, free_bytes
 
 MANIFEST = "manifest.json"
+BEST = "best.json"
 FORMAT = "scaletrain-checkpoint"
 VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -197,12 +201,16 @@ def committed(root: Path) -> list[tuple[int, Path]]:
 
 
 def clean_stale(root: Path) -> list[Path]:
-    """Remove staging and half-deleted directories left by a process that died; returns what it removed."""
+    """Remove staging and half-deleted directories (and a half-written best.json) left by a process that died;
+    returns what it removed."""
     if not root.is_dir():
         return []
-    stale = [p for p in root.iterdir() if p.is_dir() and p.name.startswith((".tmp-", ".trash-"))]
+    stale = [p for p in root.iterdir() if p.name.startswith((".tmp-", ".trash-"))]
     for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     return stale
 
 
@@ -229,18 +237,46 @@ def latest_valid(root: Path, warn: Callable[[str], None], *,
 
 
 def prune(root: Path, keep: int, protect: Path | None = None) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints (0 keeps all); never ``protect``."""
+    """Delete all but the newest ``keep`` checkpoints (0 keeps all); never ``protect``, nor the best one."""
     if keep <= 0:
         return []
-    doomed = [p for _, p in committed(root)[:-keep] if p != protect]
+    spared = {protect, best_path(root)}
+    doomed = [p for _, p in committed(root)[:-keep] if p not in spared]
     _delete(doomed)
     return doomed
+
+
+def write_best(root: Path, step: int, record: dict[str, Any]) -> None:
+    """Name ``step-<step>`` (committed) the best checkpoint: ``best.json`` replaced whole, by a rename."""
+    tmp = root / f".tmp-{BEST}-{uuid.uuid4().hex[:8]}"
+    write_bytes(tmp, json.dumps({"step": step, **record}, indent=1).encode())
+    os.rename(tmp, root / BEST)
+    fsync_dir(root)
+
+
+def read_best(root: Path) -> dict[str, Any] | None:
+    """What ``best.json`` says (its ``step`` an int), or None without one (or an unreadable one: it only spares a
+    checkpoint from deletion, and none is then spared)."""
+    try:
+        best = json.loads((root / BEST).read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return best if isinstance(best, dict) and isinstance(best.get("step"), int) else None
+
+
+def best_path(root: Path) -> Path | None:
+    """The directory of the best checkpoint ``best.json`` names (which may since have been set aside)."""
+    best = read_best(root)
+    return root / step_name(best["step"]) if best is not None else None
 
 
 def _delete(paths: list[Path]) -> None:
     for path in paths:
         trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
-        os.rename(path, trash)  # out of the step-* namespace at once; the slow delete can be interrupted
+        try:
+            os.rename(path, trash)  # out of the step-* namespace at once; the slow delete can be interrupted
+        except FileNotFoundError:  # pruned by the other thread (the loop's keep_best, a commit's) meanwhile
+            continue
         shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -263,18 +299,18 @@ def newest_valid(root: Path) -> Path | None:
 def make_room(root: Path, needed: int, keep: int) -> tuple[list[Path], int]:
     """Before writing a checkpoint of ``needed`` bytes into ``root``: if the disk is short, delete the oldest
     checkpoints that keeping ``keep`` (with the new one) deletes after the save anyway, so that the save can
-    fit, but only if that makes room, and never the newest valid checkpoint. Returns (what was deleted, the
+    fit, but only if that makes room, and never the newest valid checkpoint nor the best one. Returns (what was deleted, the
     bytes free afterwards)."""
     free = free_bytes(root)
     if free >= needed or keep <= 0:
         return [], free
-    newest = newest_valid(root)
+    spared = {newest_valid(root), best_path(root)}
     olds = [p for _, p in committed(root)]
     doomed, freed = [], 0
     for path in olds[: max(0, len(olds) - (keep - 1))]:  # the newest keep - 1 stay beside the new one
         if free + freed >= needed:
             break
-        if path != newest:
+        if path not in spared:
             doomed.append(path)
             freed += size_of(path)
     if free + freed < needed:

@@ -29,6 +29,8 @@ def add_parser(sub: Any, name: str) -> None:
                            allow_abbrev=False)
     e.add_argument("path", metavar="PATH", help="a step-NNNNNNNN directory (or a run directory: its latest)")
     e.add_argument("out", metavar="OUT.safetensors", help="the file to write (never overwritten)")
+    e.add_argument("--best", action="store_true", help="the run's best checkpoint (--checkpoint.best: the lowest "
+                   "held-out loss), not its latest")
 
 
 def _checkpoints(path: Path) -> list[Path]:
@@ -57,6 +59,21 @@ def _newest_sound(path: Path) -> tuple[Path, dict[str, Any]]:
     if len(found) > 1 and (sound := commit.latest_valid(found[-1].parent, _warn, move=False)) is not None:
         return sound
     return found[-1], commit.verify(found[-1])
+
+
+def _best(path: Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint a run's best.json names (checkpoint.best), and its manifest."""
+    from scaletrain.checkpoint import commit
+
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    best = commit.best_path(root)
+    if best is None:
+        raise UserError(f"{path}: names no best checkpoint ({root / commit.BEST} is missing); fix: point at the run "
+                        "directory of a run trained with --checkpoint.best, or export its latest without --best")
+    if not best.is_dir():
+        raise UserError(f"{root / commit.BEST}: names {best.name}, which is not there (moved aside as damaged?); fix: "
+                        f"export another checkpoint of {root} by its step-NNNNNNNN directory")
+    return best, commit.verify(best)
 
 
 def _warn(line: str) -> None:
@@ -115,9 +132,14 @@ def _table(title: str, columns: dict[str, str]) -> Any:
 def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from scaletrain.checkpoint import commit
     from scaletrain.observe.memory import fmt_bytes
 
-    infos = [_describe(p, not args.no_hashes) for p in _checkpoints(Path(args.path))]
+    found = _checkpoints(Path(args.path))
+    infos = [_describe(p, not args.no_hashes) for p in found]
+    best = commit.best_path(found[0].parent)
+    for path, info in zip(found, infos):
+        info["best"] = path == best
     if args.json:
         print(json.dumps(infos, indent=1))
         return 0 if all("problem" not in i for i in infos) else 1
@@ -130,7 +152,7 @@ def _inspect(args: argparse.Namespace) -> int:
         when = datetime.datetime.fromtimestamp(created).strftime("%m-%d %H:%M") if created else "?"
         table.add_row(str(info.get("step")), str(info.get("epoch", "?")), str(info.get("world_size", "?")),
                       str(info.get("global_batch", "?")), str(info.get("config_digest", "?"))[:8],
-                      fmt_bytes(info.get("bytes", 0)), when, info["status"])
+                      fmt_bytes(info.get("bytes", 0)), when, info["status"] + (" (best)" if info["best"] else ""))
     console.print(table)
     for info in infos:  # below the table, whole: a reason is never cut to a column's width
         if "problem" in info:
@@ -159,7 +181,7 @@ def _export(args: argparse.Namespace) -> int:
         raise UserError(f"{out}: its folder cannot be made or written ({problem}); fix: an OUT in a writable "
                         "place")
     out.parent.mkdir(parents=True, exist_ok=True)
-    path, manifest = _newest_sound(Path(args.path))
+    path, manifest = _best(Path(args.path)) if args.best else _newest_sound(Path(args.path))
     resume = Resume(path, manifest)
     meta = resume.meta
     if meta.get("format") == FORMAT_DCP:  # shards of an FSDP run, consolidated here in one process

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -186,6 +187,9 @@ class Checkpointer:
         self.warnings: list[str] = []
         self.failed: Exception | None = None  # why the latest save did not commit; None once one does
         self.last_step = -1  # the last step saved or being saved
+        # rank 0: the checkpoint keep_best() named and its record, until it is committed and best.json names it
+        self._best: tuple[int, dict[str, float]] | None = None
+        self._best_lock = threading.Lock()  # the loop's keep_best() and the checkpoint thread's commits
 
     def due(self, step: int, total: int) -> bool:
         every = self.cfg.every
@@ -200,6 +204,28 @@ class Checkpointer:
         """What a write that failed leaves to resume from, in words."""
         latest = self.latest()
         return f"{latest} stays the latest checkpoint" if latest else "no checkpoint saved yet"
+
+    def keep_best(self, step: int, record: dict[str, float]) -> None:
+        """Name the checkpoint of ``step`` (saved, or being saved) the best: best.json names it once it is
+        committed, and from then on pruning spares it (and no longer the best before it)."""
+        if self.rt.is_main:
+            with self._best_lock:
+                self._best = (step, record)
+            self._name_best()
+
+    def _name_best(self) -> None:
+        """best.json, when the checkpoint keep_best() named is committed (else it is written at its commit)."""
+        with self._best_lock:
+            if self._best is None or not (self.root / commit.step_name(self._best[0]) / commit.MANIFEST).is_file():
+                return
+            (step, record), self._best = self._best, None
+            try:
+                commit.write_best(self.root, step, record)
+            except OSError as err:
+                self.warnings.append(f"{self.root / commit.BEST} not written ({err.strerror or err}): the "
+                                     f"checkpoint of step {step} is not kept as the best")
+                return
+        commit.prune(self.root, self.cfg.keep)  # the best before it, unless it is among the newest
 
     # -- saving -------------------------------------------------------------------------------------------
 
@@ -386,6 +412,7 @@ class Checkpointer:
             for rank, state in enumerate(ranks):
                 records[rank_file(rank)] = commit.write_bytes(stage / rank_file(rank), tree.encode(state))
             final = commit.commit(stage, step, records, meta)
+        self._name_best()
         commit.prune(self.root, self.cfg.keep, protect=final)
         return final, sum(r["bytes"] for r in commit.read_manifest(final)["files"].values())
 

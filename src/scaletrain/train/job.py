@@ -86,7 +86,7 @@ class Job:
     loader: Loader | None = None
     eval_loader: DataLoader | None = None  # made at the first evaluation (train/evaluate.py), kept for the others
     st: Session | None = None
-    early_stop: EarlyStop | None = None  # train.early_stop > 0 with held-out data
+    best_eval: BestEval | None = None  # train.early_stop > 0 or checkpoint.best, with held-out data
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_step: int = -1  # the step of the last evaluation
 
@@ -162,9 +162,9 @@ class Job:
                      name="scheduler")
         self.loader = st.loader(self.train_data, batch_size=plan.batch_size, accum=plan.accum_steps,
                                 collate_fn=self.collate_fn)
-        if cfg.train.early_stop and self.eval_data is not None:
-            self.early_stop = st.track(EarlyStop(cfg.train.early_stop, cfg.train.early_stop_delta),
-                                       name="early_stop", _new=True)
+        if (cfg.train.early_stop or cfg.checkpoint.best) and self.eval_data is not None:
+            self.best_eval = st.track(BestEval(cfg.train.early_stop, cfg.train.early_stop_delta),
+                                      name="best_eval", _new=True)
 
 
 SCHEDULES = {"scheduler": "scaletrain's (schedule.*)", "lr_scheduler": "the scheduler given to fit()"}  # tracked as
@@ -183,26 +183,28 @@ def _same_schedule(st: Session, *, own: bool) -> None:
                               "--run.dir")
 
 
-class EarlyStop:
-    """train.early_stop: the best held-out loss so far, its step, and the evaluations since it (checkpointed:
-    a resumed run stops where the uninterrupted one would). Every rank reads the same all-reduced loss, so every
-    rank decides alike, with no collective of its own."""
+class BestEval:
+    """The best held-out loss so far (lower by more than train.early_stop_delta), its step, and the evaluations
+    since it, for train.early_stop (``patience``; 0: never stops) and checkpoint.best; checkpointed: a resumed run
+    stops, and keeps its best, where the uninterrupted one would. Every rank reads the same all-reduced loss, so
+    every rank decides alike, with no collective of its own."""
 
     def __init__(self, patience: int, delta: float) -> None:
         self.patience, self.delta = patience, delta
         self.best, self.best_step, self.since = math.inf, 0, 0
 
     def saw(self, loss: float, step: int) -> bool:
-        """Record an evaluation; True when the run should stop here."""
+        """Record an evaluation; True when it is a new best."""
         if loss < self.best - self.delta:
             self.best, self.best_step, self.since = loss, step, 0
-        else:
-            self.since += 1
-        return self.stopped
+            return True
+        self.since += 1
+        return False
 
     @property
     def stopped(self) -> bool:
-        return self.since >= self.patience
+        """train.early_stop's patience is spent: the run ends here."""
+        return 0 < self.patience <= self.since
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_step": self.best_step, "since": self.since}
@@ -475,6 +477,10 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         raise ConfigError("train.early_stop", cfg.train.early_stop, "0 for training data without a held-out split "
                           "(a stream): it stops on the held-out loss", "eval_data=... (a list of held-out samples), "
                           "or --train.early_stop=0")
+    if cfg.checkpoint.best and splits.eval is None:
+        raise ConfigError("checkpoint.best", True, "false for training data without a held-out split (a stream): "
+                          "the best checkpoint is the one of the lowest held-out loss", "eval_data=... (a list of "
+                          "held-out samples), or --checkpoint.best=false")
     if scheduler is not None and cfg.optim.scale_lr:
         raise UserError("optim.scale_lr = true: the linear scaling rule scales the lr of scaletrain's schedule, and "
                         "fit() was given a scheduler of its own; fix: --optim.scale_lr=false, and scale the lr you "

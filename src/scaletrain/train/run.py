@@ -158,8 +158,8 @@ def _summarize(job: Job, splits: Splits, model_given: bool) -> Callable[[dict[st
                         "params": job.params, "strategy": job.strategy})
         if job.pipeline is not None:
             summary["pipeline"] = _pipeline_record(job)
-        if job.early_stop is not None and job.early_stop.stopped:
-            summary["early_stop"] = {"step": st.steps, **job.early_stop.state_dict()}
+        if job.best_eval is not None and job.best_eval.stopped:
+            summary["early_stop"] = {"step": st.steps, **job.best_eval.state_dict()}
         # The comparison needs a step counted in this process. The planner builds the model the config names, or a
         # model of one's own by the class (or function) fit() was given (plan/own.py's way).
         # Not for tensor or pipeline parallelism of a model of one's own: the planner splits the built-in models
@@ -230,6 +230,9 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
     if (stop := summary.get("early_stop")) is not None:
         said = f"at step {stop['step']:,}: best eval loss {stop['best']:.4f} at step {stop['best_step']:,}"
         rows += [("early stop", said)]
+    if (best := summary.get("best_checkpoint")) is not None:
+        loss = f" (eval loss {best['eval_loss']:.4f})" if "eval_loss" in best else ""
+        rows += [("best checkpoint", f"step {best['step']:,}{loss}: {best['path']}")]
     if summary["samples_per_s"] is None:  # a resumed run that had no step left to run: nothing was timed
         rows += [("throughput", "not measured: no step ran in this attempt")]
     else:
@@ -355,8 +358,13 @@ def _evaluate(job: Job, console: Console) -> None:
     if "accuracy" in metrics:
         text += f" | accuracy {100 * metrics['accuracy']:.2f}% ({metrics['correct']:.0f}/{metrics['count']:.0f})"
     console.print(text)
-    stop = job.early_stop
-    if stop is not None and stop.saw(metrics["loss"], st.steps):  # the same loss on every rank: the same decision
+    stop = job.best_eval
+    if stop is None:
+        return
+    # the same loss on every rank: the same decisions
+    if stop.saw(metrics["loss"], st.steps) and job.cfg.checkpoint.best:
+        st.save_best(eval_loss=metrics["loss"])
+    if stop.stopped:
         console.print(f"early stop at step {st.steps}: the held-out loss has not fallen below {stop.best:.4f} (step "
                       f"{stop.best_step}) for {stop.since} evaluations (train.early_stop = {stop.patience})")
         st.writer.write({"kind": "early_stop", "step": st.steps, "best_loss": stop.best,
@@ -378,7 +386,7 @@ def _train(job: Job, console: Console) -> None:
             train_step(job, batches)
         if job.eval_data is not None and (st.steps % every == 0 or st.done):
             _evaluate(job, console)
-            if job.early_stop is not None and job.early_stop.stopped:
+            if job.best_eval is not None and job.best_eval.stopped:
                 break
     if job.eval_data is not None and job.eval_step != st.steps:
         _evaluate(job, console)

@@ -449,6 +449,7 @@ class Session:
         self._interval_started = self._first_step_at = time.perf_counter()
         self._records: list[dict[str, Any]] = []  # this process's log intervals (steady state, goodput)
         self._checkpoint_s = 0.0  # seconds the loop was blocked by saves
+        self.best = self._best_before()  # the last save_best(): its step, record and checkpoint
         self._eval_s = 0.0  # seconds in st.evaluating()
         self._trace = _Trace(cfg.run_dir, rt.rank) if cfg.debug.trace else None
         self.last_metrics: dict[str, float] = {}
@@ -460,6 +461,19 @@ class Session:
         _, self._peak_flops = device_peak(rt.device, cfg.train.precision, tf32=cfg.train.tf32)
         if opened is None:  # scaletrain train / fit() say all of this in their own header
             self._say_opened()
+
+    def _best_before(self) -> dict[str, Any] | None:
+        """On resume, the best checkpoint so far: best.json's if it is not past the step resumed (a save at the step
+        of a periodic one named it after that save), else the one the checkpoint's trainer state names."""
+        from scaletrain.checkpoint import commit
+
+        if self.resume is None:
+            return None
+        root = self.checkpointer.root
+        marked = commit.read_best(root)
+        if marked is not None and marked["step"] <= self.steps:
+            return {**marked, "path": str(root / commit.step_name(marked["step"]))}
+        return self._trainer.get("best")
 
     def _say_opened(self) -> None:
         rt, cfg = self.rt, self.cfg
@@ -981,6 +995,32 @@ class Session:
         self._usable("save")
         self._save(final=True)
 
+    def save_best(self, **record: float) -> None:
+        """After an evaluation whose result is your best so far: keep the checkpoint of the last completed step
+        (saved now, in the background, unless one was) whatever checkpoint.keep says, until the next save_best
+        names another. checkpoints/best.json names it with ``record`` (``st.save_best(eval_loss=0.31)``) and
+        summary.json's best_checkpoint too; `scaletrain checkpoint export RUN --best` exports it. Every rank
+        calls it, between steps."""
+        from scaletrain.checkpoint import commit
+
+        self._usable("save_best")
+        if self._in_step:
+            raise UserError("session.save_best() inside `with st.step():`; fix: call it after your evaluation, "
+                            "between steps")
+        bad = next((k for k, v in record.items() if not isinstance(v, (int, float, torch.Tensor))), None)
+        if bad is not None:
+            raise UserError(f"session.save_best({bad}={record[bad]!r}): expected a number; fix: pass numbers "
+                            "(st.save_best(eval_loss=loss))")
+        if not self._models or self.steps == 0:
+            return  # nothing trained yet: the initial weights are not a checkpoint
+        ckpt = self.checkpointer
+        assert ckpt is not None
+        numbers = {k: float(v) for k, v in record.items()}
+        self.best = {"step": self.steps, **numbers, "path": str(ckpt.root / commit.step_name(self.steps))}
+        if ckpt.last_step != self.steps:
+            self._save(final=False)  # its trainer state names it the best
+        ckpt.keep_best(self.steps, numbers)
+
     # -- step boundaries -----------------------------------------------------------------------------------
 
     def _start_training(self) -> None:
@@ -1187,6 +1227,7 @@ class Session:
                    "train_time_s": self.train_time + partial, "models": [m.name for m in self._models],
                    "tracked": {name: _held(obj.state_dict()) for name, obj in self._tracked.items()},
                    "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                   **({"best": self.best} if self.best is not None else {}),
                    **({"noise_scale": self._noise.state_dict()} if self._noise is not None else {})}
         rank_state = {"rng": rng.capture(self.device), "since": self._since, "guard": self.guard.state_dict(),
                       "sums": {k: float(v.item()) for k, v in self._sums.items()}}
@@ -1420,6 +1461,8 @@ class Session:
             "torch": torch.__version__, "scaletrain": __version__}
         if self._noise is not None and self._noise.last_b_big:
             summary["grad_noise_scale"] = self._noise.summary(self.world_size, per)
+        if self.best is not None:
+            summary["best_checkpoint"] = self.best
         return self.summarize(summary) if self.summarize is not None else summary
 
     def _write_weights(self) -> None:
