@@ -361,9 +361,14 @@ class TrainConfig:
     eval_batches: Annotated[int, Range(0, most=I64)] = 100
     """Eval batches per rank per evaluation, spread evenly over the held-out split (0 = the whole split)."""
     early_stop: Annotated[int, Range(0, most=I64, fix="--train.early_stop=3")] = 0
-    """Stop when the held-out loss has not fallen below its best (by more than train.early_stop_delta) for this many evaluations in a row (0 = never): the run ends finished, at the step of that evaluation, naming the best one."""
+    """Stop when the held-out train.monitor (the loss) has not improved on its best (by more than train.early_stop_delta) for this many evaluations in a row (0 = never): the run ends finished, at the step of that evaluation, naming the best one."""
     early_stop_delta: Annotated[float, Range(0, fix="--train.early_stop_delta=0.001")] = 0.0
-    """With train.early_stop: the fall of the held-out loss that counts as an improvement."""
+    """With train.early_stop and checkpoint.best: the change of train.monitor that counts as an improvement."""
+    monitor: Annotated[str, Text("loss, accuracy or the name of one of fit()'s metrics=", _nonempty,
+                                 "--train.monitor=accuracy")] = "loss"
+    """The held-out measure train.early_stop and checkpoint.best watch: loss, accuracy (class targets) or one of fit()'s metrics=."""
+    monitor_mode: Literal["auto", "min", "max"] = "auto"
+    """Whether train.monitor improves by falling (min) or rising (max); auto: min for loss, max for accuracy (a metric of one's own needs min or max)."""
     progress: bool = True
     """Show a progress bar on rank 0 when the console is a terminal."""
     deterministic: bool = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from scaletrain import runtime
 from scaletrain.batch import IGNORE_INDEX, Batch, collate_one, logits_of, loss_of
 from scaletrain.data import eval_indices, eval_loader
+from scaletrain.errors import UserError
 from scaletrain.parallel.tensor import loss_context, plain
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast
@@ -49,11 +51,13 @@ def evaluate(job: Job) -> dict[str, float]:
         totals.zero_()  # counted by its group's first rank
     if rt.distributed:
         dist.all_reduce(totals)  # one collective: every rank gets the same sums, so the same metrics
-    loss_sum, correct, count, other = totals.tolist()  # host-device sync: once per evaluation
+    loss_sum, correct, count, other, *own = totals.tolist()  # host-device sync: once per evaluation
     metrics = {"loss": loss_sum / max(count, 1.0), "count": count}
     if not other:  # accuracy only where every batch of every rank had class targets for the logits
         metrics["accuracy"] = correct / max(count, 1.0)
         metrics["correct"] = correct
+    for name, total, n in zip(job.metrics, own[::2], own[1::2]):
+        metrics[name] = total / n if n else math.nan
     return metrics
 
 
@@ -82,10 +86,11 @@ def _rank0_buffers(job: Job) -> Iterator[None]:
 
 
 def _evaluated(job: Job, loader: Any, batch_size: int) -> torch.Tensor:
-    """This rank's (loss x count, correct, count, no-accuracy) sums over its share of the held-out split."""
+    """This rank's (loss x count, correct, count, no-accuracy) sums over its share of the held-out split, then
+    (sum, count) of each of fit()'s metrics' values."""
     cfg, rt, module, layout = job.cfg, job.rt, job.module, job.layout
     world = layout.dp_size
-    totals = torch.zeros(4, dtype=torch.float64, device=rt.device)  # loss x count, correct, count, no-accuracy
+    totals = torch.zeros(4 + 2 * len(job.metrics), dtype=torch.float64, device=rt.device)
     forwards = len(loader)
     if job.sharded:
         # FSDP's forward is collective (it all-gathers parameters): every rank must run the same number of
@@ -101,8 +106,25 @@ def _evaluated(job: Job, loader: Any, batch_size: int) -> torch.Tensor:
             if raw is None or out is None:  # padding, or a pipeline stage before the last
                 continue
             loss = plain(job.loss_fn(out, batch.target))
-        totals += _sums(out, batch, loss, aligned=not job.user_loss)
+            totals[:4] += _sums(out, batch, loss, aligned=not job.user_loss)
+            if job.metrics:
+                totals[4:] += _metric_sums(job, out, batch.target)
     return totals
+
+
+def _metric_sums(job: Job, out: Any, target: Any) -> torch.Tensor:
+    """(sum, count) of each of fit()'s metrics' values on one batch, on the device."""
+    whole = out.full_tensor() if isinstance(out, DTensor) else out  # logits split by vocabulary: whole
+    sums = []
+    for name, fn in job.metrics.items():
+        values = fn(whole, target)
+        if not isinstance(values, torch.Tensor):
+            raise UserError(f"fit(metrics={{{name!r}: ...}}) returned a {type(values).__name__}; expected a tensor "
+                            "of per-sample values (their mean over the held-out split is the metric); fix: return "
+                            "a tensor, e.g. (out.argmax(-1) == y).float()")
+        values = plain(values).detach()
+        sums += [values.double().sum(), torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device)]
+    return torch.stack(sums).to(job.rt.device)
 
 
 def _sums(out: Any, batch: Batch, loss: torch.Tensor, *, aligned: bool = True) -> torch.Tensor:

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +87,7 @@ class Job:
     eval_loader: DataLoader | None = None  # made at the first evaluation (train/evaluate.py), kept for the others
     st: Session | None = None
     best_eval: BestEval | None = None  # train.early_stop > 0 or checkpoint.best, with held-out data
+    metrics: dict[str, Metric] = dataclasses.field(default_factory=dict)  # fit(metrics=...), evaluated beside the loss
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_step: int = -1  # the step of the last evaluation
 
@@ -163,8 +164,8 @@ class Job:
         self.loader = st.loader(self.train_data, batch_size=plan.batch_size, accum=plan.accum_steps,
                                 collate_fn=self.collate_fn)
         if (cfg.train.early_stop or cfg.checkpoint.best) and self.eval_data is not None:
-            self.best_eval = st.track(BestEval(cfg.train.early_stop, cfg.train.early_stop_delta),
-                                      name="best_eval", _new=True)
+            self.best_eval = st.track(BestEval(cfg.train.early_stop, cfg.train.early_stop_delta, cfg.train.monitor,
+                                               monitor_mode(cfg.train, self.metrics)), name="best_eval", _new=True)
 
 
 SCHEDULES = {"scheduler": "scaletrain's (schedule.*)", "lr_scheduler": "the scheduler given to fit()"}  # tracked as
@@ -184,19 +185,24 @@ def _same_schedule(st: Session, *, own: bool) -> None:
 
 
 class BestEval:
-    """The best held-out loss so far (lower by more than train.early_stop_delta), its step, and the evaluations
-    since it, for train.early_stop (``patience``; 0: never stops) and checkpoint.best; checkpointed: a resumed run
-    stops, and keeps its best, where the uninterrupted one would. Every rank reads the same all-reduced loss, so
-    every rank decides alike, with no collective of its own."""
+    """The best held-out train.monitor so far (better by more than train.early_stop_delta), its step, and the
+    evaluations since it, for train.early_stop (``patience``; 0: never stops) and checkpoint.best; checkpointed: a
+    resumed run stops, and keeps its best, where the uninterrupted one would (one that watched another measure
+    starts afresh). Every rank reads the same all-reduced metrics, so every rank decides alike, with no collective
+    of its own."""
 
-    def __init__(self, patience: int, delta: float) -> None:
-        self.patience, self.delta = patience, delta
-        self.best, self.best_step, self.since = math.inf, 0, 0
+    def __init__(self, patience: int, delta: float, monitor: str = "loss", mode: str = "min") -> None:
+        self.patience, self.delta, self.monitor, self.mode = patience, delta, monitor, mode
+        self.best, self.best_step, self.since = math.inf if mode == "min" else -math.inf, 0, 0
 
-    def saw(self, loss: float, step: int) -> bool:
+    def saw(self, metrics: dict[str, float], step: int) -> bool:
         """Record an evaluation; True when it is a new best."""
-        if loss < self.best - self.delta:
-            self.best, self.best_step, self.since = loss, step, 0
+        if self.monitor not in metrics:  # accuracy, where the held-out targets are not classes
+            raise ConfigError("train.monitor", self.monitor, "a measure this evaluation has: "
+                              f"{', '.join(k for k in metrics if k not in ('count', 'correct'))}", "--train.monitor=loss")
+        value = metrics[self.monitor]
+        if (value < self.best - self.delta) if self.mode == "min" else (value > self.best + self.delta):
+            self.best, self.best_step, self.since = value, step, 0
             return True
         self.since += 1
         return False
@@ -207,10 +213,50 @@ class BestEval:
         return 0 < self.patience <= self.since
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_step": self.best_step, "since": self.since}
+        return {"monitor": self.monitor, "mode": self.mode, "best": self.best, "best_step": self.best_step,
+                "since": self.since}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state.get("monitor", "loss"), state.get("mode", "min")) != (self.monitor, self.mode):
+            return  # it watched another measure: this one's best starts at this resume
         self.best, self.best_step, self.since = float(state["best"]), int(state["best_step"]), int(state["since"])
+
+
+Metric = Callable[[Any, Any], torch.Tensor]  # fit(metrics=...): (output, target) -> per-sample values
+NOT_METRICS = ("loss", "accuracy", "count", "correct")  # the evaluation's own names
+
+
+def checked_metrics(metrics: Any) -> dict[str, Metric]:
+    """fit(metrics=...): a mapping of names to functions, each checked (one line for the first wrong one)."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise UserError(f"fit(metrics=...): a {type(metrics).__name__}; expected a dict of names to functions "
+                        "(output, target) -> per-sample values; fix: metrics={'top5': lambda out, y: "
+                        "(out.topk(5, -1).indices == y[:, None]).any(-1)}")
+    for name, fn in metrics.items():
+        if not isinstance(name, str) or not name.isidentifier() or name in NOT_METRICS:
+            raise UserError(f"fit(metrics=...): the name {name!r}; expected an identifier other than "
+                            f"{', '.join(NOT_METRICS)} (it is logged as eval_NAME); fix: another name")
+        if not callable(fn):
+            raise UserError(f"fit(metrics={{{name!r}: ...}}): a {type(fn).__name__} is not a function; fix: a "
+                            "function (output, target) -> a tensor of per-sample values")
+    return dict(metrics)
+
+
+def monitor_mode(train: TrainConfig, metrics: Mapping[str, Metric]) -> str:
+    """train.monitor checked against what the evaluation measures, and its direction (min or max)."""
+    name, mode = train.monitor, train.monitor_mode
+    known = ("loss", "accuracy", *metrics)
+    if name not in known:
+        raise ConfigError("train.monitor", name, f"one of {', '.join(known)}", f"--train.monitor=loss, or "
+                          f"fit(metrics={{{name!r}: fn}}) to measure it")
+    if mode != "auto":
+        return mode
+    if name not in ("loss", "accuracy"):
+        raise ConfigError("train.monitor_mode", mode, f"min or max for {name!r}, a metric of your own (does it "
+                          "improve by falling or by rising?)", "--train.monitor_mode=max")
+    return "min" if name == "loss" else "max"
 
 
 class Schedule:
@@ -467,12 +513,15 @@ def _targets_in_memory(data: Any) -> torch.Tensor | None:
 def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
               loss_fn: LossFn | None = None, resume: dict[str, Any] | None = None,
               batch_fn: BatchFn | None = None, optimizer: OwnOptimizer | None = None,
-              scheduler: OwnScheduler | None = None) -> Job:
+              scheduler: OwnScheduler | None = None, metrics: Mapping[str, Metric] | None = None) -> Job:
     """``model``: None (the built-in model the config names), a module, or a callable building one (a class
     works): a callable is called after seeding, so run.seed decides the initial weights. ``resume``: the
     metadata of the checkpoint the job will continue from (its global batch and position shape the plan).
     ``batch_fn``: maps a loader batch to (inputs, target) where scaletrain.batch's convention does not fit.
-    ``optimizer``, ``scheduler``: the user's (fit()'s), in place of the optim.* and schedule.* keys."""
+    ``optimizer``, ``scheduler``: the user's (fit()'s), in place of the optim.* and schedule.* keys.
+    ``metrics``: fit()'s, measured at each evaluation beside the loss."""
+    metrics = checked_metrics(metrics)
+    monitor_mode(cfg.train, metrics)
     if cfg.train.early_stop and splits.eval is None:
         raise ConfigError("train.early_stop", cfg.train.early_stop, "0 for training data without a held-out split "
                           "(a stream): it stops on the held-out loss", "eval_data=... (a list of held-out samples), "
@@ -538,4 +587,4 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
                model_name=type(module).__name__, given_mode=given_mode, collate_fn=splits.collate_fn,
                user_loss=loss_fn is not None, first=one, build=build, own_optimizer=optimizer,
-               own_scheduler=scheduler, peak_lrs=peaks)
+               own_scheduler=scheduler, peak_lrs=peaks, metrics=metrics)

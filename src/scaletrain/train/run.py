@@ -35,13 +35,16 @@ from scaletrain.train.batching import plan_batches
 from scaletrain.train.checkpointing import Resume, find_resume
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.job import (
+    NOT_METRICS,
     Job,
     LossFn,
+    Metric,
     ModelArg,
     OwnOptimizer,
     OwnScheduler,
     batches_of,
     build_job,
+    checked_metrics,
     train_step,
 )
 from scaletrain.train.precision import slow_here
@@ -227,12 +230,14 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
             ("train loss", f"{summary['train_loss']:.4f}")]
     rows += [(f"eval {k}", f"{100 * v:.2f}%" if k == "accuracy" else f"{v:.4f}")
              for k, v in summary["eval"].items() if k in ("loss", "accuracy")]
+    rows += [(f"eval {k}", f"{v:.4f}") for k, v in summary["eval"].items() if k not in NOT_METRICS]
     if (stop := summary.get("early_stop")) is not None:
-        said = f"at step {stop['step']:,}: best eval loss {stop['best']:.4f} at step {stop['best_step']:,}"
+        said = f"at step {stop['step']:,}: best eval {stop['monitor']} {stop['best']:.4f} at step {stop['best_step']:,}"
         rows += [("early stop", said)]
     if (best := summary.get("best_checkpoint")) is not None:
-        loss = f" (eval loss {best['eval_loss']:.4f})" if "eval_loss" in best else ""
-        rows += [("best checkpoint", f"step {best['step']:,}{loss}: {best['path']}")]
+        measured = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in best.items() if k not in ("step", "path"))
+        rows += [("best checkpoint", f"step {best['step']:,}" + (f" ({measured})" if measured else "")
+                  + f": {best['path']}")]
     if summary["samples_per_s"] is None:  # a resumed run that had no step left to run: nothing was timed
         rows += [("throughput", "not measured: no step ran in this attempt")]
     else:
@@ -357,17 +362,20 @@ def _evaluate(job: Job, console: Console) -> None:
     text = f"eval  @ step {st.steps} (epoch {epoch}) | loss {metrics['loss']:.4f}"
     if "accuracy" in metrics:
         text += f" | accuracy {100 * metrics['accuracy']:.2f}% ({metrics['correct']:.0f}/{metrics['count']:.0f})"
+    text += "".join(f" | {name} {metrics[name]:.4f}" for name in job.metrics)
     console.print(text)
     stop = job.best_eval
     if stop is None:
         return
-    # the same loss on every rank: the same decisions
-    if stop.saw(metrics["loss"], st.steps) and job.cfg.checkpoint.best:
-        st.save_best(eval_loss=metrics["loss"])
+    # the same metrics on every rank: the same decisions
+    if stop.saw(metrics, st.steps) and job.cfg.checkpoint.best:
+        st.save_best(**{f"eval_{stop.monitor}": metrics[stop.monitor]})
     if stop.stopped:
-        console.print(f"early stop at step {st.steps}: the held-out loss has not fallen below {stop.best:.4f} (step "
-                      f"{stop.best_step}) for {stop.since} evaluations (train.early_stop = {stop.patience})")
-        st.writer.write({"kind": "early_stop", "step": st.steps, "best_loss": stop.best,
+        moved = "fallen below" if stop.mode == "min" else "risen above"
+        console.print(f"early stop at step {st.steps}: the held-out {stop.monitor} has not {moved} {stop.best:.4f} "
+                      f"(step {stop.best_step}) for {stop.since} evaluation{'s' if stop.since > 1 else ''} (train.early_stop = "
+                      f"{stop.patience})")
+        st.writer.write({"kind": "early_stop", "step": st.steps, "monitor": stop.monitor, "best": stop.best,
                          "best_step": stop.best_step, "evaluations_since": stop.since})
 
 
@@ -395,13 +403,13 @@ def _train(job: Job, console: Console) -> None:
 def open_job(cfg: Config, rt: Runtime, splits: Splits, *, console: Console, preempt: PreemptFlag,
              model: ModelArg = None, loss_fn: LossFn | None = None, batch_fn: BatchFn | None = None,
              optimizer: OwnOptimizer | None = None, scheduler: OwnScheduler | None = None,
-             started: float | None = None) -> Job:
+             metrics: Mapping[str, Metric] | None = None, started: float | None = None) -> Job:
     """The job built and attached to its session: the checkpoint to continue from chosen for the model built
     (train/resume.py fitting), the session opened on it, the model set up and restored. ``cfg``'s run dir
     is agreed already."""
     cfg = cfg.for_device(rt.device.type)  # once: the job, its session and the run dir's config see what runs
     build = functools.partial(build_job, cfg, rt, splits, model, loss_fn, batch_fn=batch_fn, optimizer=optimizer,
-                              scheduler=scheduler)
+                              scheduler=scheduler, metrics=metrics)
     job, resume = _job_and_resume(cfg, rt, build, train_size(splits.train), console)
     st = Session(cfg, opened=Opened(rt, console, resume, preempt, job.layout,
                                     time.perf_counter() if started is None else started))
@@ -433,7 +441,7 @@ def step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
 def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         loss_fn: LossFn | None = None, rt: Runtime | None = None, batch_fn: BatchFn | None = None,
         optimizer: OwnOptimizer | None = None, scheduler: OwnScheduler | None = None,
-        started: float | None = None) -> dict[str, Any]:
+        metrics: Mapping[str, Metric] | None = None, started: float | None = None) -> dict[str, Any]:
     """Train as configured, resuming from the run directory's latest checkpoint if there is one; returns the
     summary (the same dict on every rank), or, when preempted, ``{"stopped": ..., "steps": ...}``. After
     Ctrl-C (SIGINT) it saves a checkpoint and raises preempt.Interrupted, a KeyboardInterrupt. ``started``:
@@ -450,7 +458,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         console = Console(rt.is_main, cfg.train.progress)
         splits = splits or build_splits(cfg.data, cfg.model)
         job = open_job(cfg, rt, splits, console=console, preempt=preempt, model=model, loss_fn=loss_fn,
-                       batch_fn=batch_fn, optimizer=optimizer, scheduler=scheduler, started=started)
+                       batch_fn=batch_fn, optimizer=optimizer, scheduler=scheduler, metrics=metrics,
+                       started=started)
         st = job.st
         assert st is not None
         resume = st.resume
@@ -496,7 +505,7 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
         loss_fn: LossFn | None = None, config: Config | Mapping[str, Any] | str | None = None,
         batch_fn: BatchFn | None = None, argv: list[str] | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None, optimizer: OwnOptimizer | None = None,
-        scheduler: OwnScheduler | None = None) -> dict[str, Any]:
+        scheduler: OwnScheduler | None = None, metrics: Mapping[str, Metric] | None = None) -> dict[str, Any]:
     """Train your own model on your own data, on one process or every rank of a torchrun job.
 
     ``model``: a module, or better its class (or any callable building it): it is then built after seeding
@@ -520,6 +529,10 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     ``scheduler``: your own LR schedule in place of schedule.*: one built on that optimizer, or a function of
     the optimizer returning one (``lambda opt: get_cosine_schedule_with_warmup(opt, 100, 1000)``), stepped after
     every optimizer step and checkpointed with it.
+    ``metrics``: held-out measures of your own beside the loss (and accuracy), each a function of the model's
+    output and the target returning per-sample values: the metric is their mean over the whole held-out split
+    (summed over ranks: exact at any world size), logged as eval_NAME and in the summary's ``eval``
+    (``{"top5": lambda out, y: (out.topk(5, -1).indices == y[:, None]).any(-1)}``); train.monitor may name one.
     ``config``: a Config, a mapping of dotted keys ({"optim.lr": 0.1}), or a recipe/TOML path.
     ``argv``: ``--section.key=value`` strings on top of it, as scaletrain.session() takes them (pass
     sys.argv[1:], and `scaletrain launch --nproc 2 my.py --parallel.strategy=fsdp` reaches the run).
@@ -532,5 +545,6 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     cfg = resolve_config(config, argv, defaults={**given, **memory}, pinned=memory)
     check_workers(cfg)
     splits = in_memory(train_data, eval_data, cfg.data.val_fraction, collate_fn=collate_fn)
+    checked_metrics(metrics)  # before anything starts
     return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn, optimizer=optimizer,
-               scheduler=scheduler)
+               scheduler=scheduler, metrics=metrics)
