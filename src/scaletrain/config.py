@@ -411,7 +411,9 @@ class CheckpointConfig:
     keep: Annotated[int, Range(0, most=I32)] = 3
     """Complete checkpoints kept; older ones are deleted once a newer one is committed (0 = keep all)."""
     best: bool = False
-    """scaletrain train and fit(), with held-out data: after each evaluation whose loss is the lowest so far (lower by more than train.early_stop_delta), save a checkpoint at that step (unless one is there) and keep it whatever checkpoint.keep says until a better one replaces it (checkpoints/best.json and summary.json's best_checkpoint name it; `scaletrain checkpoint export RUN OUT --best` exports it)."""
+    """scaletrain train and fit(), with held-out data: after each evaluation whose train.monitor (the loss) is the best so far (by more than train.early_stop_delta), save a checkpoint at that step (unless one is there) and keep it whatever checkpoint.keep says until a better one replaces it (checkpoints/best.json and summary.json's best_checkpoint name it; `scaletrain checkpoint export RUN OUT --best` exports it)."""
+    load_best: bool = False
+    """At the end of a finished run (an early stop too), load the best checkpoint's weights (checkpoint.best, or a loop's st.save_best()) back into the model: model.safetensors and a model given to fit() built then hold them. The last checkpoint keeps the last step's state, to resume from."""
     resume: Annotated[str, Text("auto, never or a checkpoint path", _nonempty, "--checkpoint.resume=auto")] = "auto"
     """auto (the latest complete checkpoint in the run directory, if any), never, or the path of a checkpoint."""
     preempt_check: Literal["log", "step"] = "log"

@@ -5,6 +5,7 @@ name it, `scaletrain checkpoint export --best` exports it, and its weights give 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,47 @@ def test_a_loop_of_ones_own_keeps_its_best_by_its_own_measure(tmp_path: Path) ->
     assert [p.name for _, p in commit.committed(run / "checkpoints")] == names
     summary = json.loads((run / "summary.json").read_text())
     assert summary["best_checkpoint"]["step"] == step
+
+
+def test_load_best_leaves_the_best_weights_in_the_model_given_and_model_safetensors(tmp_path: Path) -> None:
+    run, net = tmp_path / "r", _net()
+    summary = scaletrain.fit(net, _data()[0], eval_data=_data()[1], config={
+        **CONFIG, "run.dir": str(run), "checkpoint.load_best": True, "train.early_stop": 3})
+    best = summary["best_checkpoint"]
+    assert best["loaded"] and best["step"] < summary["steps"]
+    (_, _), (x, y) = _data()
+    with torch.no_grad():
+        assert nn.functional.cross_entropy(net(x), y).item() == pytest.approx(best["eval_loss"], rel=1e-5)
+    saved = safetensors.torch.load_file(run / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in net.state_dict().items())
+    last = safetensors.torch.load_file(run / "checkpoints" / commit.step_name(summary["steps"]) / "model.safetensors")
+    assert not torch.equal(last["0.weight"], saved["0.weight"])  # the last checkpoint keeps the last step's
+
+
+def test_load_best_under_fsdp_reads_the_sharded_best_back(tmp_path: Path) -> None:
+    """Two ranks, FSDP: the best checkpoint is DCP shards; model.safetensors at the end is its weights."""
+    run = tmp_path / "r"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--nproc", "2",
+                           "--parallel.strategy=fsdp", "--checkpoint.best", "--checkpoint.load_best",
+                           "--train.eval_every=10", "--train.max_steps=60", "--optim.lr=0.5", f"--run.dir={run}",
+                           "--train.progress=false"], capture_output=True, text=True, env=env, timeout=240,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    best = summary["best_checkpoint"]
+    assert best["step"] < 60, "lr 0.5 was chosen to diverge after the best evaluation"
+    assert best["loaded"] and f"loaded the weights of the best checkpoint (step {best['step']})" in done.stdout
+    assert "its weights loaded into the model" in done.stdout
+    out = tmp_path / "best.safetensors"
+    exported = subprocess.run([sys.executable, "-m", "scaletrain", "checkpoint", "export", str(run), str(out),
+                               "--best"], capture_output=True, text=True, check=False)
+    assert exported.returncode == 0, exported.stderr
+    a, b = safetensors.torch.load_file(out), safetensors.torch.load_file(run / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_load_best_without_best_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^checkpoint.load_best = True: expected false without checkpoint.best"):
+        _fit(tmp_path / "r", **{"checkpoint.best": False, "checkpoint.load_best": True})

@@ -530,6 +530,9 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         raise ConfigError("checkpoint.best", True, "false for training data without a held-out split (a stream): "
                           "the best checkpoint is the one of the lowest held-out loss", "eval_data=... (a list of "
                           "held-out samples), or --checkpoint.best=false")
+    if cfg.checkpoint.load_best and not cfg.checkpoint.best:
+        raise ConfigError("checkpoint.load_best", True, "false without checkpoint.best (no checkpoint is kept as the "
+                          "best to load)", "--checkpoint.best=true as well")
     if scheduler is not None and cfg.optim.scale_lr:
         raise UserError("optim.scale_lr = true: the linear scaling rule scales the lr of scaletrain's schedule, and "
                         "fit() was given a scheduler of its own; fix: --optim.scale_lr=false, and scale the lr you "

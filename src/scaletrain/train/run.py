@@ -235,9 +235,10 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
         said = f"at step {stop['step']:,}: best eval {stop['monitor']} {stop['best']:.4f} at step {stop['best_step']:,}"
         rows += [("early stop", said)]
     if (best := summary.get("best_checkpoint")) is not None:
-        measured = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in best.items() if k not in ("step", "path"))
+        measured = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in best.items()
+                             if k not in ("step", "path", "loaded"))
         rows += [("best checkpoint", f"step {best['step']:,}" + (f" ({measured})" if measured else "")
-                  + f": {best['path']}")]
+                  + f": {best['path']}" + ("; its weights loaded into the model" if best.get("loaded") else ""))]
     if summary["samples_per_s"] is None:  # a resumed run that had no step left to run: nothing was timed
         rows += [("throughput", "not measured: no step ran in this attempt")]
     else:

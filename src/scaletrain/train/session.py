@@ -1403,6 +1403,8 @@ class Session:
                     summary["timeline"] = str(merge_timeline(self.cfg.run_dir, self.world_size))
             if services is not None:
                 services.settle(self.preempt)
+            if finished and self.steps and self.cfg.checkpoint.load_best:
+                self._load_best(summary)
             if finished and self.steps:
                 summary_file = self.cfg.run_dir / "summary.json"
                 write_outputs(self.steps, ckpt, [(WEIGHTS, self._write_weights), *(
@@ -1464,6 +1466,44 @@ class Session:
         if self.best is not None:
             summary["best_checkpoint"] = self.best
         return self.summarize(summary) if self.summarize is not None else summary
+
+    def _load_best(self, summary: dict[str, Any]) -> None:
+        """checkpoint.load_best, at a finished run's end (every save committed): the best checkpoint's weights into
+        the models set up, so that model.safetensors and a model the caller holds are the best; their optimizers,
+        the loaders and the RNG stay at the last step, as the last checkpoint has them. Collective."""
+        from scaletrain.checkpoint import commit
+
+        best = self.best
+        if best is None:
+            self.console.print("warning: checkpoint.load_best: no checkpoint was kept as the best (no evaluation "
+                               "improved on the one before the first step), so the model keeps the last step's "
+                               "weights")
+            return
+
+        def verified() -> Resume | str:
+            path = Path(best["path"])
+            try:
+                return Resume(path, commit.verify(path))
+            except CheckpointError as err:
+                return str(err)
+
+        found = runtime.rank0_decides(self.rt, verified)
+        if isinstance(found, str):  # damaged or deleted since: the run's outputs matter more than this
+            self.console.print(f"warning: checkpoint.load_best: {found.split('; fix:')[0]}; the model keeps the last "
+                               "step's weights")
+            return
+        kept = self.resume, self._trainer, self.skip, self._rank_state
+        self.resume, self._trainer, self.skip, self._rank_state = \
+            found, _as_session(read_trainer(found)), {*self.skip, "optimizer"}, None
+        try:
+            for entry in self._models:
+                self._restore(entry)
+        finally:
+            self.resume, self._trainer, self.skip, self._rank_state = kept
+        if "best_checkpoint" in summary:
+            summary["best_checkpoint"]["loaded"] = True
+        self.console.print(f"loaded the weights of the best checkpoint (step {best['step']}) into the model: "
+                           "model.safetensors holds them (checkpoint.load_best)")
 
     def _write_weights(self) -> None:
         """model.safetensors: one model's by its own names (however many optimizers it has: the README's
