@@ -205,6 +205,9 @@ def test_load_best_under_fsdp_reads_the_sharded_best_back(tmp_path: Path) -> Non
     assert exported.returncode == 0, exported.stderr
     a, b = safetensors.torch.load_file(out), safetensors.torch.load_file(run / "model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    report = subprocess.run([sys.executable, "-m", "scaletrain", "report", str(run)], capture_output=True, text=True,
+                            env={**env, "COLUMNS": "200"}, check=False)
+    assert f"step {best['step']}, its weights loaded into the model" in report.stdout, report.stdout
 
 
 def test_load_best_without_best_is_one_line(tmp_path: Path) -> None:

@@ -108,6 +108,17 @@ def _column(run: Run) -> dict[str, str]:
     for key in ("loss", "accuracy"):
         if key in evals:
             col[f"eval {key}"] = _fmt(evals[key], ".2f", 100, "%") if key == "accuracy" else _fmt(evals[key], ".4f")
+    for key, value in evals.items():  # fit()'s metrics=
+        if key not in ("loss", "accuracy", "count", "correct"):
+            col[f"eval {key}"] = _fmt(value, ".4f")
+    stop = s.get("early_stop")
+    if isinstance(stop, dict):
+        col["early stop"] = f"at step {_fmt(stop.get('step'), ',.0f')}: best eval {stop.get('monitor', 'loss')} " \
+                            f"{_fmt(stop.get('best'), '.4f')} at step {_fmt(stop.get('best_step'), ',.0f')}"
+    best = s.get("best_checkpoint")
+    if isinstance(best, dict):
+        col["best checkpoint"] = f"step {_fmt(best.get('step'), ',.0f')}" + \
+            (", its weights loaded into the model" if best.get("loaded") else "")
     mem = s.get("peak_mem_bytes", (_last(run.train, "mem") or {}).get("peak_bytes"))
     col["peak memory / rank"] = _fmt(mem, ",.0f", 1 / 2**20, " MiB")
     col["phase shares"] = _phase_text(s.get("phase_frac"))
