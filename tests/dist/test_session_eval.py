@@ -1,7 +1,8 @@
 """A loop of one's own evaluating with a session's loader: read inside st.evaluating(), a loader gives every sample
 of its data set once over the ranks, in as many batches on every rank (FSDP's collective forward runs as often
 everywhere), and leaves the training position as it was. Before, it went on through its training epochs: the tail
-of a step's worth was dropped (96 of 100 held-out samples on 2 ranks at batch 16)."""
+of a step's worth was dropped (96 of 100 held-out samples on 2 ranks at batch 16). A held-out stream (an
+IterableDataset) too: read from its start, its tail kept, the last two chunks split evenly over the ranks."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import safetensors.torch
 import torch
 from spawn_ranks import run_ranks
 
-from scaletrain.data.loader import ShardedLoader
+from scaletrain.data.loader import ShardedLoader, StreamLoader
 
 HELD_OUT = 37  # not a multiple of batch x world: a tail the training rule would drop
 
@@ -23,6 +24,29 @@ HELD_OUT = 37  # not a multiple of batch x world: a tail the training rule would
 def test_a_whole_pass_is_every_sample_once_in_as_many_batches_on_every_rank(size, batch, world):
     passes = [ShardedLoader(list(range(size)), batch_size=1 if size < batch * world else batch, rank=r, world=world,
                             accum=1, seed=3, shuffle=True).whole_pass_batches() for r in range(world)]
+    if size >= batch * world:
+        assert {len(p) for p in passes} == {-(-size // (batch * world))}  # ceil(size / (batch x world)) each
+        assert all(0 < len(b) <= batch for b in itertools.chain(*passes))
+    assert sorted(itertools.chain(*itertools.chain(*passes))) == list(range(size))
+
+
+class Items(torch.utils.data.IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize(("size", "batch", "world"), [(37, 8, 2), (100, 16, 2), (96, 16, 2), (10, 4, 3),
+                                                      (1797, 64, 3), (5, 16, 2), (17, 2, 4)])
+def test_a_streams_whole_pass_is_every_item_once_in_as_many_batches_on_every_rank(size, batch, world):
+    passes = []
+    for r in range(world):
+        loader = StreamLoader(Items(size), batch_size=batch, rank=r, world=world, accum=1,
+                              collate_fn=lambda items: items)
+        passes.append(list(loader.whole_pass()))
+        assert (loader.epoch, loader.cursor) == (0, 0)  # the loader's own position did not move
     if size >= batch * world:
         assert {len(p) for p in passes} == {-(-size // (batch * world))}  # ceil(size / (batch x world)) each
         assert all(0 < len(b) <= batch for b in itertools.chain(*passes))
@@ -43,7 +67,15 @@ class Indexed(torch.utils.data.Dataset):
         return torch.tensor(i), self.x[i], torch.tensor(i % 3)
 
 
-def _loop(rank: int, world: int, where: str, strategy: str, evaluate: bool) -> list[list[int]]:
+class IndexedStream(torch.utils.data.IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.data = Indexed(n)
+
+    def __iter__(self):
+        return (self.data[i] for i in range(len(self.data)))
+
+
+def _loop(rank: int, world: int, where: str, strategy: str, evaluate: bool, stream: bool = False) -> list[list[int]]:
     """8 steps of a small classifier; with ``evaluate``, a held-out pass at steps 3 and 6 (the indices each rank
     saw, per pass)."""
     import torch.distributed as dist
@@ -56,7 +88,8 @@ def _loop(rank: int, world: int, where: str, strategy: str, evaluate: bool) -> l
     with scaletrain.session(cfg) as st:
         model, opt = st.setup(torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)),
                               lambda p: torch.optim.SGD(p, lr=0.1))
-        loader, val = st.loader(Indexed(64)), st.loader(Indexed(HELD_OUT), shuffle=False)
+        loader = st.loader(Indexed(64))
+        val = st.loader(IndexedStream(HELD_OUT) if stream else Indexed(HELD_OUT), shuffle=False)
         while not st.done:
             for _, x, y in loader:
                 with st.step():
@@ -66,11 +99,12 @@ def _loop(rank: int, world: int, where: str, strategy: str, evaluate: bool) -> l
                     opt.zero_grad()
                 if evaluate and st.steps in (3, 6):
                     with st.evaluating(), torch.no_grad():
-                        batches = len(val)
-                        mine = []
+                        mine, batches = [], 0
                         for idx, x, _ in val:
                             model(x)  # under FSDP a collective: every rank runs as many
                             mine += idx.tolist()
+                            batches += 1
+                        assert stream or len(val) == batches  # a stream's length is unknown
                     counts = [0] * world
                     dist.all_gather_object(counts, batches)
                     assert len(set(counts)) == 1, counts
@@ -80,14 +114,15 @@ def _loop(rank: int, world: int, where: str, strategy: str, evaluate: bool) -> l
     return seen
 
 
-def _both(rank: int, world: int, where: str, strategy: str) -> list[list[int]]:
+def _both(rank: int, world: int, where: str, strategy: str, stream: bool) -> list[list[int]]:
     _loop(rank, world, where, strategy, evaluate=False)
-    return _loop(rank, world, where, strategy, evaluate=True)
+    return _loop(rank, world, where, strategy, evaluate=True, stream=stream)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_an_evaluation_in_a_loop_sees_every_held_out_sample_once_and_training_is_unchanged(tmp_path, strategy):
-    per_rank = run_ranks(_both, 2, str(tmp_path), strategy)
+@pytest.mark.parametrize(("strategy", "stream"), [("ddp", False), ("fsdp", False), ("fsdp", True)])
+def test_an_evaluation_in_a_loop_sees_every_held_out_sample_once_and_training_is_unchanged(tmp_path, strategy,
+                                                                                            stream):
+    per_rank = run_ranks(_both, 2, str(tmp_path), strategy, stream)
     for evaluation in zip(*per_rank):  # each pass: the ranks' indices together are the held-out set, once each
         assert sorted(itertools.chain(*evaluation)) == list(range(HELD_OUT))
     assert len(per_rank[0]) == 2

@@ -309,6 +309,32 @@ class StreamLoader:
         while (batch := self._next_batch()) is not None:
             yield batch
 
+    def whole_pass(self) -> Iterator[Any]:
+        """Every item of the stream once over the ranks, in batches of at most batch_size: an evaluation pass
+        (session.evaluating()), read from the stream's start (told pass 0 if it has set_epoch), which neither drops
+        the tail nor moves this loader's position. Each chunk of batch_size x world items gives rank r positions
+        r, r + W, ...; a chunk is read ahead, so that at the stream's end the last full chunk and the tail are
+        split into two even ones: every rank gets as many batches (a collective forward, FSDP's, runs as often on
+        each), the last two about half full, rather than the tail going to some ranks only. Only a batch size of
+        1, or a stream shorter than one chunk, can leave a rank a batch short (an empty one is skipped)."""
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(0)
+        items, chunk = iter(self.dataset), self.micro_samples
+        ahead = list(itertools.islice(items, chunk))
+        while ahead:
+            after = list(itertools.islice(items, chunk))
+            if 0 < len(after) < chunk:  # the tail: it and the chunk before, halved
+                both = ahead + after
+                half = -(-len(both) // 2)
+                parts, after = [both[:half], both[half:]], []
+            else:
+                parts = [ahead]
+            for part in parts:
+                if mine := part[self.rank::self.world]:
+                    batch = self.collate(mine)
+                    yield map_tensors(batch, torch.Tensor.pin_memory) if self.pin_memory else batch
+            ahead = after
+
     def state_dict(self) -> dict[str, int]:
         # Saved between steps: the micro-batches of a step read ahead are all handed out by then.
         return {"epoch": self.epoch, "cursor": self.cursor, "step_samples": self.step_samples, "stream": 1}

@@ -234,7 +234,7 @@ class Loader:
     current epoch (then the next epoch begins), every batch on the session's device. Resumable: its position is
     in the session's checkpoints, and a resumed run continues mid-epoch with the next unseen batch. Read inside
     session.evaluating(), it is one whole pass instead (every sample once over the ranks, as many batches on
-    each), and its position stays where training left it."""
+    each; a stream from its start), and its position stays where training left it."""
 
     def __init__(self, session: Session, inner: ShardedLoader | StreamLoader) -> None:
         self._session, self.inner = session, inner
@@ -259,10 +259,11 @@ class Loader:
 
     def __iter__(self) -> Iterator[Any]:
         st = self._session
-        if st._evaluating and isinstance(self.inner, ShardedLoader):
+        if st._evaluating:
             # Read inside st.evaluating(): one whole pass, every sample once over the ranks and as many batches
             # on each (a collective forward, FSDP's, runs alike everywhere), the tail kept, the training position
-            # untouched: the next evaluation sees the same samples, and a resume is as exact as without it
+            # untouched: the next evaluation sees the same samples, and a resume is as exact as without it. A
+            # stream's too, read from its start.
             for batch in self.inner.whole_pass():
                 yield to_device(batch, st.device)
             return
@@ -276,9 +277,6 @@ class Loader:
             except StopIteration:
                 return
             waited = time.perf_counter() - started
-            if st._evaluating:  # a held-out stream read in st.evaluating(): not training's samples or wait
-                yield to_device(batch, st.device)
-                continue
             self.drawn += 1
             self.tokens += tokens_per_sample(batch) * self.inner.batch_size
             if st._trace is not None:
