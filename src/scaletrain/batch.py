@@ -113,11 +113,12 @@ def loss_of(output: Any, *, in_tuple: bool = False) -> torch.Tensor | None:
     return found if isinstance(found, torch.Tensor) and found.numel() == 1 else None
 
 
-def default_loss(output: Any, target: Any, *, own_in_tuple: bool = False) -> torch.Tensor:
+def default_loss(output: Any, target: Any, *, own_in_tuple: bool = False, reduction: str = "mean") -> torch.Tensor:
     """scaletrain's loss when the user gives none: the model's own loss when its output carries one (a
     transformers model given labels; with ``own_in_tuple``, a tuple's scalar: loss_of), else mean
     cross-entropy of the logits, (B, C) vs (B,) or (B, T, V) vs (B, T), ignoring target -100; float targets of
-    the logits' shape are class probabilities (soft labels)."""
+    the logits' shape are class probabilities (soft labels). ``reduction="sum"``: the cross-entropy's sum over
+    the targets counted (train.loss_mean=tokens divides it by the step's count)."""
     own = loss_of(output, in_tuple=own_in_tuple)
     if own is not None:
         return own
@@ -144,7 +145,7 @@ def default_loss(output: Any, target: Any, *, own_in_tuple: bool = False) -> tor
         target = target.long()  # int32 or uint8 class ids (numpy's int32, a pandas column): cross_entropy takes int64
     try:
         return F.cross_entropy(loss_logits(logits).reshape(-1, classes),
-                               target.reshape(-1, classes) if soft else target.reshape(-1))
+                               target.reshape(-1, classes) if soft else target.reshape(-1), reduction=reduction)
     except IndexError as err:  # a class id outside the logits (on a CPU: on a GPU it is a device-side assert)
         raise UserError(f"loss: {err} ({classes} logits: class targets are 0..{classes - 1}, or {IGNORE_INDEX} to "
                         f"ignore a position); fix: a model with one output per class, or targets in "
@@ -233,8 +234,13 @@ class Batch:
     def to(self, device: torch.device) -> Batch:
         return self.map(lambda t: t.to(device, non_blocking=True))
 
-    def __call__(self, model: nn.Module) -> Any:
-        return model(*self.args, **self.kwargs)
+    def __call__(self, model: nn.Module, **extra: Any) -> Any:
+        """The model's forward on this batch (``extra``: more keyword arguments, transformers' num_items_in_batch)."""
+        return model(*self.args, **self.kwargs, **extra)
+
+    def counted(self) -> torch.Tensor:
+        """The targets a cross-entropy counts (class ids other than -100), as a float tensor on their device."""
+        return (self.target != IGNORE_INDEX).sum().float()
 
     def target_given(self) -> bool:
         """Whether the model is given the target too (by name: nanoGPT's ``targets``, transformers' ``labels``),

@@ -364,6 +364,8 @@ class TrainConfig:
     """Stop when the held-out train.monitor (the loss) has not improved on its best (by more than train.early_stop_delta) for this many evaluations in a row (0 = never): the run ends finished, at the step of that evaluation, naming the best one."""
     early_stop_delta: Annotated[float, Range(0, fix="--train.early_stop_delta=0.001")] = 0.0
     """With train.early_stop and checkpoint.best: the change of train.monitor that counts as an improvement."""
+    loss_mean: Literal["micro_batch", "tokens"] = "micro_batch"
+    """How a step's loss averages its targets. micro_batch: each micro-batch's loss is the mean over its own targets, and the micro-batches and ranks weigh alike (no collective). tokens: every target the loss counts weighs alike over the whole step (targets of -100 left out), the loss of the global batch taken at once however it is split, exact with padded sequences of varied lengths (Hugging Face's Trainer counts so); one all-reduce of the count per step, on the device. Needs scaletrain's cross-entropy, or a model's own loss that takes num_items_in_batch (transformers')."""
     monitor: Annotated[str, Text("loss, accuracy or the name of one of fit()'s metrics=", _nonempty,
                                  "--train.monitor=accuracy")] = "loss"
     """The held-out measure train.early_stop and checkpoint.best watch: loss, accuracy (class targets) or one of fit()'s metrics=."""

@@ -18,7 +18,16 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader, Dataset
 
-from scaletrain.batch import Batch, Batcher, BatchFn, check_targets, collate_one, default_loss, leaves
+from scaletrain.batch import (
+    Batch,
+    Batcher,
+    BatchFn,
+    check_targets,
+    collate_one,
+    default_loss,
+    leaves,
+    loss_of,
+)
 from scaletrain.config import Config, OptimConfig, TrainConfig
 from scaletrain.data import Splits, TensorPairs, train_size
 from scaletrain.errors import CheckpointError, ConfigError, UserError
@@ -88,6 +97,8 @@ class Job:
     st: Session | None = None
     best_eval: BestEval | None = None  # train.early_stop > 0 or checkpoint.best, with held-out data
     metrics: dict[str, Metric] = dataclasses.field(default_factory=dict)  # fit(metrics=...), evaluated beside the loss
+    token_loss: LossFn | None = None  # train.loss_mean=tokens: the loss summed over its targets (None: the model's own)
+    token_mean: bool = False  # train.loss_mean=tokens
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_step: int = -1  # the step of the last evaluation
 
@@ -346,6 +357,13 @@ def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
     each of them runs through the pipeline (its stages split it into parallel.microbatches)."""
     st, model, accum = job.st, job.model, job.plan.accum_steps
     assert st is not None and model is not None and job.scheduler is not None
+    if job.token_mean:
+        step_loss = _token_mean_step(job, batches)
+        st.optimizer_step(job.optimizer)
+        job.optimizer.zero_grad(set_to_none=True)
+        job.scheduler.step()
+        st.log(loss=step_loss)
+        return step_loss
     step_loss = torch.zeros((), device=st.device)
     for micro in range(accum):
         batch = job.batcher(next(batches)).to(st.device)
@@ -364,6 +382,74 @@ def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
     job.scheduler.step()
     st.log(loss=step_loss)
     return step_loss
+
+
+def _token_mean_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
+    """train.loss_mean=tokens: the step's micro-batches drawn first and their counted targets summed over the
+    micro-batches and the data-parallel ranks (one all-reduce, on the device: no host sync); each micro-batch's
+    loss is then its sum over its targets divided by this rank's share of that count, so that the gradients,
+    averaged over the ranks as DDP and FSDP average them, are those of the whole step's targets at once."""
+    import torch.distributed as dist
+
+    st, model, accum, layout = job.st, job.model, job.plan.accum_steps, job.layout
+    assert st is not None and model is not None
+    micro = [job.batcher(next(batches)).to(st.device) for _ in range(accum)]
+    total = torch.stack([b.counted() for b in micro]).sum()
+    if st.world_size > 1:
+        if not layout.reads(st.rank):  # a tensor-parallel peer reads its group's batch: counted once
+            total = total * 0
+        dist.all_reduce(total)
+    share = total.clamp(min=1.0) / layout.dp_size
+    step_loss = torch.zeros((), device=st.device)
+    for i, batch in enumerate(micro):
+        with gradient_sync(model, i == accum - 1), loss_context(job.module):
+            with st.autocast():
+                if job.token_loss is None:  # the model's own, given the count (transformers' num_items_in_batch)
+                    loss = loss_of(batch(model, num_items_in_batch=share), in_tuple=True)
+                else:
+                    loss = job.token_loss(batch(model), batch.target) / share
+            st.backward(loss)
+        step_loss += plain(loss.detach())
+    return step_loss
+
+
+def _token_loss(cfg: Config, module: nn.Module, one: Batch, layout: Layout, *, user_loss: bool,
+                deferred: bool) -> LossFn | None:
+    """train.loss_mean=tokens, checked: scaletrain's cross-entropy summed over its targets, or None for a model
+    whose own loss takes num_items_in_batch (and divides by it: checked on the first sample). One line for a
+    loss of one's own, a pipeline, targets that are not class ids, and a model's loss that takes no count."""
+    def refuse(expected: str, fix: str = "--train.loss_mean=micro_batch") -> ConfigError:
+        return ConfigError("train.loss_mean", "tokens", expected, fix)
+
+    if user_loss:
+        raise refuse("micro_batch with a loss_fn of your own (it returns its own mean, which scaletrain cannot "
+                     "weigh by its targets)", "--train.loss_mean=micro_batch, or leave the loss to scaletrain")
+    if layout.pp > 1:
+        raise refuse("micro_batch under pipeline parallelism (its stages average the micro-batches they split)")
+    target = one.target
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        raise refuse("micro_batch for targets that are not class ids (it counts the targets of a cross-entropy)")
+    if not one.target_given():
+        return functools.partial(default_loss, reduction="sum")
+    name = type(module).__name__
+    params = inspect.signature(module.forward).parameters
+    if "num_items_in_batch" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise refuse(f"micro_batch for a {name}: it computes its own loss, and its forward takes no "
+                     "num_items_in_batch to divide its sum by", "--train.loss_mean=micro_batch" + (
+                         ", or --model.loss=standard (scaletrain's cross-entropy)" if isinstance(module, GPT) else ""))
+    if not deferred:
+        training = module.training
+        module.eval()  # no dropout: the two forwards differ by the count alone (and draw no random numbers)
+        try:
+            with torch.no_grad():
+                losses = [loss_of(one(module, num_items_in_batch=torch.tensor(n, device=target.device)),
+                                  in_tuple=True) for n in (1.0, 2.0)]
+        finally:
+            module.train(training)
+        if any(x is None for x in losses) or not torch.allclose(losses[0], 2 * losses[1], rtol=1e-3):
+            raise refuse(f"micro_batch for a {name}: its own loss does not divide its sum by the "
+                         "num_items_in_batch it is given")
+    return None
 
 
 def batches_of(job: Job) -> Iterator[Any]:
@@ -586,8 +672,13 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
                         "with an optimizer of that stage's parameters, which one built on the whole model is not; fix: "
                         f"optimizer=lambda params: torch.optim.{type(optimizer).__name__}(params, ...)")
     loss = _checked(loss_fn) if loss_fn else _default_loss(cfg.train, own_in_tuple)
+    tokens = cfg.train.loss_mean == "tokens"
+    token_loss = _token_loss(cfg, module, one.to(torch.device("meta") if deferred else rt.device), layout,
+                             user_loss=loss_fn is not None, deferred=deferred) if tokens else None
+    if token_loss is not None and cfg.train.compile:
+        token_loss = torch.compile(token_loss, mode=cfg.train.compile_mode)
     return Job(cfg, rt, plan, module, opt, splits.train, splits.eval, loss, batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
                model_name=type(module).__name__, given_mode=given_mode, collate_fn=splits.collate_fn,
                user_loss=loss_fn is not None, first=one, build=build, own_optimizer=optimizer,
-               own_scheduler=scheduler, peak_lrs=peaks, metrics=metrics)
+               own_scheduler=scheduler, peak_lrs=peaks, metrics=metrics, token_loss=token_loss, token_mean=tokens)

@@ -111,6 +111,12 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     slow = slow_here(cfg.train.precision, rt.device)
     if slow:
         console.print(f"warning: {slow}")
+    target = job.first.target if job.first is not None else None
+    if cfg.train.loss_mean == "micro_batch" and not job.user_loss and (plan.accum_steps > 1 or job.layout.dp_size > 1) \
+            and isinstance(target, torch.Tensor) and not target.is_floating_point() and bool((target == -100).any()):
+        console.print("warning: the first sample's targets hold -100 (left out of the loss), and each micro-batch's "
+                      "loss is the mean over its own targets: a micro-batch of few targets weighs as much as one of "
+                      "many; --train.loss_mean=tokens weighs every target of the step alike")
     if n_eval:
         batch = cfg.data.eval_batch_size or cfg.data.batch_size
         chosen = len(eval_indices(n_eval, batch_size=batch, world=job.layout.dp_size,
