@@ -151,3 +151,38 @@ def test_accuracy_monitored_on_targets_that_are_not_classes_is_one_line(tmp_path
         scaletrain.fit(nn.Linear(4, 1), (x, x.sum(1, keepdim=True)), loss_fn=nn.functional.mse_loss,
                        config={**CONFIG, "train.max_steps": 2, "run.dir": str(tmp_path / "r"), "train.early_stop": 2,
                                "train.monitor": "accuracy"})
+
+
+class Dropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_on_eval_sees_each_evaluation_in_eval_mode_and_leaves_training_as_without_it(tmp_path: Path) -> None:
+    """The hook samples from the model (random numbers drawn, dropout's module in eval mode): the trained weights
+    are bit for bit those of the run without it, and it saw every evaluation's metrics as logged."""
+    seen = []
+
+    def hook(model: nn.Module, step: int, metrics: dict) -> None:
+        torch.randn(100)  # a sampler's draws: its own, not training's
+        seen.append((step, metrics["loss"], model.training, torch.is_grad_enabled()))
+
+    runs = []
+    for name, on_eval in (("with", hook), ("without", None)):
+        torch.manual_seed(1)
+        scaletrain.fit(Dropout, _data()[0], eval_data=_data()[1], on_eval=on_eval,
+                       config={**CONFIG, "train.epochs": 3, "run.dir": str(tmp_path / name)})
+        runs.append(safetensors.torch.load_file(tmp_path / name / "model.safetensors"))
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    assert [(step, loss) for step, loss, _, _ in seen] == [(r["step"], r["eval_loss"]) for r in _evals(tmp_path / "with")]
+    assert [step for step, *_ in seen] == [0, 30, 60, 90]
+    assert not any(training or grad for _, _, training, grad in seen)
+
+
+def test_on_eval_that_is_not_a_function_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"^fit\(on_eval=...\): a str is not a function"):
+        scaletrain.fit(_net(), _data()[0], on_eval="print", config={**CONFIG, "run.dir": str(tmp_path / "r")})

@@ -99,6 +99,7 @@ class Job:
     metrics: dict[str, Metric] = dataclasses.field(default_factory=dict)  # fit(metrics=...), evaluated beside the loss
     token_loss: LossFn | None = None  # train.loss_mean=tokens: the loss summed over its targets (None: the model's own)
     token_mean: bool = False  # train.loss_mean=tokens
+    on_eval: OnEval | None = None  # fit(on_eval=...): called after each evaluation
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_step: int = -1  # the step of the last evaluation
 
@@ -234,6 +235,7 @@ class BestEval:
 
 
 Metric = Callable[[Any, Any], torch.Tensor]  # fit(metrics=...): (output, target) -> per-sample values
+OnEval = Callable[[nn.Module, int, dict[str, float]], Any]  # fit(on_eval=...): (model, step, metrics)
 NOT_METRICS = ("loss", "accuracy", "count", "correct")  # the evaluation's own names
 
 

@@ -15,9 +15,10 @@ from torch import nn
 
 from scaletrain import __version__, runtime
 from scaletrain.batch import BatchFn
+from scaletrain.checkpoint import rng
 from scaletrain.config import Config
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory, train_size
-from scaletrain.errors import DiskFull, Reported, TrainingFailed, first_line, says_errors
+from scaletrain.errors import DiskFull, Reported, TrainingFailed, UserError, first_line, says_errors
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import WARMUP_STEPS, describe, seconds
 from scaletrain.observe.memory import (
@@ -40,6 +41,7 @@ from scaletrain.train.job import (
     LossFn,
     Metric,
     ModelArg,
+    OnEval,
     OwnOptimizer,
     OwnScheduler,
     batches_of,
@@ -363,6 +365,17 @@ def _evaluate(job: Job, console: Console) -> None:
     assert st is not None and job.loader is not None
     with st.evaluating():
         metrics = evaluate(job)
+        if job.on_eval is not None:  # the user's: sampling, logging elsewhere; counted as evaluation time
+            # the random numbers it draws (a sampler's) are its own: training's go on as without it, so a
+            # resume (whose checkpoint was taken before this evaluation) stays exact
+            drawn = rng.capture(st.device)
+            job.module.eval()
+            try:
+                with torch.no_grad():
+                    job.on_eval(job.module, st.steps, dict(metrics))
+            finally:
+                job.module.train()
+                rng.restore(drawn, st.device)
     job.last_eval, job.eval_step = metrics, st.steps
     epoch = job.loader.epoch + 1 if st.steps else 0
     st.writer.write({"kind": "eval", "step": st.steps, "epoch": epoch, **{f"eval_{k}": v for k, v in metrics.items()}})
@@ -448,7 +461,8 @@ def step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
 def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         loss_fn: LossFn | None = None, rt: Runtime | None = None, batch_fn: BatchFn | None = None,
         optimizer: OwnOptimizer | None = None, scheduler: OwnScheduler | None = None,
-        metrics: Mapping[str, Metric] | None = None, started: float | None = None) -> dict[str, Any]:
+        metrics: Mapping[str, Metric] | None = None, on_eval: OnEval | None = None,
+        started: float | None = None) -> dict[str, Any]:
     """Train as configured, resuming from the run directory's latest checkpoint if there is one; returns the
     summary (the same dict on every rank), or, when preempted, ``{"stopped": ..., "steps": ...}``. After
     Ctrl-C (SIGINT) it saves a checkpoint and raises preempt.Interrupted, a KeyboardInterrupt. ``started``:
@@ -469,6 +483,7 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
                        started=started)
         st = job.st
         assert st is not None
+        job.on_eval = on_eval
         resume = st.resume
         _header(job, splits, console)
         if (restarted := restart_line(rt, resume.step if resume else None)) is not None:
@@ -512,7 +527,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
         loss_fn: LossFn | None = None, config: Config | Mapping[str, Any] | str | None = None,
         batch_fn: BatchFn | None = None, argv: list[str] | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None, optimizer: OwnOptimizer | None = None,
-        scheduler: OwnScheduler | None = None, metrics: Mapping[str, Metric] | None = None) -> dict[str, Any]:
+        scheduler: OwnScheduler | None = None, metrics: Mapping[str, Metric] | None = None,
+        on_eval: OnEval | None = None) -> dict[str, Any]:
     """Train your own model on your own data, on one process or every rank of a torchrun job.
 
     ``model``: a module, or better its class (or any callable building it): it is then built after seeding
@@ -540,6 +556,9 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     output and the target returning per-sample values: the metric is their mean over the whole held-out split
     (summed over ranks: exact at any world size), logged as eval_NAME and in the summary's ``eval``
     (``{"top5": lambda out, y: (out.topk(5, -1).indices == y[:, None]).any(-1)}``); train.monitor may name one.
+    ``on_eval(model, step, metrics)``: called on every rank after each evaluation, the model in eval mode under
+    torch.no_grad() (to sample from it, or log elsewhere; its time is counted as evaluation). Under FSDP the
+    model's forward is collective: call it on every rank alike; under parallel.pp > 1 it is this rank's stage.
     ``config``: a Config, a mapping of dotted keys ({"optim.lr": 0.1}), or a recipe/TOML path.
     ``argv``: ``--section.key=value`` strings on top of it, as scaletrain.session() takes them (pass
     sys.argv[1:], and `scaletrain launch --nproc 2 my.py --parallel.strategy=fsdp` reaches the run).
@@ -553,5 +572,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     check_workers(cfg)
     splits = in_memory(train_data, eval_data, cfg.data.val_fraction, collate_fn=collate_fn)
     checked_metrics(metrics)  # before anything starts
+    if on_eval is not None and not callable(on_eval):
+        raise UserError(f"fit(on_eval=...): a {type(on_eval).__name__} is not a function; fix: a function "
+                        "(model, step, metrics) called after each evaluation")
     return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn, optimizer=optimizer,
-               scheduler=scheduler, metrics=metrics)
+               scheduler=scheduler, metrics=metrics, on_eval=on_eval)
