@@ -106,13 +106,21 @@ class Points(IterableDataset):
             yield x, int(x.sum() > 0)
 
 
-def test_fit_trains_on_a_stream_with_a_held_out_list(tmp_path: Path) -> None:
+def test_fit_trains_on_a_stream_with_a_held_out_list_or_stream(tmp_path: Path) -> None:
     summary = scaletrain.fit(lambda: torch.nn.Linear(8, 2), Points(1000, 0), eval_data=list(Points(256, 1)),
                              config={"train.max_steps": 100, "data.batch_size": 16, "optim.lr": 0.05,
                                      "train.progress": False, "run.dir": str(tmp_path / "s")})
     assert summary["steps"] == 100 and summary["epochs"] == 1.0  # 62 steps a pass: one pass completed
     # the sign of a sum of 8 normals, linearly separable: measured 99.2%; chance is 50%
     assert summary["eval"]["count"] == 256.0 and summary["eval"]["accuracy"] >= 0.95
-    with pytest.raises(UserError, match="eval is an IterableDataset"):
-        scaletrain.fit(lambda: torch.nn.Linear(8, 2), Points(1000, 0), eval_data=Points(256, 1),
-                       config={"train.max_steps": 10, "run.dir": str(tmp_path / "e")})
+    # the same held-out samples as a stream: read whole at each evaluation, the same metrics (the same training)
+    streamed = scaletrain.fit(lambda: torch.nn.Linear(8, 2), Points(1000, 0), eval_data=Points(256, 1),
+                              config={"train.max_steps": 100, "data.batch_size": 16, "optim.lr": 0.05,
+                                      "train.progress": False, "run.dir": str(tmp_path / "e")})
+    assert streamed["eval"]["count"] == 256.0 and streamed["eval"]["correct"] == summary["eval"]["correct"]
+    assert streamed["eval"]["loss"] == pytest.approx(summary["eval"]["loss"], rel=1e-6)
+    # train.eval_batches reads the stream's first batches only: 2 of 16
+    capped = scaletrain.fit(lambda: torch.nn.Linear(8, 2), Points(1000, 0), eval_data=Points(250, 1),
+                            config={"train.max_steps": 10, "data.batch_size": 16, "train.eval_batches": 2,
+                                    "train.progress": False, "run.dir": str(tmp_path / "c")})
+    assert capped["eval"]["count"] == 32.0

@@ -309,14 +309,15 @@ class StreamLoader:
         while (batch := self._next_batch()) is not None:
             yield batch
 
-    def whole_pass(self) -> Iterator[Any]:
+    def whole_pass(self, *, pad: bool = False) -> Iterator[Any]:
         """Every item of the stream once over the ranks, in batches of at most batch_size: an evaluation pass
         (session.evaluating()), read from the stream's start (told pass 0 if it has set_epoch), which neither drops
         the tail nor moves this loader's position. Each chunk of batch_size x world items gives rank r positions
         r, r + W, ...; a chunk is read ahead, so that at the stream's end the last full chunk and the tail are
         split into two even ones: every rank gets as many batches (a collective forward, FSDP's, runs as often on
         each), the last two about half full, rather than the tail going to some ranks only. Only a batch size of
-        1, or a stream shorter than one chunk, can leave a rank a batch short (an empty one is skipped)."""
+        1, or a stream shorter than one chunk, can leave a rank a batch short: an empty one is skipped, or with
+        ``pad`` given as None (so that every rank gets as many items)."""
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(0)
         items, chunk = iter(self.dataset), self.micro_samples
@@ -333,6 +334,8 @@ class StreamLoader:
                 if mine := part[self.rank::self.world]:
                     batch = self.collate(mine)
                     yield map_tensors(batch, torch.Tensor.pin_memory) if self.pin_memory else batch
+                elif pad:
+                    yield None
             ahead = after
 
     def state_dict(self) -> dict[str, int]:

@@ -209,17 +209,14 @@ def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task
     datasets.Dataset: len() and [i]), or (inputs, targets) as tensors or numpy arrays; for training also a
     stream (an IterableDataset, data/loader.py StreamLoader). Without eval data a fixed val_fraction of the
     training data is held out: ceil(n x val_fraction) samples, at least 1, chosen by a permutation seeded with
-    0 (the same on every run and rank, whatever run.seed is); a stream's is not (no evaluation then).
+    0 (the same on every run and rank, whatever run.seed is); a stream's is not (no evaluation then). Held-out
+    data may be a stream too.
     ``collate_fn``: how the loaders make a batch of samples (a padding collator), as a DataLoader's."""
     arrays = (torch.Tensor, np.ndarray)
 
     def as_dataset(d: Any, what: str) -> Dataset:
-        if isinstance(d, IterableDataset):
-            if what == "train":
-                return d  # a stream: read in its order by StreamLoader, with train.max_steps
-            raise UserError(f"data: {what} is an IterableDataset ({type(d).__name__}: a stream, no len() or [i]), "
-                            "and an evaluation counts every held-out sample once on some rank; fix: pass the "
-                            "held-out samples as a list (list(itertools.islice(stream, n))) or a map-style Dataset")
+        if isinstance(d, IterableDataset):  # a stream: read in its order by StreamLoader (training: with
+            return d  # train.max_steps; held out: a whole pass from its start at each evaluation)
         if isinstance(d, Dataset):
             return d
         # A tuple of two is (inputs, targets); so is a list of two arrays (a list of two samples is not).

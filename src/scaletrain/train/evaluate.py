@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -11,10 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.data import IterableDataset
 
 from scaletrain import runtime
 from scaletrain.batch import IGNORE_INDEX, Batch, collate_one, logits_of, loss_of
 from scaletrain.data import eval_indices, eval_loader
+from scaletrain.data.loader import StreamLoader
 from scaletrain.errors import UserError
 from scaletrain.parallel.tensor import loss_context, plain
 from scaletrain.train.job import Job
@@ -38,11 +41,19 @@ def evaluate(job: Job) -> dict[str, float]:
     assert job.eval_data is not None
     batch_size = cfg.data.eval_batch_size or cfg.data.batch_size
     rank, world = layout.dp_rank(rt.rank), layout.dp_size  # the data-parallel readers
-    if job.eval_loader is None:  # the same samples every time: one loader, its workers kept between evaluations
+    stream = isinstance(job.eval_data, IterableDataset)
+    if job.eval_loader is None and stream:  # a held-out stream: read whole from its start at every evaluation
+        job.eval_loader = StreamLoader(job.eval_data, batch_size=batch_size, rank=rank, world=world, accum=1,
+                                       pin_memory=rt.device.type == "cuda", collate_fn=job.collate_fn)
+    elif job.eval_loader is None:  # the same samples every time: one loader, its workers kept between evaluations
         job.eval_loader = eval_loader(job.eval_data, batch_size=batch_size, rank=rank, world=world,
                                       num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
                                       max_batches=cfg.train.eval_batches, collate_fn=job.collate_fn)
     loader = job.eval_loader
+    if stream:  # as many items on every rank (None: an empty share, run uncounted), the first eval_batches
+        assert isinstance(loader, StreamLoader)
+        passed = loader.whole_pass(pad=True)
+        loader = itertools.islice(passed, cfg.train.eval_batches) if cfg.train.eval_batches else passed
     module.eval()
     with _rank0_buffers(job):
         totals = _evaluated(job, loader, batch_size)
@@ -91,16 +102,25 @@ def _evaluated(job: Job, loader: Any, batch_size: int) -> torch.Tensor:
     cfg, rt, module, layout = job.cfg, job.rt, job.module, job.layout
     world = layout.dp_size
     totals = torch.zeros(4 + 2 * len(job.metrics), dtype=torch.float64, device=rt.device)
-    forwards = len(loader)
-    if job.sharded:
+    if isinstance(job.eval_data, IterableDataset):  # a stream's whole pass pads its empty shares already
+        forwards = None
+    elif job.sharded:
         # FSDP's forward is collective (it all-gathers parameters): every rank must run the same number of
         # forwards, though one rank may hold one sample more. The extra forwards are not counted.
         chosen = eval_indices(len(job.eval_data), batch_size=batch_size, world=world,  # type: ignore[arg-type]
                               max_batches=cfg.train.eval_batches)
         forwards = -(-len(chosen[::world]) // batch_size)  # rank 0's share is the largest
-    for raw in _padded(loader, forwards):
+    else:
+        forwards = len(loader)
+    for raw in loader if forwards is None else _padded(loader, forwards):
         # None: this rank is out of samples; keep FSDP's collectives in step, count nothing
-        batch = job.batcher(collate_one(job.eval_data, job.collate_fn) if raw is None else raw).to(rt.device)
+        if raw is not None:
+            batch = job.batcher(raw).to(rt.device)
+        elif isinstance(job.eval_data, IterableDataset):  # a stream has no [0]: a training sample, uncounted
+            assert job.first is not None
+            batch = job.first.to(rt.device)
+        else:
+            batch = job.batcher(collate_one(job.eval_data, job.collate_fn)).to(rt.device)
         with autocast(cfg.train.precision, rt.device, sharded=job.fsdp), loss_context(module):
             out = batch(module) if job.pipeline is None else job.pipeline.forward(batch.args[0])
             if raw is None or out is None:  # padding, or a pipeline stage before the last

@@ -85,13 +85,15 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     cfg, rt, plan, st = job.cfg, job.rt, job.plan, job.st
     assert st is not None  # attached: the session knows what is compiled (train.compile, or a model given so)
     params = job.params or sum(p.numel() for p in job.module.parameters())
-    n_eval = len(splits.eval) if splits.eval is not None else 0  # type: ignore[arg-type]
+    held = splits.eval
+    stream = isinstance(held, torch.utils.data.IterableDataset)
+    n_eval = 0 if held is None or stream else len(held)  # type: ignore[arg-type]
     where = f"{rt.backend} on {rt.device}" if rt.distributed else f"single process on {rt.device}"
     console.print(f"scaletrain {__version__} | torch {torch.__version__} | world {rt.world_size} ({where}) | "
                   f"run dir {cfg.run_dir}")
     name = job.model_name or type(job.module).__name__.removeprefix("FSDP")  # fully_shard renames the class
     console.print(f"model {name}: {params / 1e6:.3f}M parameters | data {cfg.data.source}: "
-                  f"{_count(splits.train)} / {n_eval} held-out samples")
+                  f"{_count(splits.train)} / {'a stream of' if stream else n_eval} held-out samples")
     layout = job.layout.describe() if rt.world_size > 1 or job.sharded else "single replica"
     units = units_line(job.module, cfg.parallel.fsdp_units, sharded=job.fsdp,
                        blocks=cfg.memory.activation_checkpointing != "none" or st.compiled)
@@ -536,7 +538,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     ``train_data``/``eval_data``: a torch Dataset, any map-style dataset a DataLoader takes (a list of samples,
     a Hugging Face datasets.Dataset), (inputs, targets) as tensors or numpy arrays, or a DataLoader (its dataset,
     sharded, with its batch size per rank, collate_fn, shuffle and workers as defaults); train_data may be a
-    stream (an IterableDataset: train.max_steps, no held-out split); without eval_data, data.val_fraction of the
+    stream (an IterableDataset: train.max_steps, no held-out split), and so may eval_data (read whole from its
+    start at each evaluation); without eval_data, data.val_fraction of the
     training data is held out. A Dataset's samples may be tuples of any
     length (the last is the target), dicts (Hugging Face style: ``model(**batch)``, target ``labels``) or
     tensors; ``batch_fn(batch) -> (inputs, target)`` maps any other layout (scaletrain.batch).
