@@ -142,7 +142,8 @@ def test_a_loop_of_ones_own_keeps_its_best_by_its_own_measure(tmp_path: Path) ->
     run = tmp_path / "loop"
     chosen = []
     with scaletrain.session({"train.max_steps": 60, "log.every": 10, "checkpoint.every": 20, "checkpoint.keep": 1,
-                             "data.batch_size": 16, "run.dir": str(run), "train.progress": False}) as st:
+                             "data.batch_size": 16, "run.dir": str(run), "train.progress": False,
+                             "checkpoint.load_best": True}) as st:
         model, opt = st.setup(_net(), lambda p: torch.optim.SGD(p, lr=0.5))
         loader, best = st.loader((x, y)), -1.0
         while not st.done:
@@ -165,7 +166,11 @@ def test_a_loop_of_ones_own_keeps_its_best_by_its_own_measure(tmp_path: Path) ->
     names = sorted({commit.step_name(step), commit.step_name(60)})
     assert [p.name for _, p in commit.committed(run / "checkpoints")] == names
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["best_checkpoint"]["step"] == step
+    assert summary["best_checkpoint"]["step"] == step < 60 and summary["best_checkpoint"]["loaded"]
+    # checkpoint.load_best: the loop's model, and model.safetensors, hold the best checkpoint's weights
+    saved = safetensors.torch.load_file(run / "model.safetensors")
+    best = safetensors.torch.load_file(run / "checkpoints" / commit.step_name(step) / "model.safetensors")
+    assert sorted(saved) == sorted(best) and all(torch.equal(saved[k], best[k]) for k in saved)
 
 
 def test_load_best_leaves_the_best_weights_in_the_model_given_and_model_safetensors(tmp_path: Path) -> None:
