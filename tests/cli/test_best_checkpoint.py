@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from noisy import noisy_labels, wide_net
 from torch import nn
 from torch.utils.data import IterableDataset
 
@@ -26,18 +27,12 @@ CONFIG = {"train.epochs": 12, "data.batch_size": 16, "optim.lr": 1e-2, "train.pr
 
 
 def _data() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """Half the training labels are noise: a wide net overfits them and its held-out loss turns up within a few
-    epochs, so the best evaluation is not the last one."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(600, 8, generator=g)
-    y = (x[:, 0] > 0).long()
-    y[:300] = torch.randint(0, 2, (300,), generator=g)
+    """480 training samples, 120 held out: the best evaluation is not the last one."""
+    x, y = noisy_labels()
     return (x[:480], y[:480]), (x[480:], y[480:])
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(5)
-    return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 2))
+_net = wide_net
 
 
 def _evals(run: Path) -> list[tuple[int, float]]:

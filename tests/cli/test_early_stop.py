@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
+from noisy import noisy_labels, wide_net
 from torch.utils.data import IterableDataset
 
 import scaletrain
@@ -19,18 +18,7 @@ CONFIG = {"train.epochs": 60, "data.batch_size": 16, "optim.lr": 1e-2, "train.pr
           "train.early_stop": 3}
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    """Half the labels are noise: a wide net overfits them and its held-out loss turns up within a few epochs."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(600, 8, generator=g)
-    y = (x[:, 0] > 0).long()
-    y[:300] = torch.randint(0, 2, (300,), generator=g)
-    return x, y
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(5)
-    return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 2))
+_data, _net = noisy_labels, wide_net
 
 
 def _evals(run: Path) -> list[tuple[int, float]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from noisy import noisy_labels, wide_net
 from torch import nn
 
 import scaletrain
@@ -24,18 +25,12 @@ SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sy
 
 
 def _data() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """Half the training labels are noise: the held-out measures peak, then worsen, within a few epochs. 121
-    held-out samples: uneven over 2 ranks and over batches of 16."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(601, 8, generator=g)
-    y = (x[:, 0] > 0).long()
-    y[:300] = torch.randint(0, 2, (300,), generator=g)
+    """480 training samples, 121 held out: uneven over 2 ranks and over batches of 16."""
+    x, y = noisy_labels(601)
     return (x[:480], y[:480]), (x[480:], y[480:])
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(5)
-    return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 2))
+_net = wide_net
 
 
 def top1(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -78,7 +73,7 @@ def test_metrics_are_the_mean_over_the_split_and_top1_is_the_accuracy(tmp_path: 
 
 SCRIPT = """
 import sys, torch, scaletrain
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {root!r}]  # this file, and tests/noisy.py
 from test_fit_metrics import CONFIG, METRICS, _data, _net
 scaletrain.fit(_net(), _data()[0], eval_data=_data()[1], metrics=METRICS, argv=sys.argv[1:],
                config={{**CONFIG, "train.epochs": 2}})
@@ -87,7 +82,7 @@ scaletrain.fit(_net(), _data()[0], eval_data=_data()[1], metrics=METRICS, argv=s
 
 def test_on_two_ranks_each_evaluating_its_share_they_are_the_whole_splits(tmp_path: Path) -> None:
     script = tmp_path / "two.py"
-    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), root=str(Path(__file__).parents[1])))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     run = tmp_path / "r"

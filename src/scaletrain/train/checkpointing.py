@@ -211,21 +211,23 @@ class Checkpointer:
         if self.rt.is_main:
             with self._best_lock:
                 self._best = (step, record)
-            self._name_best()
+            if self._name_best():
+                commit.prune(self.root, self.cfg.keep)  # the best before it, unless it is among the newest
 
-    def _name_best(self) -> None:
-        """best.json, when the checkpoint keep_best() named is committed (else it is written at its commit)."""
+    def _name_best(self) -> bool:
+        """best.json, when the checkpoint keep_best() named is committed (else it is written at its commit, whose
+        pruning follows); True when written."""
         with self._best_lock:
             if self._best is None or not (self.root / commit.step_name(self._best[0]) / commit.MANIFEST).is_file():
-                return
+                return False
             (step, record), self._best = self._best, None
             try:
                 commit.write_best(self.root, step, record)
             except OSError as err:
                 self.warnings.append(f"{self.root / commit.BEST} not written ({err.strerror or err}): the "
                                      f"checkpoint of step {step} is not kept as the best")
-                return
-        commit.prune(self.root, self.cfg.keep)  # the best before it, unless it is among the newest
+                return False
+        return True
 
     # -- saving -------------------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
 
 from scaletrain import runtime
-from scaletrain.batch import IGNORE_INDEX, Batch, collate_one, logits_of, loss_of
+from scaletrain.batch import IGNORE_INDEX, Batch, logits_of, loss_of
 from scaletrain.data import eval_indices, eval_loader
 from scaletrain.data.loader import StreamLoader
 from scaletrain.errors import UserError
@@ -41,8 +41,7 @@ def evaluate(job: Job) -> dict[str, float]:
     assert job.eval_data is not None
     batch_size = cfg.data.eval_batch_size or cfg.data.batch_size
     rank, world = layout.dp_rank(rt.rank), layout.dp_size  # the data-parallel readers
-    stream = isinstance(job.eval_data, IterableDataset)
-    if job.eval_loader is None and stream:  # a held-out stream: read whole from its start at every evaluation
+    if job.eval_loader is None and isinstance(job.eval_data, IterableDataset):  # read whole at every evaluation
         job.eval_loader = StreamLoader(job.eval_data, batch_size=batch_size, rank=rank, world=world, accum=1,
                                        pin_memory=rt.device.type == "cuda", collate_fn=job.collate_fn)
     elif job.eval_loader is None:  # the same samples every time: one loader, its workers kept between evaluations
@@ -50,13 +49,20 @@ def evaluate(job: Job) -> dict[str, float]:
                                       num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
                                       max_batches=cfg.train.eval_batches, collate_fn=job.collate_fn)
     loader = job.eval_loader
-    if stream:  # as many items on every rank (None: an empty share, run uncounted), the first eval_batches
-        assert isinstance(loader, StreamLoader)
+    if isinstance(loader, StreamLoader):  # as many items on every rank (None: an empty share), eval_batches first
         passed = loader.whole_pass(pad=True)
-        loader = itertools.islice(passed, cfg.train.eval_batches) if cfg.train.eval_batches else passed
+        batches = itertools.islice(passed, cfg.train.eval_batches) if cfg.train.eval_batches else passed
+    elif job.sharded:
+        # FSDP's forward is collective (it all-gathers parameters): every rank must run the same number of
+        # forwards, though one rank may hold one sample more. The extra forwards are not counted.
+        chosen = eval_indices(len(job.eval_data), batch_size=batch_size, world=world,  # type: ignore[arg-type]
+                              max_batches=cfg.train.eval_batches)
+        batches = _padded(loader, -(-len(chosen[::world]) // batch_size))  # rank 0's share is the largest
+    else:
+        batches = iter(loader)
     module.eval()
     with _rank0_buffers(job):
-        totals = _evaluated(job, loader, batch_size)
+        totals = _evaluated(job, batches)
     module.train()
     if not layout.counts_eval(rt.rank):
         totals.zero_()  # counted by its group's first rank
@@ -96,31 +102,18 @@ def _rank0_buffers(job: Job) -> Iterator[None]:
                 b.copy_(own)
 
 
-def _evaluated(job: Job, loader: Any, batch_size: int) -> torch.Tensor:
+def _evaluated(job: Job, batches: Iterator[Any]) -> torch.Tensor:
     """This rank's (loss x count, correct, count, no-accuracy) sums over its share of the held-out split, then
-    (sum, count) of each of fit()'s metrics' values."""
-    cfg, rt, module, layout = job.cfg, job.rt, job.module, job.layout
-    world = layout.dp_size
+    (sum, count) of each of fit()'s metrics' values. A None in ``batches``: this rank is out of samples, and
+    runs an uncounted forward (of the first training sample) to keep FSDP's collectives in step."""
+    cfg, rt, module = job.cfg, job.rt, job.module
     totals = torch.zeros(4 + 2 * len(job.metrics), dtype=torch.float64, device=rt.device)
-    if isinstance(job.eval_data, IterableDataset):  # a stream's whole pass pads its empty shares already
-        forwards = None
-    elif job.sharded:
-        # FSDP's forward is collective (it all-gathers parameters): every rank must run the same number of
-        # forwards, though one rank may hold one sample more. The extra forwards are not counted.
-        chosen = eval_indices(len(job.eval_data), batch_size=batch_size, world=world,  # type: ignore[arg-type]
-                              max_batches=cfg.train.eval_batches)
-        forwards = -(-len(chosen[::world]) // batch_size)  # rank 0's share is the largest
-    else:
-        forwards = len(loader)
-    for raw in loader if forwards is None else _padded(loader, forwards):
-        # None: this rank is out of samples; keep FSDP's collectives in step, count nothing
-        if raw is not None:
-            batch = job.batcher(raw).to(rt.device)
-        elif isinstance(job.eval_data, IterableDataset):  # a stream has no [0]: a training sample, uncounted
+    for raw in batches:
+        if raw is None:
             assert job.first is not None
             batch = job.first.to(rt.device)
         else:
-            batch = job.batcher(collate_one(job.eval_data, job.collate_fn)).to(rt.device)
+            batch = job.batcher(raw).to(rt.device)
         with autocast(cfg.train.precision, rt.device, sharded=job.fsdp), loss_context(module):
             out = batch(module) if job.pipeline is None else job.pipeline.forward(batch.args[0])
             if raw is None or out is None:  # padding, or a pipeline stage before the last

@@ -34,6 +34,7 @@ from scaletrain.errors import CheckpointError, ConfigError, UserError
 from scaletrain.layout import check_pipeline
 from scaletrain.models import GPT, build_model
 from scaletrain.models.init import refuse_sync_batchnorm, refuse_unfilled
+from scaletrain.observe.report.load import EVAL_OWN
 from scaletrain.observe.throughput import flops_per_sample
 from scaletrain.parallel import (
     Layout,
@@ -98,7 +99,6 @@ class Job:
     best_eval: BestEval | None = None  # train.early_stop > 0 or checkpoint.best, with held-out data
     metrics: dict[str, Metric] = dataclasses.field(default_factory=dict)  # fit(metrics=...), evaluated beside the loss
     token_loss: LossFn | None = None  # train.loss_mean=tokens: the loss summed over its targets (None: the model's own)
-    token_mean: bool = False  # train.loss_mean=tokens
     on_eval: OnEval | None = None  # fit(on_eval=...): called after each evaluation
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_step: int = -1  # the step of the last evaluation
@@ -130,6 +130,11 @@ class Job:
     def optim_kind(self) -> str:
         """The optimizer as the memory model counts its state: optim.name, or the kind of one given to fit()."""
         return optim_kind(self.cfg, self.optimizer, self.own_optimizer)
+
+    @property
+    def token_mean(self) -> bool:
+        """train.loss_mean=tokens: the step's loss weighs each of its targets alike (_token_mean_step)."""
+        return self.cfg.train.loss_mean == "tokens"
 
     @property
     def step(self) -> int:
@@ -211,7 +216,7 @@ class BestEval:
         """Record an evaluation; True when it is a new best."""
         if self.monitor not in metrics:  # accuracy, where the held-out targets are not classes
             raise ConfigError("train.monitor", self.monitor, "a measure this evaluation has: "
-                              f"{', '.join(k for k in metrics if k not in ('count', 'correct'))}", "--train.monitor=loss")
+                              f"{', '.join(k for k in metrics if k not in EVAL_OWN[2:])}", "--train.monitor=loss")
         value = metrics[self.monitor]
         if (value < self.best - self.delta) if self.mode == "min" else (value > self.best + self.delta):
             self.best, self.best_step, self.since = value, step, 0
@@ -236,7 +241,6 @@ class BestEval:
 
 Metric = Callable[[Any, Any], torch.Tensor]  # fit(metrics=...): (output, target) -> per-sample values
 OnEval = Callable[[nn.Module, int, dict[str, float]], Any]  # fit(on_eval=...): (model, step, metrics)
-NOT_METRICS = ("loss", "accuracy", "count", "correct")  # the evaluation's own names
 
 
 def checked_metrics(metrics: Any) -> dict[str, Metric]:
@@ -248,9 +252,9 @@ def checked_metrics(metrics: Any) -> dict[str, Metric]:
                         "(output, target) -> per-sample values; fix: metrics={'top5': lambda out, y: "
                         "(out.topk(5, -1).indices == y[:, None]).any(-1)}")
     for name, fn in metrics.items():
-        if not isinstance(name, str) or not name.isidentifier() or name in NOT_METRICS:
+        if not isinstance(name, str) or not name.isidentifier() or name in EVAL_OWN:
             raise UserError(f"fit(metrics=...): the name {name!r}; expected an identifier other than "
-                            f"{', '.join(NOT_METRICS)} (it is logged as eval_NAME); fix: another name")
+                            f"{', '.join(EVAL_OWN)} (it is logged as eval_NAME); fix: another name")
         if not callable(fn):
             raise UserError(f"fit(metrics={{{name!r}: ...}}): a {type(fn).__name__} is not a function; fix: a "
                             "function (output, target) -> a tensor of per-sample values")
@@ -357,15 +361,20 @@ def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
     mean loss on the device (logged as ``loss``). The session times the phases, watches the loss and the
     gradient norm, clips, steps through the loss scaler and decides when to log and save. Under parallel.pp > 1
     each of them runs through the pipeline (its stages split it into parallel.microbatches)."""
+    st = job.st
+    assert st is not None and job.scheduler is not None
+    step_loss = _token_mean_step(job, batches) if job.token_mean else _micro_batch_step(job, batches)
+    st.optimizer_step(job.optimizer)
+    job.optimizer.zero_grad(set_to_none=True)
+    job.scheduler.step()
+    st.log(loss=step_loss)
+    return step_loss
+
+
+def _micro_batch_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
+    """The step's forwards and backwards, each micro-batch's loss its own mean over accum_steps; their sum."""
     st, model, accum = job.st, job.model, job.plan.accum_steps
-    assert st is not None and model is not None and job.scheduler is not None
-    if job.token_mean:
-        step_loss = _token_mean_step(job, batches)
-        st.optimizer_step(job.optimizer)
-        job.optimizer.zero_grad(set_to_none=True)
-        job.scheduler.step()
-        st.log(loss=step_loss)
-        return step_loss
+    assert st is not None and model is not None
     step_loss = torch.zeros((), device=st.device)
     for micro in range(accum):
         batch = job.batcher(next(batches)).to(st.device)
@@ -379,10 +388,6 @@ def train_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
                     loss = job.loss_fn(batch(model), batch.target) / accum
                 st.backward(loss)
         step_loss += plain(loss.detach())
-    st.optimizer_step(job.optimizer)
-    job.optimizer.zero_grad(set_to_none=True)
-    job.scheduler.step()
-    st.log(loss=step_loss)
     return step_loss
 
 
@@ -610,14 +615,13 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     ``metrics``: fit()'s, measured at each evaluation beside the loss."""
     metrics = checked_metrics(metrics)
     monitor_mode(cfg.train, metrics)
-    if cfg.train.early_stop and splits.eval is None:
-        raise ConfigError("train.early_stop", cfg.train.early_stop, "0 for training data without a held-out split "
-                          "(a stream): it stops on the held-out loss", "eval_data=... (a list of held-out samples), "
-                          "or --train.early_stop=0")
-    if cfg.checkpoint.best and splits.eval is None:
-        raise ConfigError("checkpoint.best", True, "false for training data without a held-out split (a stream): "
-                          "the best checkpoint is the one of the lowest held-out loss", "eval_data=... (a list of "
-                          "held-out samples), or --checkpoint.best=false")
+    best_is = "the best checkpoint is the one of the lowest held-out loss"
+    held_out = {"train.early_stop": (cfg.train.early_stop, "0", "it stops on the held-out loss"),
+                "checkpoint.best": (cfg.checkpoint.best, "false", best_is)}
+    for key, (value, off, why) in held_out.items():
+        if value and splits.eval is None:
+            raise ConfigError(key, value, f"{off} for training data without a held-out split (a stream): {why}",
+                              f"eval_data=... (a list of held-out samples), or --{key}={off}")
     if cfg.checkpoint.load_best and not cfg.checkpoint.best:
         raise ConfigError("checkpoint.load_best", True, "false without checkpoint.best (no checkpoint is kept as the "
                           "best to load)", "--checkpoint.best=true as well")
@@ -674,13 +678,13 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
                         "with an optimizer of that stage's parameters, which one built on the whole model is not; fix: "
                         f"optimizer=lambda params: torch.optim.{type(optimizer).__name__}(params, ...)")
     loss = _checked(loss_fn) if loss_fn else _default_loss(cfg.train, own_in_tuple)
-    tokens = cfg.train.loss_mean == "tokens"
     token_loss = _token_loss(cfg, module, one.to(torch.device("meta") if deferred else rt.device), layout,
-                             user_loss=loss_fn is not None, deferred=deferred) if tokens else None
+                             user_loss=loss_fn is not None, deferred=deferred) \
+        if cfg.train.loss_mean == "tokens" else None
     if token_loss is not None and cfg.train.compile:
         token_loss = torch.compile(token_loss, mode=cfg.train.compile_mode)
     return Job(cfg, rt, plan, module, opt, splits.train, splits.eval, loss, batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
                model_name=type(module).__name__, given_mode=given_mode, collate_fn=splits.collate_fn,
                user_loss=loss_fn is not None, first=one, build=build, own_optimizer=optimizer,
-               own_scheduler=scheduler, peak_lrs=peaks, metrics=metrics, token_loss=token_loss, token_mean=tokens)
+               own_scheduler=scheduler, peak_lrs=peaks, metrics=metrics, token_loss=token_loss)

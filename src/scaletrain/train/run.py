@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from scaletrain import __version__, runtime
-from scaletrain.batch import BatchFn
+from scaletrain.batch import IGNORE_INDEX, BatchFn
 from scaletrain.checkpoint import rng
 from scaletrain.config import Config
 from scaletrain.data import Splits, build_splits, eval_indices, in_memory, train_size
@@ -28,6 +28,7 @@ from scaletrain.observe.memory import (
     oom_advice,
     peak_bytes,
 )
+from scaletrain.observe.report.load import EVAL_OWN
 from scaletrain.observe.sinks import check_tensorboard
 from scaletrain.parallel import units_line
 from scaletrain.plan.actual import describe as describe_plan
@@ -36,7 +37,6 @@ from scaletrain.train.batching import plan_batches
 from scaletrain.train.checkpointing import Resume, find_resume
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.job import (
-    NOT_METRICS,
     Job,
     LossFn,
     Metric,
@@ -117,7 +117,7 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
         console.print(f"warning: {slow}")
     target = job.first.target if job.first is not None else None
     if cfg.train.loss_mean == "micro_batch" and not job.user_loss and (plan.accum_steps > 1 or job.layout.dp_size > 1) \
-            and isinstance(target, torch.Tensor) and not target.is_floating_point() and bool((target == -100).any()):
+            and isinstance(target, torch.Tensor) and not target.is_floating_point() and bool((target == IGNORE_INDEX).any()):
         console.print("warning: the first sample's targets hold -100 (left out of the loss), and each micro-batch's "
                       "loss is the mean over its own targets: a micro-batch of few targets weighs as much as one of "
                       "many; --train.loss_mean=tokens weighs every target of the step alike")
@@ -240,7 +240,7 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
             ("train loss", f"{summary['train_loss']:.4f}")]
     rows += [(f"eval {k}", f"{100 * v:.2f}%" if k == "accuracy" else f"{v:.4f}")
              for k, v in summary["eval"].items() if k in ("loss", "accuracy")]
-    rows += [(f"eval {k}", f"{v:.4f}") for k, v in summary["eval"].items() if k not in NOT_METRICS]
+    rows += [(f"eval {k}", f"{v:.4f}") for k, v in summary["eval"].items() if k not in EVAL_OWN]
     if (stop := summary.get("early_stop")) is not None:
         said = f"at step {stop['step']:,}: best eval {stop['monitor']} {stop['best']:.4f} at step {stop['best_step']:,}"
         rows += [("early stop", said)]

@@ -1276,13 +1276,16 @@ class Session:
             return None
         return read_tree(self.resume, name)
 
-    def _restore(self, entry: _Model) -> None:
+    def _restore(self, entry: _Model, weights_of: Resume | None = None) -> None:
         """The checkpoint's state of one model and its optimizers (debug.skip_restore leaves weights or
         optimizer as built). Either layout: a single model and optimizer by their own names (fit()'s, and a
-        one-model session's), or every model under its name."""
-        resume = self.resume
+        one-model session's), or every model under its name. ``weights_of``: another checkpoint's weights only
+        (checkpoint.load_best), not the resume's state."""
+        resume = weights_of or self.resume
         assert resume is not None
-        saved_names = self._trainer.get("models", [])
+        trainer = self._trainer if weights_of is None else _as_session(read_trainer(weights_of))
+        skip = self.skip if weights_of is None else {*self.skip, "optimizer"}
+        saved_names = trainer.get("models", [])
         if entry.name not in saved_names:
             raise CheckpointError(resume.path, f"it holds the models {saved_names}, not {entry.name!r}",
                                   "set up the same models, in the same order (or with the same name=)")
@@ -1296,11 +1299,11 @@ class Session:
         saved = {named + k[len(prefix):]: v for k, v in saved_model_shapes(resume).items() if k.startswith(prefix)}
         if self._stage is not None:  # a pipeline stage holds its part of the saved model
             saved = {k: v for k, v in saved.items() if k in want}
-        misfit = model_misfit(want, saved) if "weights" not in self.skip else None
+        misfit = model_misfit(want, saved) if "weights" not in skip else None
         if misfit is not None:
             raise CheckpointError(resume.path, misfit, "set up the model the checkpoint was made with (the same "
                                   "configuration), or start a new --run.dir")
-        weights, optimizers = "weights" not in self.skip, "optimizer" not in self.skip
+        weights, optimizers = "weights" not in skip, "optimizer" not in skip
         was = resume.meta.get("optimizers", {}).get(entry.name)  # their classes (older checkpoints: not said)
         now = [type(o).__name__ for o in entry.optimizers]
         if optimizers and was is not None and was != now:
@@ -1308,12 +1311,12 @@ class Session:
                                   f"sets up {', '.join(now)}", "set up the optimizers the checkpoint was made with (the "
                                   "state of one is not another's), or start a new --run.dir")
         if resume.meta.get("format") == FORMAT_DCP:
-            self._restore_dcp(entry, box, bare)
+            self._restore_dcp(entry, box, bare, resume, skip)
         elif has_dtensors(entry.wrapped):  # a consolidated checkpoint (a DDP or one-process run) into shards
             # (a pipeline stage, FSDP- or TP-split, takes its part of them)
             tensors = {k: v for k, v in with_aliases(*read_model(resume)).items()
                        if k.startswith(prefix) and (self._stage is None or k in held)}
-            trees = self._optimizer_trees(entry, bare)
+            trees = self._optimizer_trees(entry, bare, resume)
             tree = {"state": {prefix + k: v for t in trees for k, v in t["state"].items()},
                     "param_groups": [{**g, "params": [prefix + p for p in g["params"]]}
                                      for t in trees for g in t["param_groups"]]}
@@ -1331,42 +1334,39 @@ class Session:
                 load_model_tensors(entry.module, {k: v.to(self.device) for k, v in tensors.items()}, aliases,
                                    str(resume.path))
             if optimizers:
-                for opt, tree in zip(entry.optimizers, self._optimizer_trees(entry, bare)):
+                for opt, tree in zip(entry.optimizers, self._optimizer_trees(entry, bare, resume)):
                     load_optimizer_tree(entry.module, opt, tree, str(resume.path / OPTIMIZER))
-        if self._rank_state is not None:
+        if self._rank_state is not None and weights_of is None:
             self._since = int(self._rank_state.get("since", 0))
             for k, v in self._rank_state.get("sums", {}).items():
                 self._sums[k] = torch.tensor(float(v), device=self.device)
 
-    def _optimizer_trees(self, entry: _Model, bare: bool) -> list[dict[str, Any]]:
+    def _optimizer_trees(self, entry: _Model, bare: bool, resume: Resume) -> list[dict[str, Any]]:
         """The saved optimizer trees of ``entry`` (consolidated format), one per optimizer set up; a pipeline
         stage's parameters' part of them."""
-        assert self.resume is not None
-        trees = read_tree(self.resume, OPTIMIZER)
+        trees = read_tree(resume, OPTIMIZER)
         if bare:
             trees = {f"{entry.name}/0": trees}
         for i in range(len(entry.optimizers)):
             if f"{entry.name}/{i}" not in trees:
-                raise CheckpointError(self.resume.path, f"no optimizer {i} for {entry.name!r}",
+                raise CheckpointError(resume.path, f"no optimizer {i} for {entry.name!r}",
                                       "set up the same optimizers for each model")
         mine = [trees[f"{entry.name}/{i}"] for i in range(len(entry.optimizers))]
         return mine if self._stage is None else [_stage_tree(tree, self._stage) for tree in mine]
 
-    def _restore_dcp(self, entry: _Model, box: nn.Module, bare: bool) -> None:
+    def _restore_dcp(self, entry: _Model, box: nn.Module, bare: bool, resume: Resume, skip: set[str]) -> None:
         """A DCP checkpoint (made by a sharded run) into one model and its optimizers, sharded or not, at any
         world size (DCP reshards). Collective: every rank sets up the same models in the same order."""
-        resume = self.resume
-        assert resume is not None
         prefix = "" if bare else f"{entry.name}."
         groups = [g for g in read_tree(resume, OPTIMIZER_GROUPS) if g["params"] and g["params"][0].startswith(prefix)]
         names = {id(p): name for name, p in box.named_parameters()}
         if self._stage is not None:  # a pipeline stage: its own parameters of the whole model's groups
             groups = _stage_groups(groups, set(names.values()), self._stage.held_as)
         live = [sorted(names[id(p)] for p in g["params"]) for opt in entry.optimizers for g in opt.param_groups]
-        if [sorted(g["params"]) for g in groups] != live and "optimizer" not in self.skip:
+        if [sorted(g["params"]) for g in groups] != live and "optimizer" not in skip:
             raise CheckpointError(resume.path, f"the optimizer param groups of {entry.name!r} differ",
                                   "set up the same optimizers, with the same parameter groups")
-        load_dcp(box, entry.optimizers, resume, self.rank, self.skip, groups=groups)
+        load_dcp(box, entry.optimizers, resume, self.rank, skip, groups=groups)
 
     def _stopped(self, reason: str) -> None:
         assert self.services is not None
@@ -1490,14 +1490,8 @@ class Session:
             self.console.print(f"warning: checkpoint.load_best: {found.split('; fix:')[0]}; the model keeps the last "
                                "step's weights")
             return
-        kept = self.resume, self._trainer, self.skip, self._rank_state
-        self.resume, self._trainer, self.skip, self._rank_state = \
-            found, _as_session(read_trainer(found)), {*self.skip, "optimizer"}, None
-        try:
-            for entry in self._models:
-                self._restore(entry)
-        finally:
-            self.resume, self._trainer, self.skip, self._rank_state = kept
+        for entry in self._models:
+            self._restore(entry, weights_of=found)
         if "best_checkpoint" in summary:
             summary["best_checkpoint"]["loaded"] = True
         self.console.print(f"loaded the weights of the best checkpoint (step {best['step']}) into the model: "

@@ -24,6 +24,8 @@ CONFIG = "config.toml"
 _KINDS = ("train", "eval", "checkpoint", "resume")
 _SCALARS = ("loss", "lr", "samples_per_s", "samples_per_s_per_rank", "tokens_per_s", "step_time_s", "mfu",
             "flops_per_s")
+# the evaluation's own names in summary.json's eval and metrics.jsonl's eval_* (fit()'s metrics= are the others)
+EVAL_OWN = ("loss", "accuracy", "count", "correct")
 _RUN_FIX = "pass a directory that 'scaletrain train' wrote (its --run.dir, e.g. runs/digits)"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from scaletrain.observe.report.load import Run
+from scaletrain.observe.report.load import EVAL_OWN, Run
 
 NONE = "—"  # a number this run did not record
 
@@ -109,7 +109,7 @@ def _column(run: Run) -> dict[str, str]:
         if key in evals:
             col[f"eval {key}"] = _fmt(evals[key], ".2f", 100, "%") if key == "accuracy" else _fmt(evals[key], ".4f")
     for key, value in evals.items():  # fit()'s metrics=
-        if key not in ("loss", "accuracy", "count", "correct"):
+        if key not in EVAL_OWN:
             col[f"eval {key}"] = _fmt(value, ".4f")
     stop = s.get("early_stop")
     if isinstance(stop, dict):
