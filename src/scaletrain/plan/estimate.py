@@ -382,8 +382,12 @@ def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tens
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))  # outside fake mode: it reads its ranks
         for n in MEASURED_LAYERS:
             at = replace(cfg, model=replace(cfg.model, n_layer=n))
+            done: dict[tuple[str, bool], tuple[int, int | None]] = {}  # (checkpointing, low) -> its measure
             for key in keys:
                 ac, low = key.removeprefix("sharded-"), key.startswith("sharded-") and dtype is not None
+                if (ac, low) in done:  # no compute dtype: FSDP's step is DDP's, measured already
+                    measured[key].append(done[ac, low])
+                    continue
                 with FakeTensorMode(allow_non_fake_inputs=False) as mode:
                     fake_sample = _fake_input(mode, cfg, sample, target)
                     model = _fake_model(at, task, info, "none", dtype if low else torch.float32)
@@ -392,7 +396,8 @@ def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tens
                 apply_tp(model, mesh["tp"], loss_parallel=cfg.parallel.loss_parallel)
                 apply_activation_checkpointing(model, ac)  # after the split, as parallelize() orders them
                 with mode, loss_context(model):
-                    measured[key].append(_step_bytes(at, model, fake_sample, low=low, kept=True))
+                    done[ac, low] = _step_bytes(at, model, fake_sample, low=low, kept=True)
+                measured[key].append(done[ac, low])
     finally:
         dist.destroy_process_group()
     out = {}
