@@ -82,6 +82,7 @@ class Job:
     flops: float = 0.0  # model FLOPs per training sample (forward + backward)
     tokens_per_sample: int = 0  # sequence models: tokens per sample
     params: int = 0  # the whole model's parameters (counted before a pipeline keeps one stage per rank)
+    trainable: int = 0  # of those, the ones with requires_grad (fewer where the user froze some: adapters)
     model_name: str = ""  # its class
     given_mode: str | None = None  # the model came as torch.compile(model, mode=...) returned it: that mode
     collate_fn: Callable[[list[Any]], Any] | None = None  # the user's (fit's collate_fn), else scaletrain's
@@ -685,6 +686,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         token_loss = torch.compile(token_loss, mode=cfg.train.compile_mode)
     return Job(cfg, rt, plan, module, opt, splits.train, splits.eval, loss, batcher, layout, reason, flops=flops,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
+               trainable=sum(p.numel() for p in module.parameters() if p.requires_grad),
                model_name=type(module).__name__, given_mode=given_mode, collate_fn=splits.collate_fn,
                user_loss=loss_fn is not None, first=one, build=build, own_optimizer=optimizer,
                own_scheduler=scheduler, peak_lrs=peaks, metrics=metrics, token_loss=token_loss)

@@ -63,6 +63,12 @@ def _count(dataset: Any) -> str:
     return "a training stream" if size is None else f"{size} train"
 
 
+def _trainable(trainable: int, params: int) -> str:
+    """How many of a model's parameters train, where some are frozen: "1,536 trainable (5.4%)"."""
+    return f"{trainable:,} trainable ({100 * trainable / params:.2g}%)" if trainable < 1e6 else \
+        f"{trainable / 1e6:.3f}M trainable ({100 * trainable / params:.2g}%)"
+
+
 def _optimizer_line(job: Job) -> str:
     """The peak lr, the optimizer and the schedule, as the config or fit()'s optimizer= and scheduler= set them."""
     cfg, plan = job.cfg, job.plan
@@ -92,7 +98,8 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     console.print(f"scaletrain {__version__} | torch {torch.__version__} | world {rt.world_size} ({where}) | "
                   f"run dir {cfg.run_dir}")
     name = job.model_name or type(job.module).__name__.removeprefix("FSDP")  # fully_shard renames the class
-    console.print(f"model {name}: {params / 1e6:.3f}M parameters | data {cfg.data.source}: "
+    frozen = f", {_trainable(job.trainable, params)}" if job.trainable < params else ""
+    console.print(f"model {name}: {params / 1e6:.3f}M parameters{frozen} | data {cfg.data.source}: "
                   f"{_count(splits.train)} / {'a stream of' if stream else n_eval} held-out samples")
     layout = job.layout.describe() if rt.world_size > 1 or job.sharded else "single replica"
     units = units_line(job.module, cfg.parallel.fsdp_units, sharded=job.fsdp,
@@ -168,7 +175,7 @@ def _summarize(job: Job, splits: Splits, model_given: bool) -> Callable[[dict[st
         summary.update({"samples": st.samples_drawn(), "epochs": epochs,
                         "global_batch": plan.global_batch, "accum_steps": plan.accum_steps, "peak_lr": plan.peak_lr,
                         "train_loss": st.last_metrics.get("loss", math.nan), "eval": job.last_eval,
-                        "params": job.params, "strategy": job.strategy})
+                        "params": job.params, "trainable_params": job.trainable, "strategy": job.strategy})
         if job.pipeline is not None:
             summary["pipeline"] = _pipeline_record(job)
         if job.best_eval is not None and job.best_eval.stopped:
