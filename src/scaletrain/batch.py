@@ -152,6 +152,14 @@ def default_loss(output: Any, target: Any, *, own_in_tuple: bool = False, reduct
                         f"0..{classes - 1}") from None
 
 
+def shifted_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` on logits (B, T, V) predicting the next position: logits[:, :-1] against labels[:, 1:], as a
+    transformers causal LM's own loss shifts the labels it is given (a pipeline's last stage returns logits)."""
+    def shifted(logits: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return loss_fn(logits[:, :-1], labels[:, 1:], **kwargs)
+    return shifted
+
+
 def check_targets(output: Any, target: Any, *, own_in_tuple: bool = False,
                   targets: torch.Tensor | None = None) -> None:
     """Before the first step, on the first training sample's output and target (host values: one look, no
@@ -237,6 +245,19 @@ class Batch:
     def __call__(self, model: nn.Module, **extra: Any) -> Any:
         """The model's forward on this batch (``extra``: more keyword arguments, transformers' num_items_in_batch)."""
         return model(*self.args, **self.kwargs, **extra)
+
+    def pipeline_inputs(self) -> torch.Tensor:
+        """What a pipeline's first stage takes: the one positional input, or transformers' ``input_ids`` (the
+        target, ``labels``, goes to the last stage). Anything else the model would be given (an attention mask,
+        a second input) is one line: the stages run one tensor through, over whole sequences."""
+        given = [k for k, v in self.kwargs.items() if k != "input_ids" and v is not self.target]
+        if len(self.args) + ("input_ids" in self.kwargs) != 1 or given:
+            what = ", ".join([*(["input_ids"] if "input_ids" in self.kwargs else []), *given]) or \
+                f"{len(self.args)} positional inputs"
+            raise UserError(f"parallel.pp: the pipeline's first stage takes one input (token ids), and this batch "
+                            f"gives the model {what}; fix: batches of input_ids and labels only (a causal mask is "
+                            "applied; pad with labels -100 instead of an attention_mask), or --parallel.pp=1")
+        return self.args[0] if self.args else self.kwargs["input_ids"]
 
     def counted(self) -> torch.Tensor:
         """The targets a cross-entropy counts (class ids other than -100), as a float tensor on their device."""

@@ -216,7 +216,7 @@ def test_bad_splits_say_what_to_set():
                               "set --parallel.pp to at most 2")
     with pytest.raises(ValueError, match=r"^parallel.microbatches=2 is fewer than parallel.pp=4 stages"):
         resolve_microbatches(4, 2, "1f1b")
-    with pytest.raises(ValueError, match=r"^parallel.pp=2 splits only the built-in models"):
+    with pytest.raises(ValueError, match=r"^parallel.pp=2 splits the built-in models \(model.name=gpt or llama\) and Hugging Face causal LMs laid out as Llama.s, not Sequential"):
         pipeline_stage(nn.Sequential(nn.Linear(2, 2)), 2, 0)
     assert resolve_microbatches(4, 0, "1f1b") == 8 and resolve_microbatches(4, 2, "gpipe") == 2
     assert stage_layers(7, 3) == [range(3), range(3, 5), range(5, 7)]

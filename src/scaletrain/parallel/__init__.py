@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 from collections.abc import Iterator
 
@@ -151,22 +152,66 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def _stage_of(model: nn.Module, mesh: DeviceMesh, pp: int, virtual: int) -> nn.Module:
-    """This rank's stage (``virtual`` > 1: stages) of a built-in GPT or Llama, placed on ``mesh``, or a one-line
-    ConfigError."""
+    """This rank's stage (``virtual`` > 1: stages) of a built-in GPT or Llama or a transformers causal LM laid out
+    as Llama's, placed on ``mesh``, or a one-line ConfigError."""
     from scaletrain.models import GPT, Llama
-    from scaletrain.parallel.pipeline import rank_stages
+    from scaletrain.parallel.pipeline import causal_lm_parts, rank_stages
 
-    if not isinstance(model, (GPT, Llama)):  # a model of the user's: nothing says where its stages are
+    parts = causal_lm_parts(model)
+    if not isinstance(model, (GPT, Llama)) and parts is None:  # a model of the user's: nothing says where its stages are
         raise ConfigError("parallel.pp", pp, f"1 for a {type(model).__name__}: pipeline stages split the built-in "
-                          "GPT and Llama (model.name=gpt or llama)", "--parallel.pp=1, and "
+                          "GPT and Llama (model.name=gpt or llama) and Hugging Face causal LMs laid out as Llama's "
+                          "(model.embed_tokens, model.layers, model.norm, lm_head)", "--parallel.pp=1, and "
                           "--parallel.strategy=fsdp for a model that does not fit one device")
-    blocks = len(model.blocks if isinstance(model, GPT) else model.layers)
+    blocks = len(model.blocks if isinstance(model, GPT) else model.layers if isinstance(model, Llama) else parts[1])
     if pp * virtual > blocks:  # a model built by the caller: its config was not checked before the workers
         raise ConfigError("parallel.pp", pp, f"at most the model's {blocks} blocks in {pp * virtual} stages (each "
                           "holds at least one)", f"--parallel.pp={max(1, blocks // virtual)}")
+    if parts is not None and not isinstance(model, (GPT, Llama)):
+        names = mesh.mesh_dim_names or ()
+        if "tp" in names and mesh.size(names.index("tp")) > 1:
+            raise ConfigError("parallel.tp", mesh.size(names.index("tp")), f"1 with parallel.pp > 1 for a "
+                              f"{type(model).__name__}: its pipeline stages are not split by tensor parallelism",
+                              "--parallel.tp=1 (pipeline and FSDP compose), or --parallel.pp=1 (tensor "
+                              "parallelism by the model's own plan)")
+        _check_causal_lm_split(model, pp, virtual)
     stage = rank_stages(model, pp, mesh.get_local_rank("pp"), virtual)
     stage.mesh = mesh
     return stage
+
+
+def _check_causal_lm_split(model: nn.Module, pp: int, virtual: int) -> None:
+    """A Hugging Face causal LM's stages (parallel/pipeline.py) run its layers as its own forward does only if
+    its forward does no more than Llama's (no scaled embeddings, no padding mask, causal SDPA): the stages,
+    chained on this rank, must give the logits the model gives for one short sequence, or it is one line."""
+    from scaletrain.parallel.pipeline import split_stages
+
+    params = list(model.parameters())
+    if not params or any(p.is_meta for p in params):
+        return
+    device = params[0].device
+    vocab = model.lm_head.out_features
+    ids = (torch.arange(8, device=device) * 7 % vocab).unsqueeze(0)
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = model(input_ids=ids).logits.float()
+            x = ids
+            for stage in split_stages(model, pp * virtual):
+                x = stage(x)
+            got = x.float()
+    finally:
+        model.train(was)
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+        gap = (got - want).abs().max().item() if got.shape == want.shape else math.inf
+        attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        why = f"its attention ({attn!r}) needs a causal mask, which the stages leave to SDPA" \
+            if attn not in (None, "sdpa") else "its forward does more than Llama's between the layers"
+        fix = "build it with attn_implementation='sdpa', or --parallel.pp=1" if attn not in (None, "sdpa") else \
+            "--parallel.pp=1, and --parallel.strategy=fsdp for a model that does not fit one device"
+        raise ConfigError("parallel.pp", pp, f"1 for this {type(model).__name__}: its layers run as pipeline stages "
+                          f"do not give its own forward's logits (largest difference {gap:.3g}): {why}", fix)
 
 
 def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, nnodes: int = 1,

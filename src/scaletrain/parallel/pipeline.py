@@ -82,6 +82,8 @@ class _Stage(nn.Module):
         self.tied_param: str | None = None
         self.tied_copy = False
         self.ties_stages = False  # the model has a weight tied across stages (every stage knows)
+        self.kept_name = "tok_emb.weight"  # the tied weight's name in one process's model (its first stage's)
+        self.own_loss_shifts = False  # the model's own loss predicts labels[t + 1] at t (transformers' causal LMs)
         self.mesh: DeviceMesh | None = None
 
     @property
@@ -89,7 +91,7 @@ class _Stage(nn.Module):
         """{this stage's copy: the name one process's model keeps} (GPT's head copy on the last stage: {
         "head.weight": "tok_emb.weight"}): a checkpoint stores the weight once, under the kept name, as one
         process's does, and the copy loads from it."""
-        return {self.tied_param: "tok_emb.weight"} if self.tied_copy and self.tied_param else {}
+        return {self.tied_param: self.kept_name} if self.tied_copy and self.tied_param else {}
 
     @property
     def held_as(self) -> dict[str, str]:
@@ -170,6 +172,66 @@ class _LlamaStage(_Stage):
         return x
 
 
+def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module, nn.Module] | None:
+    """(token embedding, decoder layers, final norm, rotary embedding, head) of a Hugging Face decoder-only
+    causal LM laid out as Llama's (``model.embed_tokens``, ``model.layers``, ``model.norm``,
+    ``model.rotary_emb``, ``lm_head``: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo and others), else None."""
+    base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    parts = [getattr(base, name, None) for name in ("embed_tokens", "layers", "norm", "rotary_emb")]
+    if not isinstance(head, nn.Linear) or any(not isinstance(p, nn.Module) for p in parts) \
+            or not isinstance(parts[1], nn.ModuleList):
+        return None
+    embed, layers, norm, rotary = parts
+    return embed, layers, norm, rotary, head  # type: ignore[return-value]
+
+
+class _CausalLMStage(_Stage):
+    """Stage ``index`` of a Hugging Face decoder-only causal LM (causal_lm_parts): token ids (B, T) in on the
+    first stage, the hidden states (B, T, C) between, logits (B, T, vocab) out of the last. Its modules keep
+    the model's own names (``model.layers.5.mlp...``, ``lm_head.weight``). Each stage computes the rotary
+    embedding for its layers; attention is causal over whole sequences (no padding mask: PyTorch's SDPA with
+    no mask is causal, which parallel/__init__.py checks against the model's own forward before training).
+    A head tied to the token embedding is copied onto the last stage, as for GPT."""
+
+    def __init__(self, model: nn.Module, index: int, pp: int, layers: range) -> None:
+        super().__init__(index, pp)
+        parts = causal_lm_parts(model)
+        assert parts is not None
+        embed, blocks, norm, rotary, head = parts
+        first, last = index == 0, index == pp - 1
+        self._no_split_modules = tuple(getattr(model, "_no_split_modules", None) or ())
+        self.model = nn.Module()  # the model's "model." prefix, so that the names are the whole model's
+        self.model.embed_tokens = embed if first else None
+        self.model.layers = nn.ModuleDict({str(i): blocks[i] for i in layers})
+        self.model.norm = norm if last else None
+        self.model.rotary_emb = rotary
+        self.lm_head = head if last else None
+        tied = head.weight is embed.weight
+        self.ties_stages, self.kept_name = tied and pp > 1, "model.embed_tokens.weight"
+        self.own_loss_shifts = True
+        if tied and first != last:
+            self.tied_param = self.kept_name if first else "lm_head.weight"
+            if last:
+                self.lm_head = nn.Linear(head.in_features, head.out_features, bias=False,
+                                         device=head.weight.device, dtype=head.weight.dtype)
+                with torch.no_grad():
+                    self.lm_head.weight.copy_(embed.weight)
+                self.tied_copy = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        if m.embed_tokens is not None:
+            x = m.embed_tokens(x)  # (B, T, C)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        rotary = m.rotary_emb(x, positions)
+        for layer in m.layers.values():
+            out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+            x = out[0] if isinstance(out, tuple) else out  # transformers 4 returns a tuple, 5 the tensor
+        if self.lm_head is not None:
+            x = self.lm_head(m.norm(x))  # (B, T, vocab)
+        return x
+
+
 def pipeline_stage(model: nn.Module, pp: int, index: int) -> nn.Module:
     """Stage ``index`` of ``pp`` of a built-in GPT or Llama. It shares the model's modules (no copy, but for
     GPT's tied head on the last stage when pp > 1); the caller keeps only its own stage."""
@@ -177,7 +239,7 @@ def pipeline_stage(model: nn.Module, pp: int, index: int) -> nn.Module:
         raise ValueError(f"stage index {index} is outside parallel.pp={pp} stages (0 to {pp - 1})")
     stage = _cut(model, pp, index)
     # its parameters keep the model's names, so the model's initial-weight rules fill them (models/init.py)
-    stage.init_rules, stage.init_seed = model.init_rules, model.init_seed
+    stage.init_rules, stage.init_seed = getattr(model, "init_rules", None), getattr(model, "init_seed", 0)
     return stage
 
 
@@ -189,8 +251,10 @@ def _cut(model: nn.Module, pp: int, index: int) -> _Stage:
         return _GPTStage(model, index, pp, stage_layers(len(model.blocks), pp)[index])
     if isinstance(model, Llama):
         return _LlamaStage(model, index, pp, stage_layers(len(model.layers), pp)[index])
-    raise ValueError(f"parallel.pp={pp} splits only the built-in models (model.name=gpt or llama), "
-                     f"not {type(model).__name__}; set --parallel.pp=1")
+    if (parts := causal_lm_parts(model)) is not None:
+        return _CausalLMStage(model, index, pp, stage_layers(len(parts[1]), pp)[index])
+    raise ValueError(f"parallel.pp={pp} splits the built-in models (model.name=gpt or llama) and Hugging Face "
+                     f"causal LMs laid out as Llama's, not {type(model).__name__}; set --parallel.pp=1")
 
 
 class _Stages(_Stage):
@@ -203,18 +267,13 @@ class _Stages(_Stage):
         super().__init__(parts[0].index, parts[0].pp)
         self.__dict__["parts"] = parts  # plain list: the parts' modules are registered below, once, by name
         for part in parts:
-            for name, child in part.named_children():
-                if isinstance(child, nn.ModuleDict):  # the blocks, by index
-                    if getattr(self, name, None) is None:
-                        setattr(self, name, nn.ModuleDict())
-                    getattr(self, name).update(child)
-                else:
-                    setattr(self, name, child)
+            _merge_children(self, part)
         self.init_rules, self.init_seed = parts[0].init_rules, parts[0].init_seed
         tied = [part for part in parts if part.tied_param is not None]
         self.tied_param = tied[0].tied_param if tied else None
         self.tied_copy = any(part.tied_copy for part in parts)
         self.ties_stages = any(part.ties_stages for part in parts)
+        self.kept_name, self.own_loss_shifts = parts[0].kept_name, parts[0].own_loss_shifts
 
     @property
     def is_first(self) -> bool:
@@ -237,6 +296,23 @@ class _Stages(_Stage):
     def seq_shards(self, n: int) -> None:  # tensor parallelism sets it on the stages that run
         for part in self.parts:
             part.seq_shards = n
+
+
+def _merge_children(into: nn.Module, part: nn.Module) -> None:
+    """Register ``part``'s children on ``into`` by name: blocks (a ModuleDict by index) added to those there,
+    a plain holder (a transformers model's ``model.``: type nn.Module itself) merged the same way, one level
+    down, any other module set (a module every part shares, or the one part that has it)."""
+    for name, child in part.named_children():
+        if isinstance(child, nn.ModuleDict):  # the blocks, by index
+            if getattr(into, name, None) is None:
+                setattr(into, name, nn.ModuleDict())
+            getattr(into, name).update(child)
+        elif type(child) is nn.Module:
+            if getattr(into, name, None) is None:
+                setattr(into, name, nn.Module())
+            _merge_children(getattr(into, name), child)
+        else:
+            setattr(into, name, child)
 
 
 def rank_stages(model: nn.Module, pp: int, rank: int, virtual: int = 1) -> nn.Module:

@@ -115,11 +115,11 @@ def _evaluated(job: Job, batches: Iterator[Any]) -> torch.Tensor:
         else:
             batch = job.batcher(raw).to(rt.device)
         with autocast(cfg.train.precision, rt.device, sharded=job.fsdp), loss_context(module):
-            out = batch(module) if job.pipeline is None else job.pipeline.forward(batch.args[0])
+            out = batch(module) if job.pipeline is None else job.pipeline.forward(batch.pipeline_inputs())
             if raw is None or out is None:  # padding, or a pipeline stage before the last
                 continue
             loss = plain(job.loss_fn(out, batch.target))
-            totals[:4] += _sums(out, batch, loss, aligned=not job.user_loss)
+            totals[:4] += _sums(out, batch, loss, aligned=not job.user_loss and not job.shifted)
             if job.metrics:
                 totals[4:] += _metric_sums(job, out, batch.target)
     return totals

@@ -27,6 +27,7 @@ from scaletrain.batch import (
     default_loss,
     leaves,
     loss_of,
+    shifted_loss,
 )
 from scaletrain.config import Config, OptimConfig, TrainConfig
 from scaletrain.data import Splits, TensorPairs, train_size
@@ -83,6 +84,7 @@ class Job:
     tokens_per_sample: int = 0  # sequence models: tokens per sample
     params: int = 0  # the whole model's parameters (counted before a pipeline keeps one stage per rank)
     trainable: int = 0  # of those, the ones with requires_grad (fewer where the user froze some: adapters)
+    shifted: bool = False  # pp > 1 on a transformers causal LM: the loss takes logits[:, :-1] against labels[:, 1:]
     model_name: str = ""  # its class
     given_mode: str | None = None  # the model came as torch.compile(model, mode=...) returned it: that mode
     collate_fn: Callable[[list[Any]], Any] | None = None  # the user's (fit's collate_fn), else scaletrain's
@@ -162,6 +164,11 @@ class Job:
         _, self.optimizer = st.setup(self.module, optimizer, name="model")
         if st._stage is not None:  # pp > 1: this rank's stage is the model it trains, evaluates and saves
             self.module = st._stage
+            # a transformers causal LM given its labels computes a shifted loss; its last stage returns logits
+            self.shifted = st._stage.own_loss_shifts and not self.user_loss and self.first is not None \
+                and self.first.target_given()
+            if self.shifted:
+                self.loss_fn = shifted_loss(self.loss_fn)
             self.pipeline = PipelineRunner(st._stage, st._stage.mesh, device=st.device,
                                            microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.pp_schedule,
                                            loss_fn=self.loss_fn, accum=plan.accum_steps)
@@ -382,7 +389,7 @@ def _micro_batch_step(job: Job, batches: Iterator[Any]) -> torch.Tensor:
         last = micro == accum - 1
         if job.pipeline is not None:  # every stage is given the batch: the first reads its inputs, the last its target
             with st.autocast(), loss_context(job.module):
-                loss = st.pipeline_step(job.pipeline, batch.args[0], batch.target, sync=last) / accum
+                loss = st.pipeline_step(job.pipeline, batch.pipeline_inputs(), batch.target, sync=last) / accum
         else:  # only the last micro-step all-reduces (or reduce-scatters) gradients; the others accumulate locally
             with gradient_sync(model, last), loss_context(job.module):  # logits split by vocabulary: their loss
                 with st.autocast():
