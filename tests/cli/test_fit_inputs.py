@@ -612,3 +612,35 @@ def test_a_model_the_script_wrapped_in_ddp_itself_trains_as_the_bare_model(tmp_p
     bare, ddp, dp = run_ranks(_wrapped, 2, str(tmp_path), timeout_s=120)[0]
     assert sorted(ddp) == sorted(dp) == sorted(bare) == sorted(Deep().state_dict())
     assert all(torch.equal(bare[k], ddp[k]) and torch.equal(bare[k], dp[k]) for k in bare)
+
+
+def _unseeded(rank: int, world: int, where: str, strategy: str) -> dict[str, torch.Tensor] | None:
+    """A model built before fit() from another seed on each rank, trained under ``strategy``."""
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model.register_buffer("noise", torch.randn(4))  # a buffer: FSDP does not shard it, nor DDP average it
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+    run = Path(where) / strategy
+    scaletrain.fit(model, (x, x[:, :4].argmax(1)), argv=["--dist.timeout_s=60"],
+                   config={"run.dir": str(run), "train.max_steps": 4, "data.batch_size": 16, "train.progress": False,
+                           "parallel.strategy": strategy, "optim.lr": 0.01})
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "model.safetensors")) if rank == 0 else None  # rank 0 writes it
+
+
+def test_a_model_built_unseeded_before_fit_starts_from_rank_0s_weights_under_fsdp_as_under_ddp(tmp_path: Path) -> None:
+    """Each rank built its model from another seed before fit(): DDP broadcasts rank 0's weights when it wraps,
+    FSDP kept each rank's rows of its own (a mixture of two initialisations, saved as the model) and each rank
+    its own unsharded buffer. The session now finds the difference (one all-gather of a fingerprint) and
+    broadcasts rank 0's parameters and buffers first: FSDP ends as DDP does, to float rounding, and the buffer is
+    rank 0's."""
+    ddp, fsdp = (run_ranks(_unseeded, 2, str(tmp_path), strategy, timeout_s=120)[0] for strategy in ("ddp", "fsdp"))
+    torch.manual_seed(0)
+    rank0 = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    assert torch.equal(fsdp["noise"], torch.randn(4)) and torch.equal(ddp["noise"], fsdp["noise"])
+    for name, value in ddp.items():
+        torch.testing.assert_close(fsdp[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():  # trained from rank 0's: 4 Adam steps of lr 0.01 move a weight by at most about 0.04
+        moved = (fsdp["0.weight"] - rank0[0].weight).abs().max()
+    assert 1e-4 < moved < 0.05, moved

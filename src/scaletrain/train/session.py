@@ -549,6 +549,8 @@ class Session:
         refuse_sync_batchnorm(model, self.device, self.world_size)
         if not is_meta(model):  # a built-in model built on the meta device gets its memory once split, below
             model.to(self.device)
+            if self.world_size > 1 and not has_dtensors(model):
+                _same_start(model, name)
         else:
             refuse_unfilled(model)
         given = [opt for opt in optimizers if isinstance(opt, Optimizer)]
@@ -1660,6 +1662,30 @@ def _held(state: Any) -> Any:
     """A tracked object's state as of now: its tensors copied to the host (an EMA's state_dict() holds its live
     weights, which the next step changes while a background save is still writing them)."""
     return map_tensors(state, lambda t: t.detach().to("cpu", copy=True))
+
+
+def _same_start(model: nn.Module, name: str) -> None:
+    """Every rank starts from rank 0's weights. A model built before the session (fit(model), a script's own
+    construction) without a seed common to the ranks has other initial weights on each: DDP broadcasts rank 0's
+    when it wraps, but FSDP would keep each rank's rows of its own (a model mixed from several initialisations,
+    its unsharded buffers differing between replicas), and a pipeline each stage's from another draw. One
+    all-gather of a fingerprint (the sum and the sum of squares of every tensor, in float64) says whether they
+    differ; only then are the parameters and buffers broadcast from rank 0 (as Accelerate's sync_module_states
+    does), with a warning."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if not t.is_complex()]
+    if not tensors:
+        return
+    with torch.no_grad():
+        mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in tensors]).sum(0)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        if all(torch.equal(e, every[0]) for e in every[1:]):
+            return
+        for t in tensors:
+            dist.broadcast(t.data, src=0)
+    if dist.get_rank() == 0:
+        log.warning("%s's initial weights differed between the ranks (built before the session, without a seed "
+                    "they share); every rank now starts from rank 0's, as DDP would make them", name)
 
 
 def _check_optimizer(opt: Any, model: nn.Module) -> None:
