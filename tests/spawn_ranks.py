@@ -43,6 +43,15 @@ def loopback_env(rank: int, world: int, port: int) -> dict[str, str]:
             "OMP_NUM_THREADS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
+def script_env() -> dict[str, str]:
+    """The environment a test's subprocess (a script, `scaletrain launch`) runs in: this one's, without a
+    launcher's rank variables, on loopback, one thread per process."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: tuple,
            environ: dict[str, str]) -> None:
     os.environ.clear()  # the test's environment now, as spawn gives it (a forkserver's is from its own start)

@@ -7,7 +7,6 @@ run ends."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from spawn_ranks import script_env
 
 pytest.importorskip("transformers")
 
@@ -49,20 +49,13 @@ scaletrain.fit(model, [{"input_ids": r, "labels": r} for r in ids], eval_data=[{
 """
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
-
 def test_adapters_train_under_fsdp_from_a_ddp_checkpoint_as_one_process_does(tmp_path: Path) -> None:
     script = tmp_path / "lora.py"
     script.write_text(SCRIPT)
 
     def run(*argv: str, nproc: int = 1) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, str(script)] if nproc == 1 else [*SCALETRAIN, "launch", "--nproc", str(nproc), str(script)]
-        proc = subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path,
+        proc = subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=300, env=script_env(), cwd=tmp_path,
                               check=False)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc

@@ -6,7 +6,6 @@ run as the model does is one line before training."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from spawn_ranks import script_env
 
 from scaletrain.batch import Batch
 from scaletrain.errors import ConfigError, UserError
@@ -38,13 +38,6 @@ scaletrain.fit(model, rows[:40], eval_data=rows[40:], argv=sys.argv[1:],
 """
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
-
 def _llama(**config: object) -> torch.nn.Module:
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -62,7 +55,7 @@ def test_a_transformers_llama_pipelines_as_one_process_and_resumes_without_the_p
 
     def run(*argv: str, nproc: int) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, str(script)] if nproc == 1 else [*SCALETRAIN, "launch", "--nproc", str(nproc), str(script)]
-        proc = subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path,
+        proc = subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=300, env=script_env(), cwd=tmp_path,
                               check=False)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc

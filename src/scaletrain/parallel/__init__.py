@@ -157,7 +157,7 @@ def _stage_of(model: nn.Module, mesh: DeviceMesh, pp: int, virtual: int) -> nn.M
     from scaletrain.models import GPT, Llama
     from scaletrain.parallel.pipeline import causal_lm_parts, rank_stages
 
-    parts = causal_lm_parts(model)
+    parts = None if isinstance(model, (GPT, Llama)) else causal_lm_parts(model)  # a transformers causal LM's
     if not isinstance(model, (GPT, Llama)) and parts is None:  # a model of the user's: nothing says where its stages are
         raise ConfigError("parallel.pp", pp, f"1 for a {type(model).__name__}: pipeline stages split the built-in "
                           "GPT and Llama (model.name=gpt or llama) and Hugging Face causal LMs laid out as Llama's "
@@ -167,7 +167,7 @@ def _stage_of(model: nn.Module, mesh: DeviceMesh, pp: int, virtual: int) -> nn.M
     if pp * virtual > blocks:  # a model built by the caller: its config was not checked before the workers
         raise ConfigError("parallel.pp", pp, f"at most the model's {blocks} blocks in {pp * virtual} stages (each "
                           "holds at least one)", f"--parallel.pp={max(1, blocks // virtual)}")
-    if parts is not None and not isinstance(model, (GPT, Llama)):
+    if parts is not None:
         names = mesh.mesh_dim_names or ()
         if "tp" in names and mesh.size(names.index("tp")) > 1:
             raise ConfigError("parallel.tp", mesh.size(names.index("tp")), f"1 with parallel.pp > 1 for a "

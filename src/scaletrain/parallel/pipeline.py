@@ -107,6 +107,14 @@ class _Stage(nn.Module):
         return self.index == self.pp - 1
 
 
+def _head_copy(head: nn.Linear, weight: torch.Tensor) -> nn.Linear:
+    """The last stage's own head, a copy of the weight it is tied to on the first stage (pp > 1)."""
+    copy = nn.Linear(head.in_features, head.out_features, bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        copy.weight.copy_(weight)
+    return copy
+
+
 class _GPTStage(_Stage):
     """Stage ``index`` of a GPT: token ids (B, T) on the first stage, the residual stream (B, T, C) elsewhere;
     logits (B, T, vocab) out of the last."""
@@ -126,11 +134,7 @@ class _GPTStage(_Stage):
         if tied and first != last:  # the two ends of the tied weight on different ranks
             self.tied_param = "tok_emb.weight" if first else "head.weight"
             if last:
-                self.head = nn.Linear(model.head.in_features, model.head.out_features, bias=False,
-                                      device=model.head.weight.device, dtype=model.head.weight.dtype)
-                with torch.no_grad():
-                    self.head.weight.copy_(model.tok_emb.weight)
-                self.tied_copy = True
+                self.head, self.tied_copy = _head_copy(model.head, model.tok_emb.weight), True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
@@ -193,11 +197,9 @@ class _CausalLMStage(_Stage):
     no mask is causal, which parallel/__init__.py checks against the model's own forward before training).
     A head tied to the token embedding is copied onto the last stage, as for GPT."""
 
-    def __init__(self, model: nn.Module, index: int, pp: int, layers: range) -> None:
+    def __init__(self, model: nn.Module, parts: tuple[nn.Module, ...], index: int, pp: int, layers: range) -> None:
         super().__init__(index, pp)
-        parts = causal_lm_parts(model)
-        assert parts is not None
-        embed, blocks, norm, rotary, head = parts
+        embed, blocks, norm, rotary, head = parts  # causal_lm_parts(model)
         first, last = index == 0, index == pp - 1
         self._no_split_modules = tuple(getattr(model, "_no_split_modules", None) or ())
         self.model = nn.Module()  # the model's "model." prefix, so that the names are the whole model's
@@ -212,11 +214,7 @@ class _CausalLMStage(_Stage):
         if tied and first != last:
             self.tied_param = self.kept_name if first else "lm_head.weight"
             if last:
-                self.lm_head = nn.Linear(head.in_features, head.out_features, bias=False,
-                                         device=head.weight.device, dtype=head.weight.dtype)
-                with torch.no_grad():
-                    self.lm_head.weight.copy_(embed.weight)
-                self.tied_copy = True
+                self.lm_head, self.tied_copy = _head_copy(head, embed.weight), True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -252,7 +250,7 @@ def _cut(model: nn.Module, pp: int, index: int) -> _Stage:
     if isinstance(model, Llama):
         return _LlamaStage(model, index, pp, stage_layers(len(model.layers), pp)[index])
     if (parts := causal_lm_parts(model)) is not None:
-        return _CausalLMStage(model, index, pp, stage_layers(len(parts[1]), pp)[index])
+        return _CausalLMStage(model, parts, index, pp, stage_layers(len(parts[1]), pp)[index])
     raise ValueError(f"parallel.pp={pp} splits the built-in models (model.name=gpt or llama) and Hugging Face "
                      f"causal LMs laid out as Llama's, not {type(model).__name__}; set --parallel.pp=1")
 

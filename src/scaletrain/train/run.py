@@ -65,8 +65,8 @@ def _count(dataset: Any) -> str:
 
 def _trainable(trainable: int, params: int) -> str:
     """How many of a model's parameters train, where some are frozen: "1,536 trainable (5.4%)"."""
-    return f"{trainable:,} trainable ({100 * trainable / params:.2g}%)" if trainable < 1e6 else \
-        f"{trainable / 1e6:.3f}M trainable ({100 * trainable / params:.2g}%)"
+    count = f"{trainable:,}" if trainable < 1e6 else f"{trainable / 1e6:.3f}M"
+    return f"{count} trainable ({100 * trainable / params:.2g}%)"
 
 
 def _optimizer_line(job: Job) -> str:
