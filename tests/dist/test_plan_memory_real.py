@@ -43,7 +43,7 @@ from scaletrain.models import build_model
 from scaletrain.observe.memory import estimate_activation_bytes
 from scaletrain.parallel import parallelize
 from scaletrain.parallel.pipeline import PipelineRunner
-from scaletrain.parallel.tensor import loss_context
+from scaletrain.sharded import loss_context
 
 SHAPE = {"data.seq_len": "64", "data.batch_size": "4", "model.n_layer": "4", "model.n_embd": "128",
          "model.n_head": "8"}

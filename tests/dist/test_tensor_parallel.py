@@ -156,7 +156,7 @@ def _loss_parallel_run(rank: int, world: int, name: str) -> dict:
     gathered whole, on the same weights and batch."""
     import torch.nn.functional as F
 
-    from scaletrain.parallel.tensor import loss_context, plain
+    from scaletrain.sharded import loss_context, plain
 
     runtime.init(DistConfig(device="cpu"))
     torch.manual_seed(1)

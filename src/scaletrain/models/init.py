@@ -24,9 +24,8 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from scaletrain.observe.memory import local_shard
+from scaletrain.sharded import is_dtensor, local_shard
 
 
 @dataclass(frozen=True)
@@ -100,8 +99,10 @@ def full_value(rule: Rule, shape: torch.Size, seed: int, name: str) -> torch.Ten
 def _own_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """The part of ``full`` this rank holds of ``param``: all of it, or its shard of a DTensor (sliced where it
     is, no communication: every rank drew the same full tensor)."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return full
+    from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from scaletrain.batch import Batch, backward_scalar, logits_of, loss_logits, loss_of
+from scaletrain.sharded import dtensor_class, local_shard
 
 GB = 1e9
 
@@ -84,11 +84,6 @@ class MemoryBreakdown:
 
 
 # ---------------------------------------------------------------------------------------------- model state
-
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (FSDP); any other tensor as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -175,6 +170,7 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self._skip = {_storage_key(t) for t in existing}
+        self._dtensor = dtensor_class()
         self._live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
@@ -185,7 +181,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, DTensor):  # a tensor-parallel op's result: its local shard is this rank's memory
+            if isinstance(t, self._dtensor):  # a tensor-parallel op's result: its local shard is this rank's memory
                 t = t._local_tensor  # to_local() without its autograd node: 2.3 s of the 405B plan's 14.7
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()

@@ -19,6 +19,7 @@ import logging
 import math
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,11 +38,10 @@ from scaletrain.observe.memory import (
     estimate_model_state,
 )
 from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from scaletrain.parallel.fsdp import apply_fsdp, fsdp_units, has_dtensors, is_fsdp, mixed_precision_policy
 from scaletrain.parallel.mesh import build_mesh, dp_mesh
 from scaletrain.parallel.pipeline import stage_parts
-from scaletrain.parallel.tensor import apply_tp
 from scaletrain.parallel.units import Units, find_units, unit_warnings, units_line
+from scaletrain.sharded import has_dtensors, is_fsdp
 
 __all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp",
            "apply_tp", "build_mesh", "check_layout", "compile_mode", "find_units", "fsdp_units", "gradient_sync",
@@ -49,6 +49,18 @@ __all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile",
            "resolve_strategy", "uncompiled", "units_line", "unused_parameters"]
 
 log = logging.getLogger(__name__)
+
+# FSDP2 and tensor parallelism are built on torch's DTensor, whose import costs ~0.5 s a process (sharded.py):
+# imported where a run shards or splits, not by every run that imports this package.
+_SHARDING = {"apply_fsdp": "fsdp", "fsdp_units": "fsdp", "mixed_precision_policy": "fsdp", "apply_tp": "tensor"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SHARDING:
+        import importlib
+
+        return getattr(importlib.import_module(f"scaletrain.parallel.{_SHARDING[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def apply_compile(model: nn.Module, units: Units | None = None, *, whole: bool = False, mode: str = "default") -> None:
@@ -275,6 +287,8 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
         model = _stage_of(model, mesh, layout.pp, virtual_stages(cfg))
     if layout.tp > 1:
         assert mesh is not None
+        from scaletrain.parallel.tensor import apply_tp
+
         apply_tp(model, mesh["tp"], loss_parallel=loss_parallel)
     units = find_units(model, cfg.fsdp_units)
     sharded = mesh is not None and layout.sharded
@@ -289,6 +303,8 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
             log.warning("%s on one process without a process group: nothing to shard, the model runs "
                         "unwrapped%s", strategy, ignored)
             return model
+        from scaletrain.parallel.fsdp import apply_fsdp, mixed_precision_policy
+
         policy = mixed_precision_policy(precision)
         parts = stage_parts(model)  # interleaved stages: each its own FSDP root (each runs on its own)
         for part in parts:

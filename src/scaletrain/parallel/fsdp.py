@@ -18,7 +18,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
-    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -95,18 +94,3 @@ def _batch_norms(model: nn.Module) -> list[nn.Module]:
     """The BatchNorm layers with weights (affine) of ``model``."""
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
             and any(True for _ in m.parameters(recurse=False))]
-
-
-def is_fsdp(model: nn.Module) -> bool:
-    """True when ``model`` was sharded by fully_shard (its forward casts for mixed precision by itself), or,
-    a rank's interleaved pipeline stages, each of them was."""
-    parts = getattr(model, "parts", None) or [model]
-    return all(isinstance(part, FSDPModule) for part in parts)
-
-
-def has_dtensors(model: nn.Module) -> bool:
-    """True when ``model``'s parameters are DTensors (FSDP's shards, tensor parallelism's splits): its state is
-    saved and loaded through DCP by every rank, and an optimizer built before must take the new parameters."""
-    from torch.distributed.tensor import DTensor
-
-    return is_fsdp(model) or any(isinstance(p, DTensor) for p in model.parameters())

@@ -39,13 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from scaletrain.layout import SCHEDULES as SCHEDULE_NAMES
 from scaletrain.layout import resolve_microbatches
 from scaletrain.models.gpt import GPT, embed
 from scaletrain.models.llama import Llama, reset_rope
+from scaletrain.sharded import dtensor_class, fsdp_class, is_dtensor, local_shard, plain
 
 __all__ = ["PipelineRunner", "StepTimes", "bubble_fraction", "clip_grad_norm", "is_stage", "pipeline_stage",
            "rank_stages", "resolve_microbatches", "schedule_text", "split_stages", "stage_grad_norm", "stage_layers",
@@ -458,11 +457,6 @@ def _tied_group(mesh: DeviceMesh, pp_dim: str) -> dist.ProcessGroup | None:
     return group
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor (an FSDP shard's local rows, written through), or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _sum_tied_grads(stage: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Sum the gradient of a weight tied across the first and last stage: both copies take the same step.
     Under FSDP both ends are sharded alike (same shape, same data-parallel ranks): their shards are summed."""
@@ -472,12 +466,12 @@ def _sum_tied_grads(stage: nn.Module, group: dist.ProcessGroup | None) -> None:
     param = stage.get_parameter(stage.tied_param)
     grad = param.grad
     assert grad is not None, "step() ran backward through the tied weight"
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
+    if is_dtensor(grad) and grad.placements != param.placements:
         # Under tensor parallelism the embedding's gradient comes back whole (Replicate) while the head copy's is
         # split by vocabulary rows like both weights: take this rank's rows (a local slice), so the two ends'
         # shards meet rank by rank
         param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
-    dist.all_reduce(_local(grad), group=group)
+    dist.all_reduce(local_shard(grad), group=group)
 
 
 def _average_grads(params: list[nn.Parameter], groups: list[dist.ProcessGroup]) -> None:
@@ -502,9 +496,7 @@ def stage_grad_norm(stage: nn.Module, pp_group: dist.ProcessGroup) -> torch.Tens
     skip = stage.tied_param if getattr(stage, "tied_copy", False) else None
     grads = [p.grad for name, p in stage.named_parameters() if p.grad is not None and name != skip]
     norm = torch.nn.utils.get_total_norm(grads)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    sq = norm.float() ** 2  # this stage's share
+    sq = plain(norm).float() ** 2  # this stage's share
     dist.all_reduce(sq, group=pp_group)
     return sq.sqrt()
 
@@ -513,7 +505,7 @@ def stage_grad_norm(stage: nn.Module, pp_group: dist.ProcessGroup) -> torch.Tens
 def clip_with_norm(stage: nn.Module, max_norm: float, norm: torch.Tensor) -> None:
     """Scale the stage's gradients by max_norm / norm where that is below 1, as clip_grad_norm_ scales."""
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [_local(p.grad) for p in stage.parameters() if p.grad is not None]
+    grads = [local_shard(p.grad) for p in stage.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
@@ -554,9 +546,9 @@ class PipelineRunner:
             raise ValueError(f"parallel.pp does not combine with the mesh axes {', '.join(extra)} yet; "
                              f"set their degrees to 1")
         parts = stage_parts(stage)
-        sharded = any(isinstance(part, FSDPModule) for part in parts)
+        sharded = any(isinstance(part, fsdp_class()) for part in parts)
         split = "tp" in names and mesh.size(names.index("tp")) > 1  # DTensor parameters, reduced by autograd
-        if not sharded and not split and any(isinstance(p, DTensor) for p in stage.parameters()):
+        if not sharded and not split and any(isinstance(p, dtensor_class()) for p in stage.parameters()):
             raise ValueError("PipelineRunner takes a plain stage, or one sharded by FSDP or split by tensor "
                              "parallelism on the mesh it is given")
         if not sharded and "dp_shard" in names and mesh.size(names.index("dp_shard")) > 1:

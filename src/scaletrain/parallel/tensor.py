@@ -25,7 +25,6 @@ Numbers: the same math as one process up to the order of floating-point sums (te
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import warnings
@@ -288,14 +287,6 @@ def _replicate_rest(model: nn.Module, mesh: DeviceMesh) -> None:
             Replicated()._apply(module, mesh)  # its inputs made DTensors, its outputs local again
 
 
-def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
-    """torch's loss_parallel() where ``model``'s logits stay split by vocabulary (apply_tp's ``loss_parallel``):
-    the cross-entropy and its backward run on the shards inside it. A no-op context for any other model."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel() if getattr(model, "loss_parallel", False) else contextlib.nullcontext()
-
-
 def _grad_as_placed(embedding: nn.Module) -> None:
     """Keep the embedding's weight gradient split as the weight is. Its backward under RowwiseParallel gives the
     gradient of the whole vocabulary, replicated, on every rank (torch's sharding rule for
@@ -318,11 +309,6 @@ def _grad_as_placed(embedding: nn.Module) -> None:
             hooked[:] = [id(module.weight)]
 
     embedding.register_forward_pre_hook(before_forward)
-
-
-def plain(t: torch.Tensor) -> torch.Tensor:
-    """A loss computed under loss_context() is a replicated DTensor: its value as an ordinary tensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _apply_tp_gpt(model: nn.Module, mesh: DeviceMesh, logits: dict) -> nn.Module:

@@ -32,9 +32,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from scaletrain.errors import ConfigError
+from scaletrain.sharded import fsdp_class
 
 FIX = "--parallel.fsdp_units=MyBlock (the class names of its repeated layers, comma-separated)"
 
@@ -67,7 +67,8 @@ class Units:
 
 def class_of(module: nn.Module) -> type:
     """The module's own class, also after fully_shard swapped in its subclass FSDP<Name>."""
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    sharded = fsdp_class()
+    return next(c for c in type(module).__mro__ if not issubclass(c, sharded))
 
 
 def split_names(value: str) -> tuple[str, ...]:

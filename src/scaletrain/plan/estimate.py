@@ -367,7 +367,8 @@ def _measure_tp(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tens
     from torch.distributed.device_mesh import init_device_mesh
 
     from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
-    from scaletrain.parallel.tensor import apply_tp, loss_context
+    from scaletrain.parallel.tensor import apply_tp
+    from scaletrain.sharded import loss_context
 
     try:  # torch's own, for single-process simulations of a rank (torchtitan's memory estimation uses it)
         from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -45,14 +45,13 @@ from typing import Any
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from scaletrain import __version__
 from scaletrain.checkpoint import commit, tree
 from scaletrain.config import CheckpointConfig
 from scaletrain.errors import CheckpointError, ConfigError, DiskFull, TrainingFailed, is_disk_full
-from scaletrain.observe.memory import local_shard
 from scaletrain.runtime import Runtime, rank0_decides
+from scaletrain.sharded import is_dtensor, local_shard
 from scaletrain.train.state import differing, plain_digests, stored_once, tied
 
 FORMAT_FULL, FORMAT_DCP = "full", "dcp"
@@ -423,8 +422,8 @@ class Checkpointer:
         between saves; a DTensor stays a DTensor (same mesh and placements) around its copied local shard."""
         if isinstance(obj, dict):
             return {k: self._stage(f"{prefix}{k}/", v) for k, v in obj.items()}
-        if isinstance(obj, DTensor):
-            return DTensor.from_local(self._copy_one(prefix, obj.to_local()), obj.device_mesh, obj.placements,
+        if is_dtensor(obj):
+            return type(obj).from_local(self._copy_one(prefix, obj.to_local()), obj.device_mesh, obj.placements,
                                       run_check=False, shape=obj.shape, stride=obj.stride())
         if isinstance(obj, torch.Tensor):
             return self._copy_one(prefix, obj)

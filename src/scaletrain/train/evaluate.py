@@ -11,7 +11,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
 
 from scaletrain import runtime
@@ -19,7 +18,7 @@ from scaletrain.batch import IGNORE_INDEX, Batch, logits_of, loss_of
 from scaletrain.data import eval_indices, eval_loader
 from scaletrain.data.loader import StreamLoader
 from scaletrain.errors import UserError
-from scaletrain.parallel.tensor import loss_context, plain
+from scaletrain.sharded import is_dtensor, loss_context, plain
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast
 
@@ -86,7 +85,7 @@ def _rank0_buffers(job: Job) -> Iterator[None]:
     (rank 0's), and the summary's held-out loss was not the saved model's. One broadcast per dtype."""
     rt, layout = job.rt, job.layout
     buffers = [b for m in job.module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
-               for b in m.buffers(recurse=False) if b.is_floating_point() and not isinstance(b, DTensor)]
+               for b in m.buffers(recurse=False) if b.is_floating_point() and not is_dtensor(b)]
     if not rt.distributed or not buffers or layout.tp > 1 or layout.pp > 1:
         yield
         return
@@ -127,7 +126,7 @@ def _evaluated(job: Job, batches: Iterator[Any]) -> torch.Tensor:
 
 def _metric_sums(job: Job, out: Any, target: Any) -> torch.Tensor:
     """(sum, count) of each of fit()'s metrics' values on one batch, on the device."""
-    whole = out.full_tensor() if isinstance(out, DTensor) else out  # logits split by vocabulary: whole
+    whole = plain(out)  # logits split by vocabulary: whole
     sums = []
     for name, fn in job.metrics.items():
         values = fn(whole, target)
@@ -150,7 +149,7 @@ def _sums(out: Any, batch: Batch, loss: torch.Tensor, *, aligned: bool = True) -
     may a loss_fn of the user's; a sequence classifier's one label per sample has nothing to shift).
     """
     y, logits = batch.target, logits_of(out)
-    if isinstance(logits, DTensor):  # split by vocabulary (loss parallel): whole for the argmax, at evaluation only
+    if is_dtensor(logits):  # split by vocabulary (loss parallel): whole for the argmax, at evaluation only
         logits = logits.full_tensor()
     classes = isinstance(y, torch.Tensor) and not y.is_floating_point() and logits is not None \
         and logits.shape[:-1] == y.shape and ((aligned and loss_of(out) is None) or y.dim() == 1)

@@ -15,8 +15,9 @@ watches the loss.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from scaletrain.sharded import plain
 
 
 def supports_device_skip(optimizer: Optimizer) -> bool:
@@ -37,7 +38,7 @@ def clipped_norm(params: list[torch.Tensor], clip: float, scaler: torch.amp.Grad
         return None
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return plain(norm)
 
 
 def nonfinite_where(first_skips: list[float], first_bad_losses: list[float]) -> str:

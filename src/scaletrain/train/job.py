@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader, Dataset
@@ -47,8 +46,8 @@ from scaletrain.parallel import (
     uncompiled,
 )
 from scaletrain.parallel.pipeline import PipelineRunner
-from scaletrain.parallel.tensor import loss_context, plain
 from scaletrain.runtime import Runtime, seed_all, set_deterministic
+from scaletrain.sharded import is_dtensor, loss_context, plain
 from scaletrain.train.batching import BatchPlan, plan_batches
 from scaletrain.train.lr import build_scheduler
 from scaletrain.train.precision import check_precision, set_attention, set_tf32
@@ -483,7 +482,7 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig, lr: float)
     # Fused kernels: faster, and they skip a non-finite step on the device (train/guard.py) without a sync.
     # torch has no sharding rule for fused SGD on DTensors (FSDP): there the guard falls back to a host check.
     fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) and not (
-        cfg.name == "sgd" and any(isinstance(p, DTensor) for p in params))
+        cfg.name == "sgd" and any(is_dtensor(p) for p in params))
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, fused=fused)
     return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), fused=fused)

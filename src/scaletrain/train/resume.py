@@ -10,18 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.optim import Optimizer
 
-from scaletrain.checkpoint import commit, dcp, tree
+from scaletrain.checkpoint import commit, tree
 from scaletrain.config import CheckpointConfig, Config, tomllib
 from scaletrain.errors import CheckpointError, DiskFull, is_disk_full
 from scaletrain.runtime import rank0_decides
@@ -94,7 +85,7 @@ def _fitting(job: Job, resume: Resume, cfg: CheckpointConfig, warn: Callable[[st
 def misfit(job: Job, resume: Resume, skip: set[str] = frozenset()) -> CheckpointError | None:
     """Why the checkpoint's tensors do not fit ``job``'s model and optimizer (names and shapes), or None."""
     dcp_format = resume.meta.get("format", FORMAT_FULL) == FORMAT_DCP
-    where = resume.path / (f"{dcp.DCP_DIR}/.metadata" if dcp_format else MODEL)
+    where = resume.path / (f"{_dcp().DCP_DIR}/.metadata" if dcp_format else MODEL)
     try:
         model, state, groups = _saved_dcp(resume) if dcp_format else _saved_full(resume)
     except (TypeError, ValueError, AttributeError, KeyError) as err:  # a tree of an unexpected structure
@@ -148,7 +139,17 @@ def saved_model_shapes(resume: Resume, dcp_shapes: dict[str, Shape] | None = Non
     return {**model, **{a: model[b] for a, b in aliases.items() if b in model}}
 
 
+def _dcp() -> Any:
+    """scaletrain.checkpoint.dcp, imported where a checkpoint is DCP's: DCP imports DTensor (sharded.py)."""
+    from scaletrain.checkpoint import dcp
+
+    return dcp
+
+
 def _dcp_shapes(resume: Resume) -> dict[str, Shape]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    dcp = _dcp()
     index = dcp.read_index(resume.path / dcp.DCP_DIR).state_dict_metadata  # the safe unpickler's
     return {k: tuple(md.size) for k, md in index.items() if isinstance(md, TensorStorageMetadata)}
 
@@ -269,6 +270,15 @@ def load_dcp(module: torch.nn.Module, optimizers: Optimizer | list[Optimizer], r
     sharded or not, at any world size: DCP reshards, and reads only the keys the module has (a session loads
     one model of several). Every rank reads the shards it needs (the files were verified by rank 0 already).
     ``groups``: the saved param groups of these optimizers, in order (default: all the checkpoint's)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    dcp = _dcp()
     # a tied weight under tensor parallelism is one DTensor the state dict lists twice as separate objects:
     # read once, under the name it is stored by (a pipeline's checkpoint holds it under the embedding's only)
     model, aliases = stored_once(module, get_model_state_dict(module), sharded=True)
@@ -309,8 +319,7 @@ def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 
 def dcp_failure(err: BaseException, resume: Resume) -> CheckpointError:
     """One line for a failed DCP load (a CheckpointException holds every rank's failure and traceback)."""
-    from scaletrain.checkpoint import dcp
-
+    dcp = _dcp()
     for failure in dcp.rank_errors(err):
         if isinstance(failure, CheckpointError):
             return failure
@@ -337,6 +346,12 @@ def load_full_into_sharded(module: torch.nn.Module, optimizers: Optimizer | list
     torch distributes them one collective per tensor, in the order of the dict it is given, so every rank
     must give the same order: sorted by name (safetensors returns a file's tensors in an order that differs
     from process to process)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     options = StateDictOptions(full_state_dict=True)
     if tensors is not None:
         set_model_state_dict(module, sorted_by_name(tensors), options=options)

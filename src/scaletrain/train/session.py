@@ -76,12 +76,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-)
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 from torch.utils.data import (
@@ -114,7 +108,7 @@ from scaletrain.observe import flight
 from scaletrain.observe.arrivals import Arrivals
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import run_totals
-from scaletrain.observe.memory import MemoryBreakdown, local_shard, model_state_bytes, peak_bytes
+from scaletrain.observe.memory import MemoryBreakdown, model_state_bytes, peak_bytes
 from scaletrain.observe.metrics import MetricsWriter, write_json
 from scaletrain.observe.noise_scale import PREFIX as NOISE_SUMS
 from scaletrain.observe.noise_scale import GradProbe, NoiseScaleLog, attach_probe
@@ -135,8 +129,8 @@ from scaletrain.parallel import (
     unused_parameters,
 )
 from scaletrain.parallel.pipeline import PipelineRunner, clip_with_norm, is_stage, stage_grad_norm
-from scaletrain.parallel.tensor import plain
 from scaletrain.runtime import Runtime
+from scaletrain.sharded import is_dtensor, local_shard, plain
 from scaletrain.train.chaos import Chaos
 from scaletrain.train.checkpointing import (
     FORMAT_DCP,
@@ -683,7 +677,7 @@ class Session:
         except TypeError as err:
             raise UserError(f"session.track(): the state of this {type(obj).__name__} cannot be checkpointed ({err}); "
                             "fix: keep tensors, numbers, strings, lists and dicts in its state_dict()") from None
-        sharded = next((k for k, t in tensors.items() if isinstance(t, DTensor)), None)
+        sharded = next((k for k, t in tensors.items() if is_dtensor(t)), None)
         if sharded is not None:
             raise UserError(f"session.track(): the state of this {type(obj).__name__} holds a sharded tensor (a DTensor "
                             f"at {sharded}), which rank 0 alone cannot save; fix: keep plain (unsharded) tensors in its "
@@ -1559,6 +1553,12 @@ class _Trace(TraceFile):
         self.batch_drawn(leaves(batch), indices)
 
     def _state(self, st: Session) -> dict[str, str]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
         from scaletrain.train.state import IMPLEMENTATION
 
         skip = ("lr", "initial_lr", *IMPLEMENTATION)

@@ -15,12 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from scaletrain.errors import CheckpointError
+from scaletrain.sharded import is_dtensor, plain
 
 
 def dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -31,7 +30,7 @@ def dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dic
     aliases: dict[str, str] = {}
     for name, tensor in state.items():
         keys = [("id", id(tensor))]
-        if not isinstance(tensor, DTensor) and tensor.numel():
+        if not is_dtensor(tensor) and tensor.numel():
             keys.append((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
                          tensor.stride(), tensor.dtype))
         known = next((seen[k] for k in keys if k in seen), None)
@@ -69,7 +68,7 @@ def plain_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
     say which buffers each rank must get back as it saved them."""
     digests = {}
     for name, tensor in state.items():
-        if isinstance(tensor, DTensor):
+        if is_dtensor(tensor):
             continue
         t = tensor.detach().cpu().contiguous()
         h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
@@ -95,6 +94,8 @@ def full_model_state(module: nn.Module, *, sharded: bool) -> dict[str, torch.Ten
     rank 0 gets host tensors, the others an empty dict."""
     if not sharded:
         return module.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -103,7 +104,7 @@ def stages_state(stage: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, s
     stage's whole (an FSDP stage's shards gathered first), and the names a stage's copy of a tied weight
     stands for ({alias: name}); empty on the other ranks. Every rank must call this."""
     copies = stage.tied_aliases
-    local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+    local = {k: plain(v).detach().cpu()
              for k, v in stage.state_dict().items() if k not in copies}
     mesh = stage.mesh
     first = all(mesh.get_local_rank(n) == 0 for n in mesh.mesh_dim_names if n != "pp")  # one replica per stage

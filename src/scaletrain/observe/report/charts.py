@@ -12,12 +12,13 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Any
 
 from scaletrain.observe.report.load import Run
 from scaletrain.observe.report.lr import planned_lr
+
+if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn: the trainer reads this package's loader only
+    from matplotlib.figure import Figure
 
 # Phases that add up to the step (docs/metrics.md); "step" and "pre_comm" are drawn apart from the stack.
 STACKED_PHASES = ("data", "h2d", "compute", "comm", "optim", "ckpt")
@@ -58,6 +59,8 @@ def _color(i: int) -> str:
 
 
 def _figure(panels: int = 1, width: float = 8.0, height: float = 4.2) -> tuple[Figure, list[Any]]:
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height * panels), dpi=100, layout="constrained")
     axes = fig.subplots(panels, 1, squeeze=False)[:, 0]
     for ax in axes:
