@@ -52,9 +52,43 @@ def tell_launcher(name: str, text: str = "") -> None:
             pass
 
 
-def under_launcher() -> bool:
-    """True when a launcher (torchrun, or a compatible one) has set this process's rank and world."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+def under_launcher(environ: MutableMapping[str, str] | None = None) -> bool:
+    """True when a launcher (torchrun, or a compatible one) has set this process's rank and world. RANK=0 and
+    WORLD_SIZE=1 with no MASTER_ADDR (no launcher sets one without the other; a shell or a notebook kept them)
+    are one process: there is nothing to join."""
+    env = os.environ if environ is None else environ
+    return "RANK" in env and "WORLD_SIZE" in env and ("MASTER_ADDR" in env or (env["RANK"], env["WORLD_SIZE"]) != ("0", "1"))
+
+
+_TOGETHER = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_COUNTS = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "MASTER_PORT": 1}  # the least
+
+
+def launcher_env_problem(environ: MutableMapping[str, str] | None = None) -> tuple[str, str, str] | None:
+    """What in the launcher's variables keeps a process group from forming, as (check, problem, fix); None
+    where nothing does. A launcher sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT together; some of them
+    left in a shell (an `export RANK=1` from another job) made torch raise at init ("environment variable
+    MASTER_ADDR expected") or a run of world size 2 with no group, and a value that is not a number a ValueError.
+    RANK=0 or WORLD_SIZE=1 alone, or both with no address, say one process: no problem (under_launcher)."""
+    env = os.environ if environ is None else environ
+    for name, least in _COUNTS.items():
+        value = env.get(name)
+        if value is not None and not (value.strip().isdigit() and int(value) >= least):
+            problem = f"{name}={value!r} in the environment is not a whole number >= {least}"
+            return "launcher-value", problem, f"let the launcher set it, or unset {name}"
+    have = [v for v in _TOGETHER if v in env]
+    one = {k: env[k] for k in ("RANK", "WORLD_SIZE") if k in env}.items() <= {("RANK", "0"), ("WORLD_SIZE", "1")}
+    if len(have) < len(_TOGETHER) and (under_launcher(env) or not one):
+        missing = [v for v in _TOGETHER if v not in env]
+        problem = f"{', '.join(have)} set but {', '.join(missing)} not: the process group cannot form"
+        return "launcher-partial", problem, ("start the job with torchrun or scaletrain launch (they set all of "
+                                             f"them), or unset {' '.join(have)}")
+    for rank, world in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if rank in env and world in env and not int(env[rank]) < int(env[world]):
+            size = int(env[world])
+            return ("rank-range", f"{rank} {env[rank]} is outside 0..{size - 1} ({world} {size})",
+                    f"let the launcher set {rank} and {world}")
+    return None
 
 
 def launcher_overrides(nproc: int) -> str | None:

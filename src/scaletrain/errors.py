@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
-from scaletrain.env import USAGE_SAID, tell_launcher
+from scaletrain.env import USAGE_SAID, launcher_env_problem, tell_launcher, under_launcher
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -233,11 +233,11 @@ def report(err: BaseException, stream: TextIO | None = None) -> int:
     store with that text (prefixed with its rank when that is not rank 0)."""
     stream = stream or sys.stderr
     environ = _job_env()
-    rank, world = int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
     line = one_line(err)
     if exit_code(err) == EXIT_USAGE:  # `scaletrain launch` takes a worker's exit 2 for this line only if said
         tell_launcher(USAGE_SAID)
-    if world > 1 and "RANK" in environ:
+    if launcher_env_problem(environ) is None and under_launcher(environ) and environ["WORLD_SIZE"] != "1":
+        rank = int(environ["RANK"])
         if getattr(err, "agreed", False) and rank != 0:
             return exit_code(err)
         first, linger = _first_to_say(line, environ)

@@ -28,8 +28,14 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import DistConfig
-from scaletrain.env import FAILED_WORKER_ENV, adopt_slurm_task, die_with_launcher, under_launcher
-from scaletrain.errors import ConfigError, Reported, TrainingFailed
+from scaletrain.env import (
+    FAILED_WORKER_ENV,
+    adopt_slurm_task,
+    die_with_launcher,
+    launcher_env_problem,
+    under_launcher,
+)
+from scaletrain.errors import ConfigError, Reported, TrainingFailed, UserError
 from scaletrain.observe import flight
 
 T = TypeVar("T")
@@ -83,7 +89,10 @@ def init(cfg: DistConfig) -> Runtime:
     """Read the launcher's environment (torchrun's, or srun's one task per GPU: env.py adopt_slurm_task), pick
     device and backend, and join the process group if there is one."""
     adopt_slurm_task()
-    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    problem = launcher_env_problem()
+    if problem is not None:
+        raise UserError(f"{problem[1]}; fix: {problem[2]}")
+    rank, world = (_env_int("RANK", 0), _env_int("WORLD_SIZE", 1)) if under_launcher() else (0, 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", world)
     device = pick_device(cfg, local_rank)

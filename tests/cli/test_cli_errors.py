@@ -132,3 +132,42 @@ def test_a_socket_interface_that_is_not_here_is_one_line_before_the_workers(caps
                                "(there are: lo"), lines
     assert "fix: name the interface that reaches the other machines, or unset GLOO_SOCKET_IFNAME" in lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"RANK": "1", "WORLD_SIZE": "2"}, ["RANK, WORLD_SIZE set but MASTER_ADDR, MASTER_PORT not", "unset RANK WORLD_SIZE"]),
+    ({"WORLD_SIZE": "2"}, ["WORLD_SIZE set but RANK, MASTER_ADDR, MASTER_PORT not", "fix: start the job with torchrun"]),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}, ["MASTER_PORT not"]),
+    ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"},
+     ["RANK='x' in the environment is not a whole number >= 0", "unset RANK"]),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"},
+     ["RANK 2 is outside 0..1 (WORLD_SIZE 2)"]),
+])
+def test_a_launchers_variables_left_in_the_shell_are_one_line(env, words, capsys, tmp_path, monkeypatch):
+    """RANK and WORLD_SIZE exported by hand (or left from another job) without the rest of what a launcher sets:
+    torch's ValueError at init ('MASTER_ADDR expected'), or with WORLD_SIZE alone a run of world size 2 with no
+    group ('Default process group has not been initialized'); now one line and exit 2, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, lines = run_main(["train", "digits", "--train.max_steps=1"], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("scaletrain: error: ")
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("env", [{"RANK": "0"}, {"WORLD_SIZE": "1"}, {"RANK": "0", "WORLD_SIZE": "1"},
+                                 {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400"}])
+def test_variables_that_say_one_process_run_as_one(env, capsys, tmp_path, monkeypatch):
+    """RANK=0 and WORLD_SIZE=1 with no address (a notebook's or a shell's), or an address alone, are one process."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", "digits", "--train.max_steps=1", "--train.eval_every=0", "--run.dir=r"]) == 0
+    assert (tmp_path / "r" / "summary.json").is_file()

@@ -90,3 +90,15 @@ def test_a_stray_argument_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--selftest"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("scaletrain: error: ") and "--selftest" in line and "; fix: " in line
+
+
+def test_a_launchers_variables_left_in_the_shell_are_a_finding_not_a_traceback() -> None:
+    """`RANK=1 WORLD_SIZE=2 scaletrain doctor`: the self-test joined a group that cannot form and died on
+    KeyError 'LOCAL_RANK'; now the finding says why, the self-test is not run, and the exit code is 1."""
+    proc = _run([*SCALETRAIN, "doctor", "--json"], RANK="1", WORLD_SIZE="2")
+    assert proc.returncode == 1, _explain(proc)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    [finding] = [f for f in report["findings"] if f["level"] == "error"]
+    assert finding["check"] == "launcher-partial" and "MASTER_ADDR, MASTER_PORT not" in finding["message"]
+    assert report["self_test"]["ok"] is False and report["self_test"]["error"].startswith("not run:")

@@ -128,6 +128,11 @@ def test_launcher_environment_that_cannot_form_a_group() -> None:
     assert f.check == "rank-range" and "RANK 5 is outside 0..1" in f.message
     [f] = check_launcher_env(_with(GPU_NODE, **_torchrun(world=16, local=8, addr="localhost")))
     assert f.check == "master-loopback" and "spans 2 machines" in f.message
+    [f] = check_launcher_env(_with(CPU_LAPTOP, **{**_torchrun(world=2, local=2), "LOCAL_RANK": "-1"}))
+    assert f.check == "launcher-value" and "LOCAL_RANK='-1' in the environment is not a whole number >= 0" in f.message
+    # one process: a shell's RANK=0 / WORLD_SIZE=1, or an address exported for mp.spawn, form no group to fail
+    for one in ({"RANK": "0"}, {"WORLD_SIZE": "1"}, {"RANK": "0", "WORLD_SIZE": "1"}, {"MASTER_ADDR": "10.0.0.1"}):
+        assert check_launcher_env(_with(CPU_LAPTOP, **one)) == [], one
 
 
 def test_socket_interface_names() -> None:

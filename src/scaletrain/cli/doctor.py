@@ -133,7 +133,7 @@ def _run_nodes(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.cluster.doctor import diagnose, facts_dict, gather, self_test
-    from scaletrain.env import under_launcher
+    from scaletrain.env import launcher_env_problem, under_launcher
 
     if leftovers:
         raise UserError(f"unexpected argument {leftovers[0]!r}; fix: {USAGE}")
@@ -147,7 +147,12 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     # Before the self-test: launching sets GLOO_SOCKET_IFNAME and OMP_NUM_THREADS in this process.
     facts = gather()
     findings = diagnose(facts)
-    result = self_test(under_launcher()) if args.self_test else None
+    if not args.self_test:
+        result = None
+    elif launcher_env_problem() is not None:  # one of the findings: no group can form
+        result = {"ok": False, "error": "not run: the launcher's variables above keep a process group from forming"}
+    else:
+        result = self_test(under_launcher())
     # Under a launcher every rank takes part in the self-test; one report per machine is enough.
     if under_launcher() and os.environ.get("LOCAL_RANK", "0") != "0":
         return EXIT_OK

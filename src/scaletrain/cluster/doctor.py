@@ -165,7 +165,9 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
 
 
 def _under_launcher(f: Facts) -> bool:
-    return "RANK" in f.env and "WORLD_SIZE" in f.env
+    from scaletrain.env import under_launcher
+
+    return under_launcher(dict(f.env))
 
 
 def _local_ranks(f: Facts) -> int:
@@ -247,17 +249,13 @@ def check_ranks_vs_gpus(f: Facts) -> list[Finding]:
 
 def check_launcher_env(f: Facts) -> list[Finding]:
     """Half a launcher's environment (a script exporting RANK but not WORLD_SIZE) hangs or crashes at init."""
+    from scaletrain.env import launcher_env_problem
+
     env, out = f.env, []
-    have = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v in env]
-    if have and len(have) < 4:
-        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in env]
-        out.append(Finding("error", "launcher-partial", f"{', '.join(have)} set but {', '.join(missing)} not: "
-                           "the process group cannot form", "start the job with torchrun or scaletrain (they set "
-                           "all of them), or unset the stray ones"))
-    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-    if rank is not None and world is not None and not 0 <= rank < world:
-        out.append(Finding("error", "rank-range", f"RANK {rank} is outside 0..{world - 1} (WORLD_SIZE {world})",
-                           "let the launcher set RANK and WORLD_SIZE"))
+    problem = launcher_env_problem(dict(env))
+    if problem is not None:
+        out.append(Finding("error", *problem))
+    world = _int(env, "WORLD_SIZE")
     local = _int(env, "LOCAL_WORLD_SIZE")
     if world and local and world > local and env.get("MASTER_ADDR") in _LOOPBACK:
         out.append(Finding("error", "master-loopback", f"MASTER_ADDR={env['MASTER_ADDR']} but the job spans "
@@ -367,7 +365,7 @@ def self_test_body(timeout_s: float = 60.0) -> dict[str, Any] | None:
     Returns the result on rank 0 (None on the others). Joins the launcher's group and leaves it destroyed.
     NCCL where each local rank has its own GPU, else Gloo on the CPU.
     """
-    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     on_gpu = dist.is_nccl_available() and torch.cuda.is_available() and torch.cuda.device_count() >= local_world
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     backend = "nccl" if on_gpu else "gloo"
