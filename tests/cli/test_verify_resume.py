@@ -78,3 +78,50 @@ def test_a_stream_resumes_bit_for_bit_across_the_end_of_a_pass(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "identical: interrupted after step 10 and resumed, the run matches the uninterrupted one bit for bit " \
            "at every one of 16 steps" in proc.stdout, proc.stdout
+
+
+OWN_ARGS = """import argparse, sys, torch, scaletrain
+parser = argparse.ArgumentParser()
+parser.add_argument("width", type=int)
+args, rest = parser.parse_known_args()
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(96, args.width), torch.randn(96, 1))
+with scaletrain.session({"data.batch_size": 8, "train.progress": False}, argv=rest) as st:
+    model, opt = st.setup(torch.nn.Linear(args.width, 1), lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+    assert args.width == 5, args.width
+    loader = st.loader(data)
+    while not st.done:
+        for x, y in loader:
+            with st.step():
+                opt.zero_grad()
+                st.backward(torch.nn.functional.mse_loss(model(x), y))
+                opt.step()
+            if st.done:
+                break
+"""
+
+
+def test_a_scripts_own_arguments_go_after_a_double_dash(tmp_path):
+    """A script with a positional argument of its own (argparse's, the rest to the session): what follows --
+    reaches it as it is, in all three runs; before, the positional was taken for a bad --section.key."""
+    (tmp_path / "own.py").write_text(OWN_ARGS)
+    proc = verify("own.py", "--steps", "6", "--at", "3", "--", "5", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "at every one of 6 steps on all 1 rank(s)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize(("script", "words"), [
+    # a loop of its own with no session: nothing traced, and comparing nothing said "identical ... 0 rank(s)"
+    ("import torch\nm = torch.nn.Linear(4, 1)\nm(torch.randn(2, 4)).sum().backward()\n",
+     ["ran to its end but traced no step", "fix: open it as scaletrain.session(argv=sys.argv[1:])"]),
+    # a failure that prints nothing: the line said "failed (exit 3): ;" and "make `python x.py ...` work first"
+    ("import sys\nsys.exit(3)\n", ["failed (exit 3): it printed nothing",
+                                   "fix: make `python job.py --chaos.interrupt_step=4 --run.dir="]),
+])
+def test_a_script_that_cannot_be_verified_is_one_line(tmp_path, script, words):
+    (tmp_path / "job.py").write_text(script)
+    proc = verify("job.py", "--steps", "4", cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]

@@ -60,6 +60,9 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
 def config_overrides(namespace: argparse.Namespace, leftovers: list[str]) -> dict[str, str]:
     """The --section.key values given on the command line, as strings; an unknown --key is a ConfigError."""
     for i, token in enumerate(leftovers):
+        if token == "--":
+            raise UserError("unexpected argument '--' (verify-resume passes what follows it to a script's own "
+                            "arguments); fix: pass options as --section.key=value")
         if token.startswith("--"):
             key, eq, value = token[2:].partition("=")
             if not eq and i + 1 < len(leftovers) and not leftovers[i + 1].startswith("--"):

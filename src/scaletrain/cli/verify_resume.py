@@ -1,4 +1,5 @@
-"""`scaletrain verify-resume RECIPE|FILE.toml [--steps N] [--at K] [--drop PARTS] [--section.key=value ...]`."""
+"""`scaletrain verify-resume RECIPE|FILE.toml|SCRIPT.py [--steps N] [--at K] [--drop PARTS] [--section.key=value ...]
+[-- SCRIPT'S OWN ARGUMENTS]`."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _dropped(text: str) -> str:
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
                        usage="scaletrain verify-resume RECIPE|FILE.toml|SCRIPT.py [--steps N] [--at K] [--drop PARTS] "
-                             "[--section.key=value ...] [--nproc N]")
+                             "[--section.key=value ...] [--nproc N] [-- SCRIPT'S OWN ARGUMENTS]")
     add_config_argument(p)
     own = p.add_argument_group("verify-resume")
     own.add_argument("--steps", type=str, default="0", help="steps to compare (0 = up to two epochs, at most 200)")
@@ -134,6 +135,8 @@ def _verify_script(args: argparse.Namespace, leftovers: list[str], argv: list[st
     script = args.config
     if not Path(script).is_file():
         raise UserError(f"script {script!r} not found; fix: check the path")
+    own = leftovers.index("--") if "--" in leftovers else len(leftovers)
+    leftovers, passed = leftovers[:own], leftovers[own + 1:]  # after --: the script's own arguments, as they are
     overrides = config_overrides(args, leftovers)
     check_types(overrides)
     cfg = load(None, cli_overrides=overrides)
@@ -150,11 +153,12 @@ def _verify_script(args: argparse.Namespace, leftovers: list[str], argv: list[st
     if args.work_dir and work.exists() and any(work.iterdir()):
         raise UserError(f"--work-dir {work}: not empty; fix: name a new or empty directory")
     rest = argv[argv.index("verify-resume") + 1:]
+    rest = rest[:rest.index("--")] if "--" in rest else rest
     rest.remove(args.config)
     cli = _without(_without_own_values(rest), ("--nproc", "--dist.nproc"))  # the world is the launcher's
     env = dict(os.environ)
     return _three_runs(console, work, n, k,
-                       lambda extra, run_dir: run_script(script, [*cli, *extra], run_dir, env, world), [],
+                       lambda extra, run_dir: run_script(script, [*passed, *cli, *extra], run_dir, env, world), [],
                        keep=bool(args.work_dir))
 
 

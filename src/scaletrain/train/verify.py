@@ -14,6 +14,7 @@ difference names the step, the rank and the parts: weights, optimizer, RNG, data
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -124,22 +125,29 @@ def compare(straight: dict[int, list[dict[str, Any]]], first: dict[int, list[dic
 
 def run_train(config: str, args: list[str], run_dir: Path, env: dict[str, str]) -> None:
     """One `scaletrain train` process tree; a failure is a UserError carrying its last lines."""
-    cmd = [sys.executable, "-m", "scaletrain", "train", config, *args, f"--run.dir={run_dir}",
-           "--debug.trace=true", "--train.progress=false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if proc.returncode != 0:
-        tail = " | ".join(line for line in proc.stderr.strip().splitlines()[-3:])
-        raise UserError(f"verify-resume: the run in {run_dir} failed (exit {proc.returncode}): {tail}; fix: "
-                        f"make `scaletrain train {config} ...` work first")
+    _run([sys.executable, "-m", "scaletrain", "train", config, *args, f"--run.dir={run_dir}", "--debug.trace=true",
+          "--train.progress=false"], run_dir, env, f"scaletrain train {config} ...")
 
 
 def run_script(script: str, args: list[str], run_dir: Path, env: dict[str, str], world: int) -> None:
     """A script whose loop runs in scaletrain.session(argv=...), as `python SCRIPT` or, for several ranks,
-    `scaletrain launch --nproc N SCRIPT`; a failure is a UserError carrying its last lines."""
-    launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "scaletrain", "launch", "--nproc", str(world)]
-    cmd = [*launcher, script, *args, f"--run.dir={run_dir}", "--debug.trace=true"]
+    `scaletrain launch --nproc N SCRIPT`; a failure is a UserError carrying its last lines, and so is a run that
+    traced no step (no session took the command line: comparing nothing would have said "identical")."""
+    launcher = ["python"] if world == 1 else ["scaletrain", "launch", "--nproc", str(world)]
+    own = [*args, f"--run.dir={run_dir}", "--debug.trace=true"]
+    shown = shlex.join([*launcher, script, *own])
+    _run([sys.executable, *(["-m", "scaletrain", *launcher[1:]] if world > 1 else []), script, *own], run_dir, env,
+         shown)
+    if not read_trace(run_dir):
+        raise UserError(f"verify-resume: `{shown}` ran to its end but traced no step in {run_dir}: its loop runs in "
+                        "no scaletrain.session, or in one that does not read the command line; fix: open it as "
+                        "scaletrain.session(argv=sys.argv[1:]) (the script's own arguments go after --)")
+
+
+def _run(cmd: list[str], run_dir: Path, env: dict[str, str], shown: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
-        tail = " | ".join(line for line in proc.stderr.strip().splitlines()[-3:])
+        said = proc.stderr.strip() or proc.stdout.strip()
+        tail = " | ".join(said.splitlines()[-3:]) if said else "it printed nothing"
         raise UserError(f"verify-resume: the run in {run_dir} failed (exit {proc.returncode}): {tail}; fix: make "
-                        f"`python {script} ...` work first")
+                        f"`{shown}` work first")
