@@ -98,3 +98,26 @@ def test_samples_are_the_batches_a_loop_drew_however_it_accumulates(tmp_path):
         meta = json.loads((tmp_path / f"parts/checkpoints/step-{step:08d}/manifest.json").read_text())["meta"]
         assert (meta["global_batch"], meta["accum_steps"]) == (8, 2), meta
 
+
+
+def test_a_loop_with_no_break_ends_at_the_last_step(tmp_path):
+    """`for epoch in range(3): for xb, yb in loader:` with no `if st.done: break`: it trained on past
+    train.max_steps (the progress line read "step 31/20"); the loader now ends its epoch once the session is done,
+    drawing nothing more, and the run is the 5 steps it was asked for."""
+    cfg = {"run.dir": str(tmp_path / "run"), "dist.device": "cpu", "train.max_steps": 5, "data.batch_size": 4,
+           "train.progress": False}
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))  # 4 batches an epoch
+    steps_seen = []
+    with scaletrain.session(cfg) as st:
+        model, opt = st.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        loader = st.loader((x, (x[:, 0] > 0).long()))
+        for _ in range(3):
+            for xb, yb in loader:
+                with st.step():
+                    st.backward(nn.functional.cross_entropy(model(xb), yb))
+                    opt.step()
+                    opt.zero_grad()
+                steps_seen.append(st.steps)
+        assert loader.epoch == 1  # one batch into the second epoch; no third epoch was begun
+    assert steps_seen == [1, 2, 3, 4, 5]
+    assert json.loads((tmp_path / "run/summary.json").read_text())["samples"] == 20
