@@ -50,6 +50,26 @@ def test_autocast_and_scaler_choices():
     assert not grad_scaler("bf16-mixed", cpu).is_enabled()
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_transformer_encoder_evaluates_under_cpu_bf16():
+    """torch's fused inference path for nn.TransformerEncoderLayer checks only CUDA's autocast: under the CPU's it
+    raised "expected scalar type Float but found BFloat16" in the first evaluation (a padding mask with no padding).
+    Inside our autocast the layers run their modules, within bf16's rounding of fp32, and the switch is put back."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    encoder = torch.nn.TransformerEncoder(layer, 2).eval()
+    x, no_padding = torch.randn(16, 12, 32), torch.zeros(16, 12, dtype=torch.bool)
+    with torch.no_grad():
+        want = encoder(x, src_key_padding_mask=no_padding)
+        with pytest.raises(RuntimeError, match="expected scalar type Float but found BFloat16"), \
+                torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own, as it was
+            encoder(x, src_key_padding_mask=no_padding)
+        with autocast("bf16-mixed", torch.device("cpu")):
+            got = encoder(x, src_key_padding_mask=no_padding)
+    assert (got.float() - want).abs().max().item() < 0.1  # bf16 keeps 8 bits: layer-normed outputs agree to ~1e-2
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
 @pytest.mark.parametrize(("avx512_bf16", "amx", "precision", "device", "warned"), [
     (False, False, "bf16-mixed", "cpu", True),  # this VM: AVX2 only
     (True, False, "bf16-mixed", "cpu", False),

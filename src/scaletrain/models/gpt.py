@@ -66,6 +66,8 @@ class GPT(nn.Module):
     the embeddings being fp32), as FSDP's bf16 policy has it. Neither changes the parameters.
     """
 
+    fsdp_policy_casts = True  # under FSDP its mixed-precision policy alone casts (precision.policy_casts)
+
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
                  dropout: float = 0.0, bias: bool = True, *, fused_loss: bool = False, loss_chunk_rows: int = 8192,
                  bf16_residual: bool = False) -> None:

@@ -102,6 +102,8 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """``forward(idx) -> logits`` (batch, T, vocab) for token ids ``idx`` (batch, T), T <= seq_len."""
 
+    fsdp_policy_casts = True  # under FSDP its mixed-precision policy alone casts (precision.policy_casts)
+
     def __init__(self, vocab_size: int, seq_len: int, n_layer: int, n_head: int, n_kv_head: int, n_embd: int,
                  ffn_hidden: int = 0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
                  dropout: float = 0.0) -> None:

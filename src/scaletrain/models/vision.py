@@ -11,6 +11,8 @@ from torch import nn
 class MLP(nn.Module):
     """Flatten -> Linear -> ReLU -> Dropout -> Linear."""
 
+    fsdp_policy_casts = True  # under FSDP its mixed-precision policy alone casts (precision.policy_casts)
+
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),
@@ -23,6 +25,8 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     """Two 3x3 convolutions, one 2x2 max-pool, a dense head. No batch norm: its statistics would differ per
     rank under data parallelism and break the equivalence with one process."""
+
+    fsdp_policy_casts = True  # under FSDP its mixed-precision policy alone casts (precision.policy_casts)
 
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int, channels: int, hidden: int,
                  dropout: float = 0.0) -> None:

@@ -118,6 +118,8 @@ class _GPTStage(_Stage):
     """Stage ``index`` of a GPT: token ids (B, T) on the first stage, the residual stream (B, T, C) elsewhere;
     logits (B, T, vocab) out of the last."""
 
+    fsdp_policy_casts = True  # GPT's own pieces (precision.policy_casts)
+
     def __init__(self, model: GPT, index: int, pp: int, layers: range) -> None:
         super().__init__(index, pp)
         first, last = index == 0, index == pp - 1
@@ -147,6 +149,8 @@ class _GPTStage(_Stage):
 
 class _LlamaStage(_Stage):
     """Stage ``index`` of a Llama; each stage keeps the RoPE tables (not in the state dict) its blocks use."""
+
+    fsdp_policy_casts = True  # Llama's own pieces (precision.policy_casts)
 
     def __init__(self, model: Llama, index: int, pp: int, layers: range) -> None:
         super().__init__(index, pp)

@@ -20,7 +20,7 @@ from scaletrain.data.loader import StreamLoader
 from scaletrain.errors import UserError
 from scaletrain.sharded import is_dtensor, loss_context, plain
 from scaletrain.train.job import Job
-from scaletrain.train.precision import autocast
+from scaletrain.train.precision import autocast, policy_casts
 
 
 @torch.no_grad()
@@ -106,6 +106,7 @@ def _evaluated(job: Job, batches: Iterator[Any]) -> torch.Tensor:
     (sum, count) of each of fit()'s metrics' values. A None in ``batches``: this rank is out of samples, and
     runs an uncounted forward (of the first training sample) to keep FSDP's collectives in step."""
     cfg, rt, module = job.cfg, job.rt, job.module
+    policy = job.model is not None and policy_casts(job.model)
     totals = torch.zeros(4 + 2 * len(job.metrics), dtype=torch.float64, device=rt.device)
     for raw in batches:
         if raw is None:
@@ -113,7 +114,7 @@ def _evaluated(job: Job, batches: Iterator[Any]) -> torch.Tensor:
             batch = job.first.to(rt.device)
         else:
             batch = job.batcher(raw).to(rt.device)
-        with autocast(cfg.train.precision, rt.device, sharded=job.fsdp), loss_context(module):
+        with autocast(cfg.train.precision, rt.device, policy=policy), loss_context(module):
             out = batch(module) if job.pipeline is None else job.pipeline.forward(batch.pipeline_inputs())
             if raw is None or out is None:  # padding, or a pipeline stage before the last
                 continue

@@ -1,7 +1,8 @@
 """Mixed precision: bf16/fp16 compute with fp32 master weights, the fp16 gradient scaler, and TF32.
 
 Without sharding, autocast casts matmul inputs in forward. Under FSDP2 the MixedPrecisionPolicy casts the
-gathered parameters instead (parallel/fsdp.py), so the forward runs without autocast. train.tf32 decides
+gathered parameters (parallel/fsdp.py); scaletrain's own models run without autocast then, a user's model with
+it as well (policy_casts). train.tf32 decides
 whether the fp32 matmuls and convolutions that remain (all of them in an fp32 run) use TF32 tensor cores.
 """
 
@@ -43,11 +44,45 @@ def slow_here(precision: str, device: torch.device) -> str:
             "fp32, not faster (20x for gpt-stdlib on a 2-core AVX2 VM); fix: --train.precision=fp32 on this machine")
 
 
-def autocast(precision: str, device: torch.device, *, sharded: bool = False) -> AbstractContextManager:
-    """The forward-pass context: nothing for fp32 or under FSDP (its policy casts), else autocast."""
-    if precision == "fp32" or sharded:
+def policy_casts(model: torch.nn.Module) -> bool:
+    """True where FSDP's mixed-precision policy alone gives ``model`` the run's precision: sharded by fully_shard,
+    and a model of scaletrain's own (``fsdp_policy_casts``: models/ and the pipeline's stages of them), written
+    for it. A model of one's own gets autocast on top of the policy, as Lightning's and Accelerate's FSDP do: a
+    float it makes inside (``mask.float()`` into a Linear) met bf16 weights ("mat1 and mat2 must have the same
+    dtype"), and a loss it computes itself (Hugging Face's) was computed on bf16 logits, on fp32 under DDP."""
+    from scaletrain.sharded import is_fsdp
+
+    parts = getattr(model, "parts", None) or [model]
+    return is_fsdp(model) and all(getattr(part, "fsdp_policy_casts", False) for part in parts)
+
+
+def autocast(precision: str, device: torch.device, *, policy: bool = False) -> AbstractContextManager:
+    """The forward-pass context: nothing for fp32 or where FSDP's policy casts alone (``policy``: policy_casts),
+    else autocast."""
+    if precision == "fp32" or policy:
         return contextlib.nullcontext()
+    if device.type == "cpu":
+        return _cpu_autocast(DTYPES[precision])
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+@contextlib.contextmanager
+def _cpu_autocast(dtype: torch.dtype) -> Any:
+    """torch.autocast on the CPU, with torch's fused attention fast path for inference (nn.MultiheadAttention,
+    nn.TransformerEncoderLayer in eval under no_grad) turned off inside it: the path asks only whether CUDA's
+    autocast is on, takes CPU autocast's bf16 for fp32 and stops ("expected scalar type Float but found BFloat16":
+    an nn.TransformerEncoder's evaluation with a key padding mask, at step 0). Off, the layers run their ordinary
+    modules, which autocast casts."""
+    mha = getattr(torch.backends, "mha", None)
+    was = mha.get_fastpath_enabled() if mha is not None else False
+    if mha is not None:
+        mha.set_fastpath_enabled(False)
+    try:
+        with torch.autocast(device_type="cpu", dtype=dtype):
+            yield
+    finally:
+        if mha is not None:
+            mha.set_fastpath_enabled(was)
 
 
 def autocast_forward(module: torch.nn.Module, context: Callable[[], AbstractContextManager]) -> None:

@@ -148,7 +148,14 @@ from scaletrain.train.checkpointing import (
 )
 from scaletrain.train.guard import NonFiniteGuard, clipped_norm, nonfinite_where, supports_device_skip
 from scaletrain.train.interval import RankReport, gather
-from scaletrain.train.precision import autocast, autocast_forward, check_precision, grad_scaler, slow_here
+from scaletrain.train.precision import (
+    autocast,
+    autocast_forward,
+    check_precision,
+    grad_scaler,
+    policy_casts,
+    slow_here,
+)
 from scaletrain.train.preempt import Interrupted, Preempted, PreemptFlag, restart_line
 from scaletrain.train.resume import load_dcp, load_full_into_sharded, model_misfit, saved_model_shapes
 from scaletrain.train.rundir import agree_run_dir, release_run_dir
@@ -597,7 +604,7 @@ class Session:
                            blocks=cfg.memory.activation_checkpointing != "none" or self.compiled)
         if units and self._opened is None:  # scaletrain train / fit() name the units in their header
             self.console.print(f"{name} ({type(model).__name__.removeprefix('FSDP')}): {units}")
-        if self._opened is None and self._stage is None and not is_fsdp(wrapped) and cfg.train.precision != "fp32":
+        if self._opened is None and self._stage is None and not policy_casts(wrapped) and cfg.train.precision != "fp32":
             # A loop of one's own gets the run's precision without opening st.autocast() itself, as Accelerate's
             # and Lightning Fabric's set-up models do (bf16-mixed under DDP trained in fp32 silently before)
             autocast_forward(wrapped, self.autocast)
@@ -706,9 +713,10 @@ class Session:
         return obj
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The run's compute precision (train.precision) for the forward passes inside it (under FSDP the
-        sharding's mixed-precision policy casts, and this is a no-op)."""
-        return autocast(self.cfg.train.precision, self.device, sharded=any(is_fsdp(m.wrapped) for m in self._models))
+        """The run's compute precision (train.precision) for the forward passes inside it (a no-op where FSDP's
+        mixed-precision policy alone casts: scaletrain's own models, precision.policy_casts)."""
+        return autocast(self.cfg.train.precision, self.device,
+                        policy=bool(self._models) and all(policy_casts(m.wrapped) for m in self._models))
 
     @property
     def sharded(self) -> bool:
