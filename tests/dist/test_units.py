@@ -368,6 +368,22 @@ def test_lists_of_lists_and_of_mixed_layers_give_their_layers_as_units():
     assert find_units(Listed("mixed"), "ModuleList").describe() == "2 x Layer, 2 x Gate"
 
 
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+def test_an_encoder_decoders_two_kinds_of_layer_are_both_units():
+    """torch's nn.Transformer: the decoder's layers (the larger class) were the units, and the encoder's six stayed
+    in the root, gathered whole for every forward. A class with a quarter of the largest's parameters counts too;
+    a run of small layers beside the blocks (heads of an eighth) does not."""
+    model = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=3, num_decoder_layers=2, dim_feedforward=64)
+    units = find_units(model)
+    assert (units.rule, units.describe()) == ("repeated", "3 x TransformerEncoderLayer, 2 x TransformerDecoderLayer")
+    assert units.names == ("encoder.layers.0", "encoder.layers.1", "encoder.layers.2", "decoder.layers.0",
+                           "decoder.layers.1")
+    with_heads = nn.Module()
+    with_heads.blocks_of = nn.ModuleList([MLP(), MLP()])
+    with_heads.heads = nn.ModuleList([nn.Linear(C, C // 2) for _ in range(2)])
+    assert _described(with_heads) == ("repeated", "2 x MLP")
+
+
 def _fit_ranks(rank: int, world: int, root: str) -> dict:
     runtime.init(DistConfig(device="cpu"))  # fit() joins this group and leaves it open
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))

@@ -10,9 +10,10 @@ The first rule that finds any wins:
    ``LlamaDecoderLayer``): every module of those classes, when the model or a submodule declares them;
 4. repeated blocks: of the classes that fill a ModuleList or Sequential on their own (two or more children in
    all such lists, wherever they are nested: nanoGPT's ``transformer.h``, Llama's ``model.layers``, Funnel's
-   one list per stage), the one with the most parameters; every child of that class in those lists, so a
-   ResNet's ``layer1`` .. ``layer4`` give all its BasicBlocks or Bottlenecks, one unit each (per block rather
-   than per stage: a late stage holds most of the parameters);
+   one list per stage), the one with the most parameters and any other with at least a quarter as many (an
+   encoder-decoder's two kinds of layer: torch's nn.Transformer left its encoder's in the root); every child of
+   those classes in those lists, so a ResNet's ``layer1`` .. ``layer4`` give all its BasicBlocks or Bottlenecks,
+   one unit each (per block rather than per stage: a late stage holds most of the parameters);
 5. no repeated blocks: the model's direct children that hold parameters, when there are two or more (the
    built-in CNN's ``features`` and ``head``).
 
@@ -148,8 +149,9 @@ def _repeated(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tupl
     runs = [cls for cls in count if count[cls] > 1]
     if not runs:
         return []
-    chosen = max(runs, key=lambda cls: size[cls])  # the first of equal sizes
-    return [(f"{name}.{key}" if name else key, child) for name, m, cls in lists if cls is chosen
+    largest = max(size[cls] for cls in runs)
+    chosen = {cls for cls in runs if 4 * size[cls] >= largest}  # an encoder's layers and a decoder's, both
+    return [(f"{name}.{key}" if name else key, child) for name, m, cls in lists if cls in chosen
             for key, child in m.named_children()]
 
 
