@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -344,6 +345,7 @@ class Batcher:
         self.batch_fn = batch_fn
         self.target_kwarg = target_kwarg
         self.names, self.any_name, self.target_params = _accepted(module)
+        self.model_name, self.said_left_out = type(module).__name__.removeprefix("FSDP"), False
 
     def _inputs(self, inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if isinstance(inputs, Mapping):
@@ -354,7 +356,17 @@ class Batcher:
 
     def _keep(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         if self.any_name:
-            return dict(batch)
+            # A forward with **kwargs (Hugging Face's) takes any key, and a field that is no tensor (a list of
+            # string ids, a dataset's text column) reached it and failed deep inside; such a field is left out
+            # unless forward names it, as Hugging Face's Trainer leaves out the columns its model does not name.
+            kept = {k: v for k, v in batch.items() if k in self.names or isinstance(v, torch.Tensor)}
+            if len(kept) < len(batch) and not self.said_left_out:
+                self.said_left_out = True
+                left = ", ".join(f"{k!r} ({type(v).__name__})" for k, v in batch.items() if k not in kept)
+                logging.getLogger("scaletrain").warning(
+                    "data: %s in the batch: not a tensor, and %s.forward does not name it: left out of the model's "
+                    "inputs", left, self.model_name)
+            return kept
         kept = {k: v for k, v in batch.items() if k in self.names}
         if not kept:
             raise UserError(f"data: a batch with keys {sorted(batch)} has none that the model's forward takes "

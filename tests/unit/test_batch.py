@@ -161,6 +161,32 @@ def test_dict_batches_pass_the_keys_forward_takes_and_labels_are_the_target() ->
     assert loss_of(out) is not None and logits_of(out).shape == (5, 3)
 
 
+class Anything(nn.Module):
+    """A forward as Hugging Face's: a few named arguments, the rest through **kwargs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, features: torch.Tensor, names: list[str] | None = None, **kwargs: torch.Tensor) -> torch.Tensor:
+        assert all(isinstance(v, torch.Tensor) for v in kwargs.values()), kwargs
+        return self.lin(features)
+
+
+def test_fields_that_are_no_tensor_reach_a_kwargs_forward_only_by_name(caplog) -> None:
+    """A dataset's string ids reached forward(**kwargs) and failed inside the model; now they are left out, said
+    once, unless forward names them; tensors still go through **kwargs."""
+    batcher = Batcher(Anything())
+    with caplog.at_level("WARNING", logger="scaletrain"):
+        for _ in range(2):
+            batch = batcher({"features": X, "labels": Y, "mask": torch.ones(5), "id": ["a"] * 5, "names": ["n"] * 5})
+    assert set(batch.kwargs) == {"features", "labels", "mask", "names"} and batch.target is Y
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [("data: 'id' (list) in the batch: not a tensor, and Anything.forward does not name it: left out "
+                     "of the model's inputs")]
+    assert batch(Anything()).shape == (5, 3)
+
+
 def test_dict_keys_that_forward_cannot_take_are_one_clear_error() -> None:
     with pytest.raises(UserError, match=r"keys \['a', 'b'\] has none that the model's forward takes.*batch_fn"):
         Batcher(Plain())({"a": X, "b": Y})
