@@ -72,3 +72,41 @@ def test_a_killed_launcher_takes_its_workers_and_the_job_ends(tmp_path: Path) ->
         for a in agents:
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
+
+
+PLAIN = """import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w").write(str(os.getpid()))
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_killed_launcher_takes_a_plain_scripts_workers(tmp_path: Path) -> None:
+    """A script written for plain torchrun (no scaletrain import: nothing in it asks to die with its parent) under
+    `scaletrain launch`: SIGKILL of the launcher left both workers running as orphans; the launcher now asks for
+    it for them, between fork and exec."""
+    (tmp_path / "plain.py").write_text(PLAIN)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    launcher = subprocess.Popen([sys.executable, "-m", "scaletrain", "launch", "--nproc", "2", str(tmp_path / "plain.py"),
+                                 str(tmp_path)], stdout=(tmp_path / "launch.log").open("w"), stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(workers) < 2:
+            time.sleep(0.2)
+            workers = [int(p.read_text()) for p in tmp_path.glob("rank*") if p.read_text()]
+        assert len(workers) == 2, (tmp_path / "launch.log").read_text()
+        killed = time.monotonic()
+        os.kill(launcher.pid, signal.SIGKILL)
+        while any(_alive(p) for p in workers) and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in workers), "the killed launcher's workers outlived it"
+    finally:
+        launcher.wait(timeout=10)
+        for p in workers:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)

@@ -140,6 +140,43 @@ def _stores_on_their_address() -> Iterator[None]:
             setattr(obj, name, old)
 
 
+@contextlib.contextmanager
+def _workers_die_with_this_process() -> Iterator[None]:
+    """While torchrun's agent runs in this process, each worker it starts asks Linux, between fork and exec, to
+    SIGKILL it when this process dies (PR_SET_PDEATHSIG), so a launcher that is SIGKILLed (the OOM killer, a
+    scheduler's kill -9) takes its workers: a plain torchrun script's workers otherwise trained on as orphans (a
+    session's ask for it themselves, env.die_with_launcher, but only once they have imported scaletrain). A
+    worker forked after this process died exits at once. Linux only; the agent's _popen is torch's private name
+    (as of 2.13): where this torch has another, nothing changes."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as handler
+
+    original = vars(handler.SubprocessHandler).get("_popen")
+    if not sys.platform.startswith("linux") or original is None:
+        yield
+        return
+    import ctypes
+    import subprocess
+
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()  # looked up here, not in the child
+
+    def arm() -> None:  # in the child, between fork and exec: the request survives exec
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:
+            os._exit(1)
+
+    def _popen(self: Any, args: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        if not hasattr(self, "_stdout") or not hasattr(self, "_stderr"):
+            return original(self, args, env)
+        return subprocess.Popen(args=args, env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True,
+                                preexec_fn=arm)  # noqa: PLW1509 -- nothing but a system call in the child
+
+    handler.SubprocessHandler._popen = _popen
+    try:
+        yield
+    finally:
+        handler.SubprocessHandler._popen = original
+
+
 def torchrun_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: str) -> list[str]:
     """torchrun's options for this machine's workers and the script (or module) ``target[0]``."""
     args = [f"--nproc-per-node={cfg.nproc}", f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d",
@@ -308,7 +345,7 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     if signum := held_signal():  # it came while this process was starting: the workers take it as they start
         os.environ[HELD_SIGNAL_ENV] = str(signum)
     try:
-        with _stores_on_their_address():
+        with _stores_on_their_address(), _workers_die_with_this_process():
             torchrun.run(parsed)
     except ChildFailedError as err:
         rank, code = root_failure(err.failures)
