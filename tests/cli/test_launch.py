@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -193,6 +194,41 @@ def test_launch_worker_failure_names_the_failed_rank(tmp_path: Path, how: str, c
         _explain(proc)
 
 
+RESTARTED_SCRIPT = """\
+import os
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+for step in range(6):
+    total = torch.ones(1) * dist.get_rank()
+    dist.all_reduce(total)
+    time.sleep(0.1)
+    if attempt == 0 and dist.get_rank() == 1 and step == 2:
+        os._exit(7)  # killed mid-run: the agent restarts both workers
+print(f"rank {dist.get_rank()} attempt {attempt} summed {total.item():.0f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_plain_script_restarted_by_max_restarts_forms_its_group_again(tmp_path: Path) -> None:
+    """A script written for plain torchrun, a worker killed, --max-restarts 1: the restarted ranks met in the
+    store the dead ones had used and could read their addresses (2 of 3 tries here: 'Gloo connectFullMesh
+    failed ... Connection refused', or a hang). Each round now has a store of its own: two tries, two jobs
+    that end with both ranks' sum."""
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED_SCRIPT)
+    for _ in range(2):
+        proc = _run([*SCALETRAIN, "launch", "--nproc", "2", "--max-restarts", "1", str(script)], cwd=tmp_path)
+        assert proc.returncode == 0, _explain(proc)
+        assert "connectFullMesh" not in proc.stderr, _explain(proc)
+        # the two ranks' lines may interleave on the one stdout
+        assert sorted(re.findall(r"rank \d attempt \d summed \d", proc.stdout)) == [
+            "rank 0 attempt 1 summed 1", "rank 1 attempt 1 summed 1"], _explain(proc)
+
+
 def test_launch_rendezvous_failure_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """A store that cannot be reached (a wrong host, a firewall) ends in one line, not torchrun's traceback."""
@@ -260,6 +296,10 @@ def test_an_endpoint_that_cannot_work_is_one_line_before_any_agent_starts(capsys
                                         "--nproc (torchrun's --nproc_per_node)")),
     (["--standalone", "t.py"], "unexpected argument '--standalone'; fix: leave it out: one machine is the default"),
     (["-m", "nosuchpkg.mod"], "module 'nosuchpkg.mod' not found from "),
+    # each worker printed the same SyntaxError traceback, then 'worker rank 0 failed with exit code 1'
+    (["--nproc", "2", "broken.py"], ("broken.py:2: SyntaxError: '(' was never closed; fix: correct line 2 "
+                                     "(python -m py_compile broken.py says the same)")),
+    (["--nproc", "2", "."], "script '.' is a directory; fix: name the script in it"),  # it said "not found"
 ])
 def test_torchruns_habits_and_a_missing_module_are_one_line(argv: list[str], said: str, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch,
@@ -271,6 +311,7 @@ def test_torchruns_habits_and_a_missing_module_are_one_line(argv: list[str], sai
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text("")
+    (tmp_path / "broken.py").write_text("import os\nprint(os.getcwd(\n")
     assert main(["launch", *argv]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"scaletrain: error: {said}"), line
@@ -331,3 +372,21 @@ def test_a_preempted_session_under_launch_exits_0_and_says_it_saved(tmp_path):
     assert err.strip().splitlines()[-1] == (
         f"scaletrain: preempted (SIGTERM) at step {stopped['step']}; checkpoint {stopped['checkpoint']} saved; run "
         "the same command again to resume")
+
+
+def test_launch_under_a_launcher_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`torchrun --nproc_per_node 2 ... scaletrain launch --nproc 2 train.py`: each of torchrun's workers started
+    a job of its own, two jobs of two that never met, and nothing said so."""
+    from scaletrain.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["launch", "--nproc", "2", str(script)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [("scaletrain: error: scaletrain launch runs under a launcher already (it set RANK and "
+                      "WORLD_SIZE=2): each of its 2 processes would start a job of its own; fix: run scaletrain "
+                      "launch directly, once per machine, or let that launcher run the script itself")]

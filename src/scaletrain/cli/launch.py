@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config import build
-from scaletrain.env import LAUNCH_DIR_ENV, RUN_DIR, USAGE_SAID
+from scaletrain.env import LAUNCH_DIR_ENV, RUN_DIR, USAGE_SAID, launcher_env_problem, under_launcher
 from scaletrain.errors import UserError
 
 HELP = "Run your own script on N local workers (and M machines) through torchrun, like torchrun itself."
@@ -44,11 +44,21 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
                                      "dist.rdzv_endpoint": args.rdzv_endpoint, "dist.rdzv_id": args.rdzv_id,
                                      "dist.local_addr": args.local_addr,
                                      "dist.max_restarts": args.max_restarts})]).dist
+    if not args.module and Path(args.script).is_dir():
+        raise UserError(f"script {args.script!r} is a directory; fix: name the script in it (scaletrain launch "
+                        f"--nproc 2 {Path(args.script) / 'train.py'})")
     if not args.module and not Path(args.script).is_file():
         raise UserError(f"script {args.script!r} not found; fix: check the path (or use -m for a module)")
+    if not args.module:
+        _compiles(Path(args.script))
     if args.module and not _importable(args.script):
         raise UserError(f"module {args.script!r} not found from {Path.cwd()}; fix: check its name, run from the "
                         "directory that holds its package, or install it (pip install -e .)")
+    if under_launcher() and launcher_env_problem() is None:  # a whole launcher's set, not a shell's leftovers
+        world = os.environ["WORLD_SIZE"]
+        raise UserError(f"scaletrain launch runs under a launcher already (it set RANK and WORLD_SIZE={world}): each "
+                        f"of its {world} processes would start a job of its own; fix: run scaletrain launch directly, "
+                        "once per machine, or let that launcher run the script itself")
     # Deterministic, so that every machine of a multi-machine job derives the same id from the same command.
     name = args.script if args.module else Path(args.script).stem
     with tempfile.TemporaryDirectory(prefix="scaletrain-launch-") as tmp:
@@ -64,9 +74,22 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         os.environ[LAUNCH_DIR_ENV] = tmp  # the workers inherit it
         try:
             return launch(dist, [args.script, *args.script_args], module=args.module, run_id=f"scaletrain-{name}",
-                          after_stop=after_stop, usage_said=(Path(tmp) / USAGE_SAID).is_file)
+                          after_stop=after_stop, usage_said=(Path(tmp) / USAGE_SAID).is_file,
+                          plain=lambda: not told.is_file())
         finally:
             del os.environ[LAUNCH_DIR_ENV]
+
+
+def _compiles(script: Path) -> None:
+    """A script that Python cannot parse, said once, before any worker starts: each of N workers printed the same
+    SyntaxError traceback, and the launcher said a worker failed with exit code 1."""
+    try:
+        compile(script.read_bytes(), str(script), "exec", dont_inherit=True)
+    except SyntaxError as err:
+        raise UserError(f"{script}:{err.lineno}: {type(err).__name__}: {err.msg}; fix: correct line {err.lineno} "
+                        f"(python -m py_compile {script} says the same)") from None
+    except (OSError, ValueError):  # unreadable, or a null byte: python says it, as it would have
+        pass
 
 
 # torchrun's options and what scaletrain launch calls them

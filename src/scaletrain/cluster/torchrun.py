@@ -109,14 +109,16 @@ def _bound(make: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _stores_on_their_address() -> Iterator[None]:
+def _stores_on_their_address(fresh: Callable[[], bool] = lambda: False) -> Iterator[None]:
     """While torchrun's agent runs in this process, its TCPStore servers listen on the address each is
     advertised at instead of every interface (torch's TCPStore binds the wildcard address whatever host it is
     given). Two servers: the c10d rendezvous store on the endpoint's host (c10d_rendezvous_backend's
     TCPStore), and the store the workers meet at, on this agent's --local-addr (dynamic_rendezvous's
     _create_tcp_store_server). On one machine both are loopback; on several, the endpoint's address where it
     is given as one, and the second store on dist.local_addr where that is an address of this machine (else
-    on every interface: by default its address is the host's name, which the other machines resolve). Restored on the way out: nothing else in the process is changed."""
+    on every interface: by default its address is the host's name, which the other machines resolve). And where
+    ``fresh()`` says so when a round begins, the workers' store is a new one for it (fresh_round). Restored on the
+    way out: nothing else in the process is changed."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler as Handler
@@ -126,9 +128,24 @@ def _stores_on_their_address() -> Iterator[None]:
     def agent_store(self: Any, master_addr: str, master_port: int) -> Any:
         return make(host_name=master_addr, port=master_port, is_master=True, multi_tenant=True)
 
-    # Each only where this torch has it: both are torch's private names (as of 2.13).
+    joined = vars(Handler).get("next_rendezvous")
+
+    def fresh_round(self: Any) -> Any:
+        # The workers' store anew for this round (a new port): torch made it once and kept it for the job,
+        # though its env:// rendezvous counts on a new one per restart ("We create a new TCPStore for every
+        # retry"), so a restarted plain script's Gloo ranks could read the addresses of the workers that died
+        # under the same keys ("Gloo connectFullMesh failed ... Connection refused", or a hang). Not for
+        # scaletrain's own workers: they meet in a namespace of their own in the store (runtime._meet), and read
+        # there what the group before them left (which rank died). The old workers are gone by the next round;
+        # every node rebuilds its bootstrap info from the round's keys.
+        if getattr(self, "_bootstrap_store_info", None) is not None and fresh():
+            self._bootstrap_store_info, self._shared_tcp_store_server = None, None
+        return joined(self)  # type: ignore[misc]
+
+    # Each only where this torch has it: all are torch's private names (as of 2.13).
     patches = [(obj, name, new) for obj, name, new in ((c10d, "TCPStore", make),
-                                                      (Handler, "_create_tcp_store_server", agent_store))
+                                                      (Handler, "_create_tcp_store_server", agent_store),
+                                                      (Handler, "next_rendezvous", fresh_round))
                if name in vars(obj)]
     before = [(obj, name, vars(obj)[name]) for obj, name, _ in patches]
     try:
@@ -300,7 +317,7 @@ def _agent_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: str
 
 def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: str = "scaletrain",
            trainer: bool = False, after_stop: Callable[[int], int | None] | None = None,
-           usage_said: Callable[[], bool] | None = None) -> int:
+           usage_said: Callable[[], bool] | None = None, plain: Callable[[], bool] | None = None) -> int:
     """Start cfg.nproc workers on this machine and wait for them; returns the job's exit code (128 + the
     signal when this process was stopped by one).
 
@@ -313,7 +330,8 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     signalled and drops torchrun's line about a failed worker. ``after_stop(signum)``: once a stop signal to this
     process has ended the workers, says what they did and returns the exit code (None: this process says they
     were stopped, 128 + signum). ``usage_said``: whether a worker's exit code 2 was scaletrain's one-line usage
-    error (default: taken to be); else it is a failure like any other, and said.
+    error (default: taken to be); else it is a failure like any other, and said. ``plain``: whether the workers
+    run a script that opened no scaletrain session (its restarted workers then meet in a new store).
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -345,7 +363,7 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     if signum := held_signal():  # it came while this process was starting: the workers take it as they start
         os.environ[HELD_SIGNAL_ENV] = str(signum)
     try:
-        with _stores_on_their_address(), _workers_die_with_this_process():
+        with _stores_on_their_address(plain or (lambda: False)), _workers_die_with_this_process():
             torchrun.run(parsed)
     except ChildFailedError as err:
         rank, code = root_failure(err.failures)
