@@ -152,3 +152,29 @@ def test_fits_optimizer_and_dataloader_are_planned_as_fit_runs_them(capsys) -> N
     assert loaded["layouts"] == adamw["layouts"] and loaded["total_steps"] == adamw["total_steps"]
     with pytest.raises(UserError, match=r"fit\(optimizer=...\): the function given returned a NoneType"):
         scaletrain.plan_fit(Tagger, _samples(64), gpu="h100", config=config, optimizer=lambda params: None)
+
+
+class MakesAFloat(nn.Module):
+    """A float made inside forward ((x > 0).float()) into a Linear: fine under autocast, not on bf16 weights alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.gate = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * torch.sigmoid(self.gate((x > 0).float()))
+
+
+def test_the_fsdp_step_of_a_model_of_ones_own_is_measured_under_autocast_as_it_runs():
+    """FSDP's activations are measured on a model built in bf16 (the policy's parameters); a model of one's own
+    runs under autocast on top (precision.policy_casts), and the measure without it stopped on 'mat1 and mat2 must
+    have the same dtype' for a float the model makes inside."""
+    from scaletrain.batch import Batch
+    from scaletrain.config import load
+    from scaletrain.plan.estimate import _step_bytes
+
+    cfg = load(None, {"train.precision": "bf16-mixed", "data.batch_size": 8})
+    sample = Batch((torch.randn(1, 8),), {}, None)
+    low, _ = _step_bytes(cfg, MakesAFloat().to(torch.bfloat16), sample, low=True, kept=False)
+    high, _ = _step_bytes(cfg, MakesAFloat(), sample, low=False, kept=False)
+    assert 0 < low < high  # DDP's autocast also keeps a bf16 copy of each fp32 weight for backward

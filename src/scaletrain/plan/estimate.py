@@ -425,10 +425,12 @@ def _step_bytes(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *, 
                 kept: bool) -> tuple[int, int | None]:
     """(the step's peak beyond the model state, with ``kept`` what forward keeps for backward) at
     cfg.data.batch_size: as DDP runs it (autocast) or, ``low``, as FSDP does (a model built in the compute
-    dtype, a floating input cast to it, no autocast)."""
+    dtype, a floating input cast to it; no autocast for scaletrain's own models, autocast over a model of one's
+    own: precision.policy_casts)."""
     precision, batch = cfg.train.precision, cfg.data.batch_size
     if low:
-        dtype, precision = AUTOCAST_DTYPE[precision], "fp32"
+        dtype = AUTOCAST_DTYPE[precision]
+        precision = "fp32" if getattr(model, "fsdp_policy_casts", False) else precision
         if isinstance(sample, torch.Tensor) and sample.is_floating_point():
             sample = sample.to(dtype)
         elif isinstance(sample, Batch):  # FSDP's policy casts the floating inputs (cast_forward_inputs)
