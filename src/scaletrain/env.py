@@ -12,9 +12,10 @@ from collections.abc import MutableMapping
 FAILED_WORKER_ENV = "SCALETRAIN_FAILED_WORKER"
 # A directory `scaletrain launch` gives the workers of a script of one's own (tell_launcher): in it rank 0 of the
 # session the script opens names its run directory (RUN_DIR: the launcher's word after a stop signal), and a
-# worker that said a usage error in one line marks it (USAGE_SAID: its exit code 2 is that error).
+# worker that said a usage error in one line marks it (USAGE_SAID: its exit code 2 is that error), and one that
+# said why training failed marks that, with the launcher's restart count (FAILURE_SAID).
 LAUNCH_DIR_ENV = "SCALETRAIN_LAUNCH_DIR"
-RUN_DIR, USAGE_SAID = "run_dir", "usage_said"
+RUN_DIR, USAGE_SAID, FAILURE_SAID = "run_dir", "usage_said", "failure_said"
 # The stop signal a launcher received before its workers could take one (held_signal), passed down to them.
 HELD_SIGNAL_ENV = "SCALETRAIN_HELD_SIGNAL"
 _held: list[int] = []

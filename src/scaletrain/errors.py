@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
-from scaletrain.env import USAGE_SAID, launcher_env_problem, tell_launcher, under_launcher
+from scaletrain.env import FAILURE_SAID, USAGE_SAID, launcher_env_problem, tell_launcher, under_launcher
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -236,6 +236,8 @@ def report(err: BaseException, stream: TextIO | None = None) -> int:
     line = one_line(err)
     if exit_code(err) == EXIT_USAGE:  # `scaletrain launch` takes a worker's exit 2 for this line only if said
         tell_launcher(USAGE_SAID)
+    elif isinstance(err, TrainingFailed):  # the launcher's own line would name the first rank to exit instead
+        tell_launcher(FAILURE_SAID, environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if launcher_env_problem(environ) is None and under_launcher(environ) and environ["WORLD_SIZE"] != "1":
         rank = int(environ["RANK"])
         if getattr(err, "agreed", False) and rank != 0:

@@ -307,6 +307,9 @@ def test_a_hung_rank_is_named_within_the_timeout(tmp_path):
     assert "a collective failed during step 3" in err and "not answering: rank 1 (host" in err, err[-2000:]
     assert "--dist.timeout_s=5" in err
     assert time.monotonic() - started < 90  # far below the 120 s hang: the timeout ended it
+    # the launcher adds no line of its own: it named 'worker rank 0 failed with exit code 1', the first rank to
+    # exit, after the workers' line had named rank 1 as the one not answering
+    assert "scaletrain: worker rank" not in err, err[-1500:]
 
 
 def _trace(run_dir: Path) -> dict[int, list[dict]]:

@@ -14,14 +14,16 @@ import importlib
 import ipaddress
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from scaletrain.config import DistConfig
-from scaletrain.env import FAILED_WORKER_ENV, HELD_SIGNAL_ENV, held_signal
+from scaletrain.env import FAILED_WORKER_ENV, FAILURE_SAID, HELD_SIGNAL_ENV, LAUNCH_DIR_ENV, held_signal
 from scaletrain.errors import EXIT_USAGE, ConfigError, UserError
 
 # The agent stops the surviving workers with SIGTERM (then SIGKILL): those exits are consequences, not causes.
@@ -362,6 +364,10 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     if signum := held_signal():  # it came while this process was starting: the workers take it as they start
         os.environ[HELD_SIGNAL_ENV] = str(signum)
+    own_notes = None if LAUNCH_DIR_ENV in os.environ else tempfile.mkdtemp(prefix="scaletrain-launch-")
+    if own_notes is not None:  # where the workers tell this process what they said (env.tell_launcher)
+        os.environ[LAUNCH_DIR_ENV] = own_notes
+    said_failure = os.path.join(os.environ[LAUNCH_DIR_ENV], FAILURE_SAID)
     try:
         with _stores_on_their_address(plain or (lambda: False)), _workers_die_with_this_process():
             torchrun.run(parsed)
@@ -369,6 +375,11 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
         rank, code = root_failure(err.failures)
         if code == EXIT_USAGE and (usage_said is None or usage_said()):
             return EXIT_USAGE  # a usage error: the worker said it in one line, once for the job
+        if code > 0 and _said_in_last_round(said_failure, cfg.max_restarts):
+            # a worker said why training failed, in one line, once for the job (a rank that hung, say); this
+            # line would name the first rank to exit, which is not the cause. A worker killed by a signal (the
+            # OOM killer) is still said: no worker could say that of itself
+            return 1
         first = min(f.timestamp for f in err.failures.values())  # those the agent stopped are not failures
         failed = sum(not _by_agent(f, first) for f in err.failures.values()) or len(err.failures)
         print(f"scaletrain: worker rank {rank} {_exit_text(code)} ({failed} of {cfg.nproc * cfg.nnodes} workers "
@@ -402,7 +413,20 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
             signal.signal(sig, handler)
         failure_log.removeFilter(failures)
         failures.forget()
+        if own_notes is not None:
+            del os.environ[LAUNCH_DIR_ENV]
+            shutil.rmtree(own_notes, ignore_errors=True)
     return 0
+
+
+def _said_in_last_round(path: str, max_restarts: int) -> bool:
+    """Whether a worker of the job's last round (restart count max_restarts: the agent gives up after it) said
+    its failure (errors.report wrote FAILURE_SAID with its round); one of an earlier round does not count."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() == str(max_restarts)
+    except OSError:
+        return False
 
 
 class _Stop:
