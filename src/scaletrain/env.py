@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 
 # "PID EXITCODE" of the worker of this machine that failed last, set by scaletrain's launcher (cluster/
 # torchrun.py) for the workers of the restarted group, which inherit its environment.
@@ -53,7 +53,7 @@ def tell_launcher(name: str, text: str = "") -> None:
             pass
 
 
-def under_launcher(environ: MutableMapping[str, str] | None = None) -> bool:
+def under_launcher(environ: Mapping[str, str] | None = None) -> bool:
     """True when a launcher (torchrun, or a compatible one) has set this process's rank and world. RANK=0 and
     WORLD_SIZE=1 with no MASTER_ADDR (no launcher sets one without the other; a shell or a notebook kept them)
     are one process: there is nothing to join."""
@@ -65,7 +65,7 @@ _TOGETHER = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _COUNTS = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "MASTER_PORT": 1}  # the least
 
 
-def launcher_env_problem(environ: MutableMapping[str, str] | None = None) -> tuple[str, str, str] | None:
+def launcher_env_problem(environ: Mapping[str, str] | None = None) -> tuple[str, str, str] | None:
     """What in the launcher's variables keeps a process group from forming, as (check, problem, fix); None
     where nothing does. A launcher sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT together; some of them
     left in a shell (an `export RANK=1` from another job) made torch raise at init ("environment variable
@@ -149,18 +149,30 @@ def die_with_launcher() -> None:
     its parent dies (prctl PR_SET_PDEATHSIG). torchrun's workers otherwise outlive an agent that was killed: the
     orphans of one machine train on with the other machines' workers, or hang, until a collective times out. A
     no-op off Linux, and where the parent is already gone (then this exits: there is no job to be part of)."""
+    if under_launcher() and (ask := dies_with(os.getppid())) is not None:
+        ask()
+
+
+def dies_with(parent: int) -> Callable[[], None] | None:
+    """A function that asks Linux to SIGKILL the process calling it when its parent dies (PR_SET_PDEATHSIG), and
+    exits at once (code 1) where ``parent`` is gone already: for a worker itself (die_with_launcher), or for a
+    child between fork and exec (cluster/torchrun.py: the request survives exec), libc looked up here, before.
+    None off Linux or without prctl."""
     import sys
 
-    if not sys.platform.startswith("linux") or not under_launcher():
-        return
+    if not sys.platform.startswith("linux"):
+        return None
     import ctypes
     import signal
 
-    parent = os.getppid()
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the launcher died before the request took effect
-        os._exit(1)
+        return None
+
+    def ask() -> None:
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
+
+    return ask

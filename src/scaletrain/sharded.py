@@ -57,11 +57,16 @@ def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
     return loss_parallel()
 
 
+def stage_parts(module: nn.Module) -> list[nn.Module]:
+    """The stage modules a rank runs: a pipeline's _Stages' parts, or the module itself."""
+    return list(getattr(module, "parts", None) or [module])
+
+
 def is_fsdp(model: nn.Module) -> bool:
     """True when ``model`` was sharded by fully_shard (its forward casts for mixed precision by itself), or,
     a rank's interleaved pipeline stages, each of them was."""
-    parts = getattr(model, "parts", None) or [model]
-    return all(isinstance(part, fsdp_class()) for part in parts)
+    kind = fsdp_class()
+    return all(isinstance(part, kind) for part in stage_parts(model))
 
 
 def has_dtensors(model: nn.Module) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,14 +43,15 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
                                      "dist.rdzv_endpoint": args.rdzv_endpoint, "dist.rdzv_id": args.rdzv_id,
                                      "dist.local_addr": args.local_addr,
                                      "dist.max_restarts": args.max_restarts})]).dist
-    if not args.module and Path(args.script).is_dir():
-        raise UserError(f"script {args.script!r} is a directory; fix: name the script in it (scaletrain launch "
-                        f"--nproc 2 {Path(args.script) / 'train.py'})")
-    if not args.module and not Path(args.script).is_file():
-        raise UserError(f"script {args.script!r} not found; fix: check the path (or use -m for a module)")
     if not args.module:
-        _compiles(Path(args.script))
-    if args.module and not _importable(args.script):
+        script = Path(args.script)
+        if script.is_dir():
+            raise UserError(f"script {args.script!r} is a directory; fix: name the script in it (scaletrain launch "
+                            f"--nproc 2 {script / 'train.py'})")
+        if not script.is_file():
+            raise UserError(f"script {args.script!r} not found; fix: check the path (or use -m for a module)")
+        _compiles(script)
+    elif not _importable(args.script):
         raise UserError(f"module {args.script!r} not found from {Path.cwd()}; fix: check its name, run from the "
                         "directory that holds its package, or install it (pip install -e .)")
     if under_launcher() and launcher_env_problem() is None:  # a whole launcher's set, not a shell's leftovers
@@ -61,23 +61,21 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
                         "once per machine, or let that launcher run the script itself")
     # Deterministic, so that every machine of a multi-machine job derives the same id from the same command.
     name = args.script if args.module else Path(args.script).stem
-    with tempfile.TemporaryDirectory(prefix="scaletrain-launch-") as tmp:
-        told = Path(tmp) / RUN_DIR  # a session the script opens names its run directory here (env.tell_launcher)
-        started = time.time()
+    started = time.time()
 
-        def after_stop(signum: int) -> int | None:
-            """Training through scaletrain: whether it saved, as scaletrain train says it (0 if preempted)."""
-            from scaletrain.cli.train import after_signal
+    def note(what: str) -> Path:  # what the workers told this launcher (env.tell_launcher), while launch() runs
+        return Path(os.environ[LAUNCH_DIR_ENV]) / what
 
-            return after_signal(signum, Path(told.read_text(encoding="utf-8")), started) if told.is_file() else None
+    def after_stop(signum: int) -> int | None:
+        """Training through scaletrain: whether it saved, as scaletrain train says it (0 if preempted)."""
+        from scaletrain.cli.train import after_signal
 
-        os.environ[LAUNCH_DIR_ENV] = tmp  # the workers inherit it
-        try:
-            return launch(dist, [args.script, *args.script_args], module=args.module, run_id=f"scaletrain-{name}",
-                          after_stop=after_stop, usage_said=(Path(tmp) / USAGE_SAID).is_file,
-                          plain=lambda: not told.is_file())
-        finally:
-            del os.environ[LAUNCH_DIR_ENV]
+        told = note(RUN_DIR)  # a session the script opens names its run directory here
+        return after_signal(signum, Path(told.read_text(encoding="utf-8")), started) if told.is_file() else None
+
+    return launch(dist, [args.script, *args.script_args], module=args.module, run_id=f"scaletrain-{name}",
+                  after_stop=after_stop, usage_said=lambda: note(USAGE_SAID).is_file(),
+                  plain=lambda: not note(RUN_DIR).is_file())
 
 
 def _compiles(script: Path) -> None:

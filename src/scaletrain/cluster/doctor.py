@@ -167,7 +167,7 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
 def _under_launcher(f: Facts) -> bool:
     from scaletrain.env import under_launcher
 
-    return under_launcher(dict(f.env))
+    return under_launcher(f.env)
 
 
 def _local_ranks(f: Facts) -> int:
@@ -252,7 +252,7 @@ def check_launcher_env(f: Facts) -> list[Finding]:
     from scaletrain.env import launcher_env_problem
 
     env, out = f.env, []
-    problem = launcher_env_problem(dict(env))
+    problem = launcher_env_problem(env)
     if problem is not None:
         out.append(Finding("error", *problem))
     world = _int(env, "WORLD_SIZE")

@@ -23,7 +23,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from scaletrain.config import DistConfig
-from scaletrain.env import FAILED_WORKER_ENV, FAILURE_SAID, HELD_SIGNAL_ENV, LAUNCH_DIR_ENV, held_signal
+from scaletrain.env import (
+    FAILED_WORKER_ENV,
+    FAILURE_SAID,
+    HELD_SIGNAL_ENV,
+    LAUNCH_DIR_ENV,
+    dies_with,
+    held_signal,
+)
 from scaletrain.errors import EXIT_USAGE, ConfigError, UserError
 
 # The agent stops the surviving workers with SIGTERM (then SIGKILL): those exits are consequences, not causes.
@@ -167,21 +174,15 @@ def _workers_die_with_this_process() -> Iterator[None]:
     session's ask for it themselves, env.die_with_launcher, but only once they have imported scaletrain). A
     worker forked after this process died exits at once. Linux only; the agent's _popen is torch's private name
     (as of 2.13): where this torch has another, nothing changes."""
+    import subprocess
+
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as handler
 
     original = vars(handler.SubprocessHandler).get("_popen")
-    if not sys.platform.startswith("linux") or original is None:
+    arm = dies_with(os.getpid())  # run in the child, between fork and exec
+    if arm is None or original is None:
         yield
         return
-    import ctypes
-    import subprocess
-
-    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()  # looked up here, not in the child
-
-    def arm() -> None:  # in the child, between fork and exec: the request survives exec
-        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-        if os.getppid() != parent:
-            os._exit(1)
 
     def _popen(self: Any, args: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen[bytes]:
         if not hasattr(self, "_stdout") or not hasattr(self, "_stderr"):
@@ -319,7 +320,7 @@ def _agent_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: str
 
 def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: str = "scaletrain",
            trainer: bool = False, after_stop: Callable[[int], int | None] | None = None,
-           usage_said: Callable[[], bool] | None = None, plain: Callable[[], bool] | None = None) -> int:
+           usage_said: Callable[[], bool] | None = None, plain: Callable[[], bool] = lambda: False) -> int:
     """Start cfg.nproc workers on this machine and wait for them; returns the job's exit code (128 + the
     signal when this process was stopped by one).
 
@@ -333,7 +334,8 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     process has ended the workers, says what they did and returns the exit code (None: this process says they
     were stopped, 128 + signum). ``usage_said``: whether a worker's exit code 2 was scaletrain's one-line usage
     error (default: taken to be); else it is a failure like any other, and said. ``plain``: whether the workers
-    run a script that opened no scaletrain session (its restarted workers then meet in a new store).
+    run a script that opened no scaletrain session (its restarted workers then meet in a new store). While this
+    runs, LAUNCH_DIR_ENV names a directory of its own, where the workers tell it what they said (env.tell_launcher).
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -364,18 +366,16 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     if signum := held_signal():  # it came while this process was starting: the workers take it as they start
         os.environ[HELD_SIGNAL_ENV] = str(signum)
-    own_notes = None if LAUNCH_DIR_ENV in os.environ else tempfile.mkdtemp(prefix="scaletrain-launch-")
-    if own_notes is not None:  # where the workers tell this process what they said (env.tell_launcher)
-        os.environ[LAUNCH_DIR_ENV] = own_notes
-    said_failure = os.path.join(os.environ[LAUNCH_DIR_ENV], FAILURE_SAID)
+    notes, outer = tempfile.mkdtemp(prefix="scaletrain-launch-"), os.environ.get(LAUNCH_DIR_ENV)
+    os.environ[LAUNCH_DIR_ENV] = notes  # the workers inherit it
     try:
-        with _stores_on_their_address(plain or (lambda: False)), _workers_die_with_this_process():
+        with _stores_on_their_address(plain), _workers_die_with_this_process():
             torchrun.run(parsed)
     except ChildFailedError as err:
         rank, code = root_failure(err.failures)
         if code == EXIT_USAGE and (usage_said is None or usage_said()):
             return EXIT_USAGE  # a usage error: the worker said it in one line, once for the job
-        if code > 0 and _said_in_last_round(said_failure, cfg.max_restarts):
+        if code > 0 and _said_in_last_round(os.path.join(notes, FAILURE_SAID), cfg.max_restarts):
             # a worker said why training failed, in one line, once for the job (a rank that hung, say); this
             # line would name the first rank to exit, which is not the cause. A worker killed by a signal (the
             # OOM killer) is still said: no worker could say that of itself
@@ -413,9 +413,11 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
             signal.signal(sig, handler)
         failure_log.removeFilter(failures)
         failures.forget()
-        if own_notes is not None:
+        if outer is None:
             del os.environ[LAUNCH_DIR_ENV]
-            shutil.rmtree(own_notes, ignore_errors=True)
+        else:
+            os.environ[LAUNCH_DIR_ENV] = outer
+        shutil.rmtree(notes, ignore_errors=True)
     return 0
 
 

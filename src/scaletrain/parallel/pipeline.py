@@ -44,7 +44,7 @@ from scaletrain.layout import SCHEDULES as SCHEDULE_NAMES
 from scaletrain.layout import resolve_microbatches
 from scaletrain.models.gpt import GPT, embed
 from scaletrain.models.llama import Llama, reset_rope
-from scaletrain.sharded import dtensor_class, fsdp_class, is_dtensor, local_shard, plain
+from scaletrain.sharded import dtensor_class, fsdp_class, is_dtensor, local_shard, plain, stage_parts
 
 __all__ = ["PipelineRunner", "StepTimes", "bubble_fraction", "clip_grad_norm", "is_stage", "pipeline_stage",
            "rank_stages", "resolve_microbatches", "schedule_text", "split_stages", "stage_grad_norm", "stage_layers",
@@ -322,11 +322,6 @@ def rank_stages(model: nn.Module, pp: int, rank: int, virtual: int = 1) -> nn.Mo
     if virtual == 1:
         return pipeline_stage(model, pp, rank)
     return _Stages([pipeline_stage(model, pp * virtual, rank + i * pp) for i in range(virtual)])
-
-
-def stage_parts(module: nn.Module) -> list[nn.Module]:
-    """The stage modules a rank runs: a _Stages' parts, or the stage itself."""
-    return list(getattr(module, "parts", None) or [module])
 
 
 def is_stage(module: nn.Module) -> bool:

@@ -50,10 +50,9 @@ def policy_casts(model: torch.nn.Module) -> bool:
     for it. A model of one's own gets autocast on top of the policy, as Lightning's and Accelerate's FSDP do: a
     float it makes inside (``mask.float()`` into a Linear) met bf16 weights ("mat1 and mat2 must have the same
     dtype"), and a loss it computes itself (Hugging Face's) was computed on bf16 logits, on fp32 under DDP."""
-    from scaletrain.sharded import is_fsdp
+    from scaletrain.sharded import is_fsdp, stage_parts
 
-    parts = getattr(model, "parts", None) or [model]
-    return is_fsdp(model) and all(getattr(part, "fsdp_policy_casts", False) for part in parts)
+    return is_fsdp(model) and all(getattr(part, "fsdp_policy_casts", False) for part in stage_parts(model))
 
 
 def autocast(precision: str, device: torch.device, *, policy: bool = False) -> AbstractContextManager:

@@ -232,10 +232,10 @@ def _bare(resume: Resume) -> bool:
 
 class Loader:
     """One rank's shard of a data set for a loop of one's own: ``for batch in loader`` is the rest of the
-    current epoch (then the next epoch begins), every batch on the session's device, until the session is done. Resumable: its position is
-    in the session's checkpoints, and a resumed run continues mid-epoch with the next unseen batch. Read inside
-    session.evaluating(), it is one whole pass instead (every sample once over the ranks, as many batches on
-    each; a stream from its start), and its position stays where training left it."""
+    current epoch (then the next epoch begins), every batch on the session's device, until the session is done.
+    Resumable: its position is in the session's checkpoints, and a resumed run continues mid-epoch with the next
+    unseen batch. Read inside session.evaluating(), it is one whole pass instead (every sample once over the
+    ranks, as many batches on each; a stream from its start), and its position stays where training left it."""
 
     def __init__(self, session: Session, inner: ShardedLoader | StreamLoader) -> None:
         self._session, self.inner = session, inner
@@ -268,14 +268,13 @@ class Loader:
             for batch in self.inner.whole_pass():
                 yield to_device(batch, st.device)
             return
-        batches = None
+        batches = self.inner.epoch_batches()  # a generator: nothing moves until a batch is drawn
         while True:
             if st.done and not st._in_step:
                 # train.max_steps steps ran: the epoch ends here, as a loop with no `if st.done: break` expects
                 # (it trained on past the last step, "step 31/20", its schedule run out); nothing is drawn and no
                 # epoch begun, so the position saved is where training stopped
                 return
-            batches = self.inner.epoch_batches() if batches is None else batches
             st._start_training()  # the RNG is restored before anything can draw from it
             started = time.perf_counter()
             st.chaos.delay("data")
