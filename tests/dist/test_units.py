@@ -384,6 +384,31 @@ def test_an_encoder_decoders_two_kinds_of_layer_are_both_units():
     assert _described(with_heads) == ("repeated", "2 x MLP")
 
 
+class Wrapped(nn.Module):
+    """A model whose layers are one nn.Sequential of different layers, as users write an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_a_model_in_one_sequential_or_wrapped_has_its_layers_as_units():
+    """Its one child was no unit and the model went unsharded ('no repeated blocks found' with a placeholder
+    fix); the layers are the units now, through any number of one-child wrappers, and no warning is said."""
+    assert _described(Wrapped()) == ("children", "net.0, net.1, net.3")
+    assert find_units(Wrapped()).names == ("net.0", "net.1", "net.3")
+    outer = nn.Module()
+    outer.inner = Wrapped()
+    assert find_units(outer).names == ("inner.net.0", "inner.net.1", "inner.net.3")
+    assert unit_warnings(outer, find_units(outer), sharded=True, checkpointing="full") == []
+    lone = nn.Module()
+    lone.only = nn.Sequential(nn.Linear(4, 4))  # one layer all the way down: nothing to split
+    assert _described(lone) == ("none", "")
+
+
 def _fit_ranks(rank: int, world: int, root: str) -> dict:
     runtime.init(DistConfig(device="cpu"))  # fit() joins this group and leaves it open
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))

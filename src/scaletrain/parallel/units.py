@@ -15,7 +15,8 @@ The first rule that finds any wins:
    those classes in those lists, so a ResNet's ``layer1`` .. ``layer4`` give all its BasicBlocks or Bottlenecks,
    one unit each (per block rather than per stage: a late stage holds most of the parameters);
 5. no repeated blocks: the model's direct children that hold parameters, when there are two or more (the
-   built-in CNN's ``features`` and ``head``).
+   built-in CNN's ``features`` and ``head``), else those of its one such child, as deep as it takes (a model
+   whose layers are one ``nn.Sequential`` of different layers: its layers).
 
 Then three rules for all: a container without a forward (a ModuleList) stands for its children, which
 fully_shard can call; a unit inside another unit is not a unit of its own (the outer one covers it), and a
@@ -162,8 +163,14 @@ def _container(cls: type) -> bool:
 
 
 def _children(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    children = [(n, c) for n, c in model.named_children() if _has_params(c)]
-    return children if len(children) > 1 else []
+    """The children holding parameters of the first module, from the model down through wrappers of one such
+    child (``self.net = nn.Sequential(...)``, a model wrapping another), that has two or more."""
+    prefix, module = "", model
+    while True:
+        children = [(f"{prefix}{n}", c) for n, c in module.named_children() if _has_params(c)]
+        if len(children) != 1:
+            return children if len(children) > 1 else []
+        prefix, module = f"{children[0][0]}.", children[0][1]
 
 
 def _settle(model: nn.Module, found: list[tuple[str, nn.Module]], rule: str) -> Units:
