@@ -13,10 +13,17 @@
 The blocks are the same units as FSDP's (``units.find_units``); a model without any is checkpointed whole.
 Checkpointing wraps each block's ``forward`` in place with ``torch.utils.checkpoint.checkpoint``
 (non-reentrant), so module names and state_dict keys do not change and FSDP/compile see the same modules.
+
+A block's recomputed forward leaves its running statistics as they were: BatchNorm (and an InstanceNorm that
+tracks them) would otherwise fold the same batch into its running mean and variance twice per step, so the
+evaluated model would differ from the one trained without checkpointing (measured: eval loss 1.1734 -> 1.1915
+for a 2-layer MLP with BatchNorm after 6 steps). fairscale's checkpoint_wrapper guarded BatchNorm the same way;
+torch.utils.checkpoint does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -69,9 +76,52 @@ def _selective_context() -> tuple[Any, Any]:
 _CACHES = ("cache", "past_key_value", "past_key_values", "layer_past")
 
 
+def _tracking_norms(block: nn.Module) -> list[nn.modules.batchnorm._NormBase]:
+    """The block's BatchNorm and InstanceNorm layers that keep running statistics."""
+    return [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+            and m.track_running_stats and m.running_mean is not None]
+
+
+def _stats(norm: nn.modules.batchnorm._NormBase) -> list[torch.Tensor]:
+    return [b for b in (norm.running_mean, norm.running_var, norm.num_batches_tracked) if b is not None]
+
+
+@contextlib.contextmanager
+def _stats_kept(norms: list[nn.modules.batchnorm._NormBase]) -> Any:
+    """Around a recompute: the norms' running statistics as they were before it (also when checkpoint stops the
+    recompute early, by raising, once it has what backward needs)."""
+    kept = [[b.clone() for b in _stats(m)] for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, saved in zip(norms, kept):
+                for now, before in zip(_stats(m), saved):
+                    now.copy_(before)
+
+
+def _context(selective: bool, norms: list[nn.modules.batchnorm._NormBase]) -> Callable[[], tuple[Any, Any]] | None:
+    """checkpoint's context_fn: the selective policy, the running statistics kept through the recompute, both,
+    or None (checkpoint's default) for a full checkpoint of a block without such norms."""
+    if not norms:
+        return _selective_context if selective else None
+
+    def contexts() -> tuple[Any, Any]:
+        forward, recompute = _selective_context() if selective else (contextlib.nullcontext(), contextlib.nullcontext())
+
+        @contextlib.contextmanager
+        def both() -> Any:
+            with _stats_kept(norms), recompute:  # the copies made outside the selective policy's cache
+                yield
+
+        return forward, both()
+
+    return contexts
+
+
 def _checkpointed(block: nn.Module, selective: bool) -> Callable[..., Any]:
     forward = block.forward
-    extra = {"context_fn": _selective_context} if selective else {}
+    context_fn, traced_fn = _context(selective, _tracking_norms(block)), _context(selective, [])
     caches = () if getattr(block, "_can_checkpoint_with_cache", False) else _CACHES
     try:  # where a cache comes by position (GPT-2 passes its cache second)
         names = list(inspect.signature(forward).parameters)
@@ -88,6 +138,11 @@ def _checkpointed(block: nn.Module, selective: bool) -> Callable[..., Any]:
         kwargs.update({k: None for k in caches if kwargs.get(k) is not None})
         if any(i < len(args) and args[i] is not None for i in at):
             args = tuple(None if i in at else a for i, a in enumerate(args))
+        # traced by torch.compile, the running statistics are updated once in the forward graph and the recompute
+        # in the backward graph leaves them alone (measured the same as uncheckpointed); compile takes a
+        # context_fn only of dispatch modes
+        fn = traced_fn if torch.compiler.is_compiling() else context_fn
+        extra = {"context_fn": fn} if fn is not None else {}
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     return run
