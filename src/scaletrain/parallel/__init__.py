@@ -46,7 +46,7 @@ from scaletrain.sharded import has_dtensors, is_fsdp
 __all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp",
            "apply_tp", "build_mesh", "check_layout", "compile_mode", "find_units", "fsdp_units", "gradient_sync",
            "has_dtensors", "is_fsdp", "mixed_precision_policy", "parallelize", "resolve_degrees", "resolve_layout",
-           "resolve_strategy", "uncompiled", "units_line", "unused_parameters"]
+           "resolve_strategy", "set_gradient_sync", "uncompiled", "units_line", "unused_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,16 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
             model.set_requires_gradient_sync(True)  # type: ignore[operator]
     else:
         yield
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """From now on, whether backward synchronizes the gradients of ``model`` (DDP or FSDP2; others have nothing to
+    synchronize): gradient_sync() for a forward and backward that no one block of code holds (a loop of one's own
+    accumulating: session.Session._sync_or_not). DDP decides at its forward, FSDP2 after the backward."""
+    if isinstance(model, DDP):
+        model.require_backward_grad_sync = enabled
+    elif is_fsdp(model):
+        model.set_requires_gradient_sync(enabled)  # type: ignore[operator]
 
 
 def _stage_of(model: nn.Module, mesh: DeviceMesh, pp: int, virtual: int) -> nn.Module:

@@ -124,6 +124,7 @@ from scaletrain.parallel import (
     is_fsdp,
     parallelize,
     resolve_layout,
+    set_gradient_sync,
     uncompiled,
     units_line,
     unused_parameters,
@@ -182,6 +183,7 @@ class _Model:
     wrapped: nn.Module  # what the user calls: DDP-wrapped when the world is larger than 1
     optimizers: list[Optimizer]
     forwards: int = 0  # DDP: calls of ``wrapped`` since the last step ended (Session._through_ddp)
+    unsynced: bool = False  # its last forward with gradients skipped their all-reduce (an accumulation's micro-batch)
     ends: list[nn.Parameter] = dataclasses.field(default_factory=list)  # its first and last trainable parameters
 
     def __post_init__(self) -> None:  # a backward reaches one of them: the step's look for gradients costs two
@@ -243,6 +245,7 @@ class Loader:
         self.drawn = 0  # batches handed out since the last step began
         self.tokens = 0  # their tokens (token-id batches: each batch's own width, padded batches of any length)
         self.stepped = 0  # training batches handed out by the end of the last step, this session
+        self.since_step = 0  # training batches handed out since the last step ended (an accumulation's count)
 
     @property
     def epoch(self) -> int:
@@ -284,6 +287,7 @@ class Loader:
                 return
             waited = time.perf_counter() - started
             self.drawn += 1
+            self.since_step += 1
             self.tokens += tokens_per_sample(batch) * self.inner.batch_size
             if st._trace is not None:
                 st._trace.batch(batch, self.inner.last_indices)
@@ -611,6 +615,8 @@ class Session:
         for opt in built:  # forward and backward end where an optimizer steps, whether or not st.backward() ran
             opt.register_step_pre_hook(self._optimizer_starting)
             opt.register_step_post_hook(self._optimizer_done)
+        if self._opened is None and (isinstance(wrapped, DDP) or is_fsdp(wrapped)):  # the trainer holds its own
+            wrapped.register_forward_pre_hook(lambda *_, entry=entry: self._sync_or_not(entry))
         if isinstance(wrapped, DDP):
             wrapped.register_forward_pre_hook(lambda *_: setattr(entry, "forwards", entry.forwards + 1))
             for opt in built:
@@ -624,7 +630,10 @@ class Session:
                collate_fn: Callable[[list[Any]], Any] | None = None) -> Loader:
         """This rank's shard of ``dataset`` (a torch Dataset, or (inputs, targets) tensors), ``batch_size`` per
         rank (0 = data.batch_size), reshuffled every epoch from run.seed, in the same order at any world size.
-        ``accum``: batches per optimizer step (gradient accumulation): the epoch ends on a whole step, and a
+        ``accum``: batches per optimizer step (gradient accumulation): each `with st.step():` draws that many,
+        a forward and backward each; all but the last keep their gradients local (DDP's no_sync, FSDP's
+        set_requires_gradient_sync), so gradients cross the network once per step, and a step that ends inside
+        an accumulation is one line. The epoch ends on a whole step, and a
         checkpoint's loader position is kept in steps, so a resume at another world size can keep the global
         batch by accumulating more (scaletrain train does). A stream (an IterableDataset) is read in its order
         (data/loader.py StreamLoader). ``collate_fn``: a list of samples -> a batch, as a DataLoader takes it (a
@@ -794,6 +803,7 @@ class Session:
             torch.compiler.cudagraph_mark_step_begin()
         try:
             yield
+            self._whole_accumulation(step)
             if self._scaled:
                 self.scaler.update()  # once per step, after every optimizer stepped
                 self._scaled = False
@@ -824,6 +834,32 @@ class Session:
         finally:
             self._in_step = False
         self.timer.start()  # the next step begins now: waiting for its batch is part of it
+
+    def _sync_or_not(self, entry: _Model) -> None:
+        """Before a forward of a set-up model with gradients: while a loader's accumulation is inside a step's
+        micro-batches (st.loader(..., accum=N), its batches 1 .. N-1 of the step drawn), its backward keeps the
+        gradients local, as the trainer's no_sync() does; the last micro-batch's backward averages their sum over
+        the ranks: one all-reduce (FSDP: reduce-scatter) per optimizer step instead of N."""
+        if not torch.is_grad_enabled() or self._evaluating:
+            return
+        accumulating = any(loader.inner.accum > 1 and loader.since_step % loader.inner.accum
+                           for loader in self._loaders)
+        if accumulating != entry.unsynced:
+            entry.unsynced = accumulating
+            set_gradient_sync(entry.wrapped, not accumulating)
+
+    def _whole_accumulation(self, step: int) -> None:
+        """At a step's end: every loader with accumulation handed out whole steps of micro-batches since the last
+        step, else the optimizer stepped on gradients not yet averaged over the ranks (and a checkpoint now would
+        hold a position inside a step): one line."""
+        for loader in self._loaders:
+            accum, drawn = loader.inner.accum, loader.since_step
+            loader.since_step = 0
+            if accum > 1 and drawn % accum:
+                raise UserError(f"session.loader(accum={accum}) hands {accum} micro-batches to each optimizer step, "
+                                f"and step {step} ended after {drawn} (gradients are averaged over the ranks at a "
+                                f"step's last micro-batch); fix: draw all {accum} inside one "
+                                "`with st.step():`, a forward and backward each, or accum=1 for a step per batch")
 
     def _count_drawn(self) -> None:
         for loader in self._loaders:  # this rank's batches (the ranks of a TP group or a pipeline share one)
