@@ -321,8 +321,8 @@ def _agent_args(cfg: DistConfig, target: list[str], *, module: bool, run_id: str
 def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: str = "scaletrain",
            trainer: bool = False, after_stop: Callable[[int], int | None] | None = None,
            usage_said: Callable[[], bool] | None = None, plain: Callable[[], bool] = lambda: False) -> int:
-    """Start cfg.nproc workers on this machine and wait for them; returns the job's exit code (128 + the
-    signal when this process was stopped by one).
+    """Start cfg.nproc workers on this machine and wait for them; returns the job's exit code: the failed
+    worker's own (1 when a signal killed it), 128 + the signal when this process was stopped by one.
 
     On one machine everything stays on loopback: the agent's stores (which torch would have listen on every
     interface: _stores_on_their_address), MASTER_ADDR, and Gloo's sockets (GLOO_SOCKET_IFNAME), which would
@@ -384,7 +384,9 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
         failed = sum(not _by_agent(f, first) for f in err.failures.values()) or len(err.failures)
         print(f"scaletrain: worker rank {rank} {_exit_text(code)} ({failed} of {cfg.nproc * cfg.nnodes} workers "
               "stopped with an error; see its output above)", file=sys.stderr)
-        return 1
+        # the worker's own exit code, as `python script.py` gives it (argparse's 2, a script's sys.exit(3)), for
+        # the shell or scheduler that reads it; torchrun exits 1 whatever it was. Killed by a signal: 1
+        return code if code > 0 else 1
     except RendezvousError as err:
         why = " ".join(f"{err} {err.__cause__ or ''}".split())  # one line: the cause may span several
         if type(err).__name__ == "RendezvousTimeoutError" and not why:
