@@ -146,27 +146,23 @@ def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Within: backward synchronizes gradients across ranks only if ``enabled`` (off on accumulation
-    micro-steps but the last). DDP: no_sync(); FSDP2: set_requires_gradient_sync (gradients stay unsharded
+    micro-steps but the last). DDP: as no_sync(); FSDP2: set_requires_gradient_sync (gradients stay unsharded
     and local until the syncing micro-step reduce-scatters their sum)."""
     if enabled:
         yield
-    elif isinstance(model, DDP):
-        with model.no_sync():
-            yield
-    elif is_fsdp(model):
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
-    else:
+        return
+    set_gradient_sync(model, False)
+    try:
         yield
+    finally:
+        set_gradient_sync(model, True)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """From now on, whether backward synchronizes the gradients of ``model`` (DDP or FSDP2; others have nothing to
     synchronize): gradient_sync() for a forward and backward that no one block of code holds (a loop of one's own
-    accumulating: session.Session._sync_or_not). DDP decides at its forward, FSDP2 after the backward."""
+    accumulating: session.Session._sync_or_not). DDP decides at its forward (the flag its no_sync() sets), FSDP2
+    after the backward."""
     if isinstance(model, DDP):
         model.require_backward_grad_sync = enabled
     elif is_fsdp(model):
