@@ -20,6 +20,7 @@ size and the tail rule drops what is left over; later epochs follow the plain ru
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -61,6 +62,16 @@ class ShardedSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.cursor + self.rank, self.end, self.world))
+
+
+def collect_before_fork(loader: DataLoader) -> None:
+    """Collect this process's garbage before a DataLoader forks its workers (once: they persist). A forked
+    worker inherits every unreachable object still waiting for the cycle collector, and when its own collector
+    runs it finalizes them there: one that owns a thread or a socket (a dropped TCPStore, a process group)
+    crashes the worker (segfault or abort, "DataLoader worker exited unexpectedly"). Collected here, they are
+    finalized once, in the process that made them."""
+    if loader.num_workers > 0 and getattr(loader, "_iterator", None) is None:
+        gc.collect()
 
 
 class ShardedLoader:
@@ -110,6 +121,7 @@ class ShardedLoader:
     def __iter__(self) -> Iterator[Any]:
         """Micro-batches forever; the cursor counts a batch as consumed once it is handed out."""
         s = self.sampler
+        collect_before_fork(self.loader)
         while True:
             self.generator.manual_seed(self.seed * 1_000_003 + s.epoch)
             perm = epoch_permutation(s.size, s.seed, s.epoch, s.shuffle) if self.track_indices else None
@@ -146,6 +158,7 @@ class ShardedLoader:
                                      num_workers=own.num_workers, pin_memory=own.pin_memory,
                                      collate_fn=own.collate_fn, persistent_workers=own.num_workers > 0,
                                      generator=torch.Generator().manual_seed(self.seed))
+            collect_before_fork(self._whole)
         return iter(self._whole)
 
     def whole_pass_batches(self) -> list[list[int]]:
@@ -209,9 +222,11 @@ def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num
     for the next evaluation (started once, not at every one)."""
     chosen = eval_indices(len(dataset), batch_size=batch_size, world=world,  # type: ignore[arg-type]
                           max_batches=max_batches)
-    return DataLoader(dataset, batch_size=batch_size, sampler=chosen[rank::world], num_workers=num_workers,
-                      pin_memory=pin_memory, collate_fn=collate_fn or collate, persistent_workers=num_workers > 0,
-                      generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=chosen[rank::world], num_workers=num_workers,
+                        pin_memory=pin_memory, collate_fn=collate_fn or collate, persistent_workers=num_workers > 0,
+                        generator=torch.Generator().manual_seed(0))
+    collect_before_fork(loader)  # made at the first evaluation, which iterates it at once
+    return loader
 
 
 def train_size(dataset: Any) -> int | None:
