@@ -71,6 +71,17 @@ def test_metrics_are_the_mean_over_the_split_and_top1_is_the_accuracy(tmp_path: 
     assert all("eval_top1" in r and "eval_margin" in r for r in _evals(run))
 
 
+def test_a_metric_returning_its_batch_mean_is_weighed_by_the_batch(tmp_path: Path) -> None:
+    """121 held-out samples in batches of 16 (the last of 9): a metric returning one number per batch, its mean,
+    is the split's mean of the per-sample values (a mean of the 8 batch means would weigh the 9 as 16)."""
+    means = {"top1": lambda out, y: top1(out, y).mean(), "margin": lambda out, y: margin(out, y).mean()}
+    summary = scaletrain.fit(_net(), _data()[0], eval_data=_data()[1], metrics=means,
+                             config={**CONFIG, "train.epochs": 2, "run.dir": str(tmp_path / "r")})
+    again = _recomputed(tmp_path / "r")
+    assert summary["eval"]["top1"] == pytest.approx(summary["eval"]["accuracy"], abs=1e-12)
+    assert summary["eval"]["margin"] == pytest.approx(again["margin"], rel=1e-6)
+
+
 SCRIPT = """
 import sys, torch, scaletrain
 sys.path[:0] = [{tests!r}, {root!r}]  # this file, and tests/noisy.py

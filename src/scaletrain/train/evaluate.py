@@ -121,12 +121,16 @@ def _evaluated(job: Job, batches: Iterator[Any]) -> torch.Tensor:
             loss = plain(job.loss_fn(out, batch.target))
             totals[:4] += _sums(out, batch, loss, aligned=not job.user_loss and not job.shifted)
             if job.metrics:
-                totals[4:] += _metric_sums(job, out, batch.target)
+                totals[4:] += _metric_sums(job, out, batch.target, batch.size())
     return totals
 
 
-def _metric_sums(job: Job, out: Any, target: Any) -> torch.Tensor:
-    """(sum, count) of each of fit()'s metrics' values on one batch, on the device."""
+def _metric_sums(job: Job, out: Any, target: Any, samples: int) -> torch.Tensor:
+    """(sum, count) of each of fit()'s metrics' values on one batch of ``samples``, on the device. A metric that
+    returns one number (a 0-dim tensor: the batch's mean, as torchmetrics-style code and Lightning's self.log
+    return it) counts for each of the batch's samples, as Lightning weighs a logged batch mean: the split's mean
+    of per-sample values is then exact whatever the batches, where a plain mean of batch means weighs the last,
+    smaller batch (and each rank's) as a whole one."""
     whole = plain(out)  # logits split by vocabulary: whole
     sums = []
     for name, fn in job.metrics.items():
@@ -135,8 +139,10 @@ def _metric_sums(job: Job, out: Any, target: Any) -> torch.Tensor:
             raise UserError(f"fit(metrics={{{name!r}: ...}}) returned a {type(values).__name__}; expected a tensor "
                             "of per-sample values (their mean over the held-out split is the metric); fix: return "
                             "a tensor, e.g. (out.argmax(-1) == y).float()")
-        values = plain(values).detach()
-        sums += [values.double().sum(), torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device)]
+        values = plain(values).detach().double()
+        weight = samples if values.dim() == 0 else 1
+        sums += [values.sum() * weight, torch.tensor(float(values.numel() * weight), dtype=torch.float64,
+                                                     device=values.device)]
     return torch.stack(sums).to(job.rt.device)
 
 

@@ -563,7 +563,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     the optimizer returning one (``lambda opt: get_cosine_schedule_with_warmup(opt, 100, 1000)``), stepped after
     every optimizer step and checkpointed with it.
     ``metrics``: held-out measures of your own beside the loss (and accuracy), each a function of the model's
-    output and the target returning per-sample values: the metric is their mean over the whole held-out split
+    output and the target returning per-sample values (or their batch mean as a 0-dim tensor, weighed by the
+    batch's samples): the metric is their mean over the whole held-out split
     (summed over ranks: exact at any world size), logged as eval_NAME and in the summary's ``eval``
     (``{"top5": lambda out, y: (out.topk(5, -1).indices == y[:, None]).any(-1)}``); train.monitor may name one.
     ``on_eval(model, step, metrics)``: called on every rank after each evaluation, the model in eval mode under
