@@ -61,6 +61,7 @@ to st.backward() is named at the next log step whichever step the user calls.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import math
@@ -371,6 +372,7 @@ class Session:
         self._noise: NoiseScaleLog | None = None  # log.grad_noise_scale: the model's gradient noise scale
         self._arrivals: Arrivals | None = None  # tensor parallelism: when this rank issued its group's collectives
         self._tracked: dict[str, Any] = {}  # st.track(): name -> an object with state_dict()
+        self._restored_groups: dict[int, list[dict[str, Any]]] = {}  # id(optimizer) -> its groups as resumed
         self._loaders: list[Loader] = []
         self.preempt = opened.preempt if opened is not None else \
             PreemptFlag(f"[rank {self.rt.rank}] " if self.rt.world_size > 1 else "").install()
@@ -623,6 +625,9 @@ class Session:
                 opt.register_step_pre_hook(lambda *_, entry=entry: self._through_ddp(entry))
         if self.resume is not None:
             self._restore(entry)
+            for opt in built:  # as saved: a scheduler built on it next resets them to its start (track() below)
+                self._restored_groups[id(opt)] = [copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+                                                  for g in opt.param_groups]
         self._models.append(entry)
         return (wrapped, *built)
 
@@ -705,6 +710,9 @@ class Session:
                             "state_dict()")
         if self.resume is not None:
             saved = self._trainer.get("tracked", {})
+            adopted = self._adopted_name(obj)  # the name a scheduler of a session optimizer is tracked by unasked
+            if name not in saved and adopted in saved and adopted not in self._tracked:
+                name = adopted  # tracked unasked before, by st.track() now: the same state
             if name not in saved and _new:  # the trainer's own state that older checkpoints lack: starts afresh
                 self._tracked[name] = obj
                 return obj
@@ -713,10 +721,7 @@ class Session:
                                       "track the same objects, in the same order (or with the same name=)")
             obj.load_state_dict(saved[name])
             if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-                # Built after setup() restored its optimizer, the scheduler's constructor set the optimizer's
-                # lr to the schedule's start; the saved position's lr goes back.
-                for group, lr in zip(obj.optimizer.param_groups, obj.get_last_lr()):
-                    group["lr"] = lr
+                self._regroup(obj)
         self._tracked[name] = obj
         return obj
 
@@ -1069,6 +1074,7 @@ class Session:
     def _start_training(self) -> None:
         if self._training:
             return
+        self._adopt_schedulers()
         self._training = True
         if self._rank_state is not None and "rng" in self._rank_state and "rng" not in self.skip:
             rng.restore(self._rank_state["rng"], self.device)
@@ -1085,6 +1091,69 @@ class Session:
         if self._noise is not None and self._loaders:  # one process: each micro-batch's loss was divided by this
             self._noise.probe.set_accum(self._loaders[0].inner.accum)
         self._interval_started = self._first_step_at = time.perf_counter()
+
+    def _adopted_name(self, obj: Any) -> str:
+        """The name _adopt_schedulers tracks an LR scheduler of the session's ``i``-th optimizer by ('' for
+        anything else)."""
+        optimizers = [opt for m in self._models for opt in m.optimizers]
+        opt = getattr(obj, "optimizer", None)
+        found = [i for i, o in enumerate(optimizers) if o is opt]
+        return f"lr_scheduler_of_optimizer{found[0]}" if found else ""
+
+    def _regroup(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        """Built after setup() restored its optimizer, a scheduler's constructor set the optimizer's
+        hyperparameters to its start: the lr, and OneCycleLR's and CyclicLR's momentum (or Adam's betas) too.
+        The groups as saved go back, so the next step is the saved run's (only the lr went back before, and a
+        resumed OneCycleLR's SGD stepped with the first step's momentum)."""
+        groups = self._restored_groups.get(id(scheduler.optimizer))
+        if groups is None:  # an optimizer the session did not set up: the saved position's lr, at least
+            groups = [{"lr": lr} for lr in scheduler.get_last_lr()]
+        for group, kept in zip(scheduler.optimizer.param_groups, groups):
+            for key, value in kept.items():
+                if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                    group[key].copy_(value)  # a tensor lr (capturable, compiled optimizers) stays the same tensor
+                else:
+                    group[key] = copy.deepcopy(value)
+
+    def _adopt_schedulers(self) -> None:
+        """An LR scheduler built on an optimizer of the session and never given to st.track() (the loop's own
+        OneCycleLR, ported as it was) is tracked here, as the first step begins: its position goes into every
+        checkpoint and a resume restores it. Untracked, a resumed schedule started over, silently: a OneCycleLR of
+        60 steps stopped at 30 ended at lr 0.156 instead of 0.0003. One heap scan, once (torch marks an optimizer
+        that a scheduler steps, so a loop without one pays nothing). Several untracked on one optimizer cannot be
+        told apart from one run to the next: a warning names them."""
+        from torch.optim.lr_scheduler import LRScheduler
+
+        optimizers = [opt for m in self._models for opt in m.optimizers]
+        if not any(hasattr(opt.step, "_wrapped_by_lr_sched") for opt in optimizers):
+            return
+        import gc
+
+        covered = set()  # tracked already: as itself, as a tracked wrapper's .scheduler, as a composite's part
+        for t in self._tracked.values():
+            covered |= {id(t), id(getattr(t, "scheduler", None))}
+        # type(), not isinstance(): an object's __class__ may be a property (torch.distributed.reduce_op's warns)
+        found = [o for o in gc.get_objects() if issubclass(type(o), LRScheduler) and id(o) not in covered
+                 and any(o.optimizer is opt for opt in optimizers)]
+        for whole in [*found, *self._tracked.values()]:  # SequentialLR's and ChainedScheduler's parts
+            covered |= {id(part) for part in getattr(whole, "_schedulers", ())}
+        found = [o for o in found if id(o) not in covered]
+        for i, opt in enumerate(optimizers):
+            mine = [o for o in found if o.optimizer is opt]
+            kinds = ", ".join(type(o).__name__ for o in mine)
+            if len(mine) == 1:
+                name = f"lr_scheduler_of_optimizer{i}"
+                fresh = self.resume is not None and name not in self._trainer.get("tracked", {})
+                self.track(mine[0], name=name, _new=True)
+                self.console.print(f"lr scheduler: the {kinds} of optimizer {i} is checkpointed with the run (tracked "
+                                   "as st.track() would: a resume goes on from its position)")
+                if fresh:
+                    self.console.print(f"warning: the checkpoint holds no state of the {kinds} of optimizer {i} (it "
+                                       "was made before the scheduler was tracked): its schedule starts over")
+            elif mine:
+                self.console.print(f"warning: {len(mine)} LR schedulers ({kinds}) step optimizer {i}, none tracked: a "
+                                   "resume would start them over; fix: sched = st.track(sched) for each, in the "
+                                   "same order every run")
 
     def _after_step(self) -> None:
         cfg = self.cfg
