@@ -298,21 +298,24 @@ def test_a_stopped_loop_resumes_mid_epoch_bit_identical(tmp_path: Path) -> None:
     assert [r["step"] for r in records if r["kind"] == "resume"] == [17]
 
 
-def test_an_untracked_scheduler_is_tracked_by_the_session_and_st_track_takes_it_over(tmp_path: Path,
+def test_an_untracked_scheduler_and_ema_are_tracked_by_the_session_and_st_track_takes_over(tmp_path: Path,
                                                                                     capsys) -> None:
     """A scheduler built on a session's optimizer and never given to st.track() (the loop's own, ported as it
     was) is tracked as the first step begins: its position is in the checkpoints and a resume goes on from it
     (lr 1/21 at step 20; it started over at 1/4 before). Tracked by st.track() in a later run, the same state is
-    its. (The EMA, which nothing can find, is not tracked: it is left out of the comparison.)"""
+    its. The EMA of model a (torch's AveragedModel) is tracked so too, and the resumed run is the straight one.
+    """
     straight = _train(tmp_path / "straight", 20)
     _train(tmp_path / "parts", 17, track=False)
-    assert "lr scheduler: the LambdaLR of optimizer 1 is checkpointed with the run" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "checkpointed with the run: the LambdaLR of optimizer 1 (tracked as st.track() would" in said
+    assert "checkpointed with the run: the AveragedModel of model a (tracked as st.track() would" in said
     for track in (False, True):
         (tmp_path / "parts" / "summary.json").unlink()
         resumed = _train(tmp_path / "parts", 20 if not track else 23, track=track and "scheduler")
         if not track:
             assert float(resumed["lr"]) == pytest.approx(0.1 / 21) == float(straight["lr"])
-            assert all(torch.equal(straight[k], resumed[k]) for k in straight if not k.startswith("ema."))
+            assert all(torch.equal(straight[k], resumed[k]) for k in straight)  # the EMA's weights too
         else:
             assert float(resumed["lr"]) == pytest.approx(0.1 / 24)
 

@@ -1074,7 +1074,7 @@ class Session:
     def _start_training(self) -> None:
         if self._training:
             return
-        self._adopt_schedulers()
+        self._adopt_untracked()
         self._training = True
         if self._rank_state is not None and "rng" in self._rank_state and "rng" not in self.skip:
             rng.restore(self._rank_state["rng"], self.device)
@@ -1115,45 +1115,67 @@ class Session:
                 else:
                     group[key] = copy.deepcopy(value)
 
-    def _adopt_schedulers(self) -> None:
-        """An LR scheduler built on an optimizer of the session and never given to st.track() (the loop's own
-        OneCycleLR, ported as it was) is tracked here, as the first step begins: its position goes into every
-        checkpoint and a resume restores it. Untracked, a resumed schedule started over, silently: a OneCycleLR of
-        60 steps stopped at 30 ended at lr 0.156 instead of 0.0003. One heap scan, once (torch marks an optimizer
-        that a scheduler steps, so a loop without one pays nothing). Several untracked on one optimizer cannot be
-        told apart from one run to the next: a warning names them."""
-        from torch.optim.lr_scheduler import LRScheduler
-
-        optimizers = [opt for m in self._models for opt in m.optimizers]
-        if not any(hasattr(opt.step, "_wrapped_by_lr_sched") for opt in optimizers):
-            return
+    def _adopt_untracked(self) -> None:
+        """What a resume needs and the loop never gave to st.track(), tracked here as the first step begins, each
+        said in one line: an LR scheduler built on an optimizer of the session (the loop's own OneCycleLR, ported
+        as it was), and an average of a set-up model's weights (torch's AveragedModel: an EMA, SWA). Untracked,
+        a resume started them over, silently: a OneCycleLR of 60 steps stopped at 30 ended at lr 0.156 instead of
+        0.0003, and an EMA averaged from the resumed weights on. One heap scan, once (30 ms beside a trainer's
+        imports, after a collection of the garbage that an earlier session in this process left). Several of a kind
+        for one optimizer or model cannot be told apart from one run to the next: a warning names them, as it
+        names an average the checkpoint cannot hold (of sharded parameters)."""
         import gc
 
+        from torch.optim.lr_scheduler import LRScheduler
+        from torch.optim.swa_utils import AveragedModel
+
+        optimizers = [opt for m in self._models for opt in m.optimizers]
+        shapes = [[tuple(p.shape) for p in m.module.parameters()] for m in self._models]
         covered = set()  # tracked already: as itself, as a tracked wrapper's .scheduler, as a composite's part
         for t in self._tracked.values():
             covered |= {id(t), id(getattr(t, "scheduler", None))}
-        # type(), not isinstance(): an object's __class__ may be a property (torch.distributed.reduce_op's warns)
-        found = [o for o in gc.get_objects() if issubclass(type(o), LRScheduler) and id(o) not in covered
-                 and any(o.optimizer is opt for opt in optimizers)]
-        for whole in [*found, *self._tracked.values()]:  # SequentialLR's and ChainedScheduler's parts
+        schedulers, averages = [], []
+        gc.collect()  # a finished session's scheduler or average, unreachable in a cycle, is not this one's
+        for o in gc.get_objects():  # type(), not isinstance(): a __class__ may be a property that warns
+            kind = type(o)
+            if id(o) in covered:
+                continue
+            if issubclass(kind, LRScheduler) and any(o.optimizer is opt for opt in optimizers):
+                schedulers.append(o)
+            elif issubclass(kind, AveragedModel) and [tuple(p.shape) for p in o.module.parameters()] in shapes:
+                averages.append(o)
+        for whole in [*schedulers, *self._tracked.values()]:  # SequentialLR's and ChainedScheduler's parts
             covered |= {id(part) for part in getattr(whole, "_schedulers", ())}
-        found = [o for o in found if id(o) not in covered]
+        schedulers = [o for o in schedulers if id(o) not in covered]
         for i, opt in enumerate(optimizers):
-            mine = [o for o in found if o.optimizer is opt]
-            kinds = ", ".join(type(o).__name__ for o in mine)
-            if len(mine) == 1:
-                name = f"lr_scheduler_of_optimizer{i}"
-                fresh = self.resume is not None and name not in self._trainer.get("tracked", {})
-                self.track(mine[0], name=name, _new=True)
-                self.console.print(f"lr scheduler: the {kinds} of optimizer {i} is checkpointed with the run (tracked "
-                                   "as st.track() would: a resume goes on from its position)")
-                if fresh:
-                    self.console.print(f"warning: the checkpoint holds no state of the {kinds} of optimizer {i} (it "
-                                       "was made before the scheduler was tracked): its schedule starts over")
-            elif mine:
-                self.console.print(f"warning: {len(mine)} LR schedulers ({kinds}) step optimizer {i}, none tracked: a "
-                                   "resume would start them over; fix: sched = st.track(sched) for each, in the "
-                                   "same order every run")
+            self._adopt([o for o in schedulers if o.optimizer is opt], f"lr_scheduler_of_optimizer{i}",
+                        f"optimizer {i}", "sched = st.track(sched)")
+        for m, own in zip(self._models, shapes):  # an average of two models' shape is the first one's
+            tracked = {id(t) for t in self._tracked.values()}
+            self._adopt([o for o in averages if id(o) not in tracked
+                         and [tuple(p.shape) for p in o.module.parameters()] == own],
+                        f"average_of_{m.name}", m.name if m.name.startswith("model") else f"model {m.name}",
+                        "ema = st.track(ema)")
+
+    def _adopt(self, found: list[Any], name: str, of: str, fix: str) -> None:
+        if not found:
+            return
+        kinds = ", ".join(type(o).__name__ for o in found)
+        if len(found) > 1:
+            self.console.print(f"warning: {len(found)} of {of} ({kinds}) are not tracked: a resume would start them "
+                               f"over; fix: {fix} for each, in the same order every run")
+            return
+        fresh = self.resume is not None and name not in self._trainer.get("tracked", {})
+        try:
+            self.track(found[0], name=name, _new=True)
+        except UserError as err:  # an average of sharded parameters: the checkpoint cannot hold it yet
+            self.console.print(f"warning: the {kinds} of {of} is not checkpointed ({err}): a resume starts it over")
+            return
+        self.console.print(f"checkpointed with the run: the {kinds} of {of} (tracked as st.track() would: a resume "
+                           "goes on from its state)")
+        if fresh:
+            self.console.print(f"warning: the checkpoint holds no state of the {kinds} of {of} (made before it was "
+                               "tracked): it starts over")
 
     def _after_step(self) -> None:
         cfg = self.cfg
