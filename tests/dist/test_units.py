@@ -258,6 +258,10 @@ def test_blocks_of_three_model_shapes_are_found_named_and_sharded_one_unit_each(
     assert find_units(ResNet(), "BasicBlock,Linear").describe() == "6 x BasicBlock, 1 x Linear"
     with pytest.raises(ConfigError, match=r"none is a GPT2Block.*fix: --parallel.fsdp_units=BasicBlock"):
         find_units(ResNet(), "GPT2Block")
+    lstm = nn.Sequential(nn.Embedding(50, 8), nn.LSTM(8, 64, num_layers=2), nn.Linear(64, 5))  # no repeated layers
+    with pytest.raises(ConfigError, match=r"none is a Block.*fix: --parallel.fsdp_units=LSTM$"):
+        find_units(lstm, "Block")  # the largest layer's class, which the same call then takes
+    assert find_units(lstm, "LSTM").describe() == "1 x LSTM"
     with pytest.raises(ConfigError, match=r"parallel.fsdp_units = 'Block,': expected class names separated"):
         ParallelConfig(fsdp_units="Block,")
 

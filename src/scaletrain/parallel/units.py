@@ -233,9 +233,14 @@ def _param_classes(named: list[tuple[str, nn.Module]]) -> str:
 
 
 def _suggest(named: list[tuple[str, nn.Module]]) -> str:
-    """A class name to suggest: the repeated blocks this model has, else any class holding parameters."""
+    """A class name to suggest: the repeated blocks this model has, else the class of its largest layer with
+    parameters that is not a container (a fix that runs as typed; "MyBlock" was refused again)."""
     lists = _same_class_lists(named)
-    return max(lists, key=lambda r: _size(r[1]))[2].__name__ if lists else "MyBlock"
+    if lists:
+        return max(lists, key=lambda r: _size(r[1]))[2].__name__
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    layers = [m for _, m in named if _has_params(m) and not isinstance(m, containers)]
+    return class_of(max(layers, key=_size)).__name__ if layers else "MyBlock"
 
 
 def units_line(model: nn.Module, names: str = "", *, sharded: bool, blocks: bool) -> str:
