@@ -265,6 +265,17 @@ def _exit_text(exitcode: int) -> str:
     return f"failed with exit code {exitcode}"
 
 
+def _recorded(failure: Any) -> str:
+    """The exception a worker recorded in its error file (a script's main under torch's @record), in one line of
+    at most 200 characters; '' when it recorded none (torch then makes up a pointer to its docs, or names a
+    signal, which the exit text says already)."""
+    if not os.path.isfile(str(getattr(failure, "error_file", ""))):
+        return ""
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+    first = str(message).strip().splitlines()[0] if str(message).strip() else ""
+    return first if len(first) <= 200 else first[:197] + "..."
+
+
 def root_failure(failures: dict[int, Any]) -> tuple[int, int]:
     """(global rank, exit code) of the worker that most likely failed first.
 
@@ -382,8 +393,9 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
             return 1
         first = min(f.timestamp for f in err.failures.values())  # those the agent stopped are not failures
         failed = sum(not _by_agent(f, first) for f in err.failures.values()) or len(err.failures)
-        print(f"scaletrain: worker rank {rank} {_exit_text(code)} ({failed} of {cfg.nproc * cfg.nnodes} workers "
-              "stopped with an error; see its output above)", file=sys.stderr)
+        said = _recorded(err.failures[rank])
+        print(f"scaletrain: worker rank {rank} {_exit_text(code)}{': ' + said if said else ''} ({failed} of "
+              f"{cfg.nproc * cfg.nnodes} workers stopped with an error; see its output above)", file=sys.stderr)
         # the worker's own exit code, as `python script.py` gives it (argparse's 2, a script's sys.exit(3)), for
         # the shell or scheduler that reads it; torchrun exits 1 whatever it was. Killed by a signal: 1
         return code if code > 0 else 1
