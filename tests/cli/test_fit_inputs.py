@@ -545,14 +545,47 @@ def test_dataloaders_train_as_their_datasets_with_their_settings(tmp_path: Path)
 
 
 def test_a_dataloader_with_a_sampler_of_its_own_is_one_line(tmp_path: Path) -> None:
-    from torch.utils.data import DataLoader, WeightedRandomSampler
+    from torch.utils.data import DataLoader, SubsetRandomSampler
 
     x, y = _points(256, 0)
-    loader = DataLoader(list(zip(x, y)), batch_size=32, sampler=WeightedRandomSampler(torch.ones(256), 256))
-    with pytest.raises(UserError, match=(r"^fit\(\): a DataLoader reading its sampler WeightedRandomSampler cannot be "
+    loader = DataLoader(list(zip(x, y)), batch_size=32, sampler=SubsetRandomSampler(range(128)))
+    with pytest.raises(UserError, match=(r"^fit\(\): a DataLoader reading its sampler SubsetRandomSampler cannot be "
                                          r"sharded over ranks and resumed exactly; fix: pass its dataset, as fit\(model, "
                                          r"loader.dataset, config=\{'data.batch_size': ...\}, collate_fn=")):
         scaletrain.fit(nn.Linear(8, 4), loader, config=_config(tmp_path, "w"))
+
+
+class RareCounter(nn.Module):
+    """A linear model that counts the training samples it sees and the rare ones among them (first input 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.seen = [0, 0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen[0] += len(x)
+            self.seen[1] += int((x[:, 0] == 1).sum())
+        return self.lin(x)
+
+
+def test_a_weighted_random_sampler_draws_its_epochs_by_weight(tmp_path: Path) -> None:
+    """A DataLoader reading a WeightedRandomSampler (rare samples, 10%, weighed 9): training draws by weight, about
+    half rare (10% unweighted), its epoch the sampler's num_samples in proportion to the samples kept after the
+    held-out split; the held-out samples are evaluated each once, unweighted."""
+    from torch.utils.data import DataLoader, WeightedRandomSampler
+
+    x, y = _points(500, 0)
+    x[:, 0] = (torch.arange(500) % 10 == 0).float()  # every tenth sample rare
+    weights = 1 + 8 * x[:, 0]
+    loader = DataLoader(list(zip(x, y)), batch_size=20, sampler=WeightedRandomSampler(weights, 1000))
+    model = RareCounter()
+    summary = scaletrain.fit(model, loader, config={**_config(tmp_path, "w"), "train.epochs": 2})
+    assert summary["steps"] == 2 * (800 // 32)  # 400 samples kept: 800 of the 1000 draws per epoch, batches of 32
+    assert summary["eval"]["count"] == 100.0
+    # 50 batches of 32 (and fit's own first forwards, which measure the model, a sample or two)
+    assert 50 * 32 <= model.seen[0] <= 50 * 32 + 4 and 0.4 < model.seen[1] / model.seen[0] < 0.6, model.seen
 
 
 class VAE(nn.Module):

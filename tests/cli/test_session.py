@@ -553,9 +553,16 @@ def test_a_dataloader_of_ones_own_is_read_for_its_dataset_batch_size_collate_fn_
     """st.loader(DataLoader(...)), as a script written for plain torch or Accelerate's prepare() hands it, was
     refused ("fix: pass a torch Dataset"), and a loader of the dataset alone lost its batch size and collate_fn.
     It is now the session's loader of that dataset, with the DataLoader's batch size, collate_fn and shuffle:
-    the same batches, bit for bit, as st.loader(dataset, batch_size=, collate_fn=, shuffle=); a sampler that
-    chooses samples by weight is one line."""
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
+    the same batches, bit for bit, as st.loader(dataset, batch_size=, collate_fn=, shuffle=); a
+    WeightedRandomSampler's weights and draws are read (tests/unit/test_loader_resume.py); a sampler that picks
+    a subset is one line."""
+    from torch.utils.data import (
+        DataLoader,
+        DistributedSampler,
+        SubsetRandomSampler,
+        TensorDataset,
+        WeightedRandomSampler,
+    )
 
     x = torch.randn(48, 4, generator=torch.Generator().manual_seed(0))
     dataset = TensorDataset(x, (x[:, 0] > 0).long())
@@ -587,11 +594,13 @@ def test_a_dataloader_of_ones_own_is_read_for_its_dataset_batch_size_collate_fn_
     sampled = DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, num_replicas=1, rank=0,
                                                                           shuffle=False), collate_fn=_padded)
     assert torch.equal(torch.cat([b["x"] for b in batches(lambda st: st.loader(sampled))[:6]]), x)
-    weighted = DataLoader(dataset, batch_size=8, sampler=WeightedRandomSampler(torch.ones(48), 48))
+    weighted = DataLoader(dataset, batch_size=8, sampler=WeightedRandomSampler(torch.ones(48), 48), collate_fn=_padded)
+    assert len(batches(lambda st: st.loader(weighted))) == 12  # read: its 48 draws an epoch
+    subset = DataLoader(dataset, batch_size=8, sampler=SubsetRandomSampler(range(24)))
     with pytest.raises(UserError, match=r"^session.loader\(\): a DataLoader reading its sampler "
-                                        r"WeightedRandomSampler cannot be sharded .*; fix: pass its dataset"), \
-            scaletrain.session({"run.dir": str(tmp_path / "weighted")}) as st:
-        st.loader(weighted)
+                                        r"SubsetRandomSampler cannot be sharded .*; fix: pass its dataset"), \
+            scaletrain.session({"run.dir": str(tmp_path / "subset")}) as st:
+        st.loader(subset)
 
 
 NEVER_CLOSED = """

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from scaletrain.config import load
-from scaletrain.data import ShardedLoader, TensorPairs
+from scaletrain.data import ShardedLoader, TensorPairs, Weighted, in_memory
+from scaletrain.errors import UserError
 from scaletrain.train.batching import plan_batches
 
 
@@ -35,6 +36,58 @@ def test_mid_epoch_resume_with_two_workers_gives_the_same_next_batches(rank):
     for (xa, ya), (xb, yb) in zip(want, got):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert state["cursor"] == 13 * 8 and state["epoch"] == 0
+
+
+def _weighted(n: int = 200, draws: int = 210) -> Weighted:
+    """n samples whose target is their index, the first 20 weighed 9: about half of the draws."""
+    return Weighted(_data(n), torch.where(torch.arange(n) < 20, 9.0, 1.0), draws)
+
+
+def test_weighted_epochs_are_drawn_by_weight_sharded_by_position_and_resumed_exactly():
+    """An epoch is the weighted set's draws (torch.multinomial from seed + epoch): 210 draws in steps of 2 ranks
+    x 5 x accumulation 2 are 10 steps, rank r takes positions r, r + 2, ... of them, as of a permutation; every
+    epoch draws anew; mid-epoch resume gives the same next batches, and so does one at world size 1."""
+    data = _weighted()
+    loaders = [ShardedLoader(data, batch_size=5, rank=r, world=2, accum=2, seed=3) for r in (0, 1)]
+    assert all(lo.steps_per_epoch == 10 for lo in loaders)
+    epochs = []
+    for epoch in range(3):
+        got = [torch.cat([y for _, y in itertools.islice(iter(lo), 20)]) for lo in loaders]
+        order = data.order(3, epoch)[:200]
+        assert [g.tolist() for g in got] == [order[r::2].tolist() for r in (0, 1)]
+        epochs.append(order)
+    assert not torch.equal(epochs[0], epochs[1])
+    rare = sum(int((e < 20).sum()) for e in epochs) / 600
+    assert 0.4 < rare < 0.6, rare  # 20 x 9 of 180 + 180 weight: half, where 10% are rare
+
+    straight = ShardedLoader(data, batch_size=5, rank=1, world=2, accum=2, seed=3)
+    it = iter(straight)
+    for _ in range(8):  # 4 steps of 2 micro-batches: 80 positions
+        next(it)
+    state = straight.state_dict()
+    want = [next(it)[1] for _ in range(6)]
+    again = ShardedLoader(data, batch_size=5, rank=1, world=2, accum=2, seed=3)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b[1]) for a, b in zip(want, itertools.islice(iter(again), 6)))
+    alone = ShardedLoader(data, batch_size=10, rank=0, world=1, accum=2, seed=3)  # world 1: both ranks' positions
+    alone.load_state_dict({**state, "step_samples": 20})
+    assert state["cursor"] == 80 and torch.equal(next(iter(alone))[1], data.order(3, 0)[80:90])
+
+
+def test_a_weighted_set_holds_out_its_samples_unweighted_and_bad_weights_are_one_line():
+    splits = in_memory(_weighted(), val_fraction=0.2)
+    assert isinstance(splits.train, Weighted) and len(splits.train) == 160 and splits.train.num_samples == 168
+    assert not isinstance(splits.eval, Weighted) and len(splits.eval) == 40  # each held-out sample once
+    held = {int(splits.eval[i][1]) for i in range(40)}
+    kept = {int(splits.train[i][1]) for i in range(160)}
+    assert not held & kept and len(held | kept) == 200
+    assert all(splits.train.weights[i] == (9.0 if int(splits.train[i][1]) < 20 else 1.0) for i in range(160))
+    for weights, draws, replacement, said in [(torch.ones(5), 10, True, "5 weights for 200 samples"),
+                                              (-torch.ones(200), 10, True, "a negative or non-finite weight"),
+                                              (torch.zeros(200), 10, True, "no positive weight"),
+                                              (torch.ones(200), 300, False, "300 samples drawn without replacement")]:
+        with pytest.raises(UserError, match=f"^data: weighted sampling with {said}.*; fix: WeightedRandomSampler"):
+            Weighted(_data(200), weights, draws, replacement)
 
 
 class _CollectingInWorkers(TensorPairs):

@@ -7,6 +7,7 @@ from scaletrain.data.loader import (
     ShardedLoader,
     ShardedSampler,
     StreamLoader,
+    Weighted,
     epoch_permutation,
     eval_indices,
     eval_loader,
@@ -23,8 +24,8 @@ from scaletrain.data.sources import (
 )
 from scaletrain.errors import ConfigError
 
-__all__ = ["ShardedLoader", "ShardedSampler", "Splits", "StreamLoader", "TensorPairs", "TokenWindows", "build_splits",
-           "epoch_permutation", "eval_indices", "eval_loader", "in_memory", "train_size"]
+__all__ = ["ShardedLoader", "ShardedSampler", "Splits", "StreamLoader", "TensorPairs", "TokenWindows", "Weighted",
+           "build_splits", "epoch_permutation", "eval_indices", "eval_loader", "in_memory", "train_size"]
 
 
 def build_splits(data: DataConfig, model: ModelConfig) -> Splits:

@@ -16,6 +16,10 @@ makes a resumed run exact, also at another world size: the resumed ranks continu
 (rank r at cursor + r, cursor + r + W', ...), so no position is seen twice or skipped. When the step size
 ``b * W * accum`` changed, the rest of that epoch, positions [cursor, size), is cut into whole steps of the new
 size and the tail rule drops what is left over; later epochs follow the plain rule again.
+
+Weighted sampling (a ``Weighted`` data set: what a DataLoader's WeightedRandomSampler asked for): each epoch's
+order is ``num_samples`` indices drawn by the weights (torch.multinomial, as the sampler draws them) from the
+same ``seed + epoch`` instead of a permutation; positions, ranks, the cursor and resume are as above.
 """
 
 from __future__ import annotations
@@ -41,6 +45,52 @@ def epoch_permutation(size: int, seed: int, epoch: int, shuffle: bool) -> torch.
     return torch.randperm(size, generator=g)
 
 
+class Weighted(Dataset):
+    """``dataset`` whose training epochs draw ``num_samples`` samples by ``weights`` (one per sample), with or
+    without replacement: torch's WeightedRandomSampler, sharded over ranks and resumed exactly (ShardedLoader).
+    fit() and session.loader() make one of a DataLoader reading a WeightedRandomSampler; pass one directly as
+    ``fit(model, Weighted(dataset, weights))``. Its samples are the data set's: held out (data.val_fraction)
+    and evaluated as they are, each once; only training draws by weight."""
+
+    def __init__(self, dataset: Any, weights: Any, num_samples: int | None = None, replacement: bool = True) -> None:
+        self.dataset = dataset
+        self.weights = torch.as_tensor(weights, dtype=torch.double).flatten()
+        n = len(dataset)
+        self.num_samples = n if num_samples is None else int(num_samples)
+        self.replacement = bool(replacement)
+        positive = int((self.weights > 0).sum())
+        problem = f"{len(self.weights)} weights for {n} samples" if len(self.weights) != n else \
+            "a negative or non-finite weight" if not bool(torch.isfinite(self.weights).all()) or \
+            bool((self.weights < 0).any()) else "no positive weight" if not positive else \
+            f"num_samples = {self.num_samples}" if self.num_samples < 1 else \
+            f"{self.num_samples} samples drawn without replacement from {positive} of positive weight" \
+            if not self.replacement and self.num_samples > positive else ""
+        if problem:
+            raise UserError(f"data: weighted sampling with {problem}; expected one finite weight >= 0 per sample, "
+                            "some positive, and num_samples >= 1 (at most the samples of positive weight without "
+                            "replacement); fix: WeightedRandomSampler(weights, num_samples) with one weight per "
+                            "sample of the dataset")
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[i]
+
+    def part(self, indices: list[int]) -> Weighted:
+        """The samples at ``indices`` with their weights, drawing as many per epoch in proportion."""
+        kept = max(1, round(self.num_samples * len(indices) / len(self)))
+        if not self.replacement:
+            kept = min(kept, int((self.weights[indices] > 0).sum()))
+        return Weighted(torch.utils.data.Subset(self.dataset, indices), self.weights[indices], kept, self.replacement)
+
+    def order(self, seed: int, epoch: int) -> torch.Tensor:
+        """One epoch's indices, drawn by weight from ``seed + epoch``."""
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        return torch.multinomial(self.weights, self.num_samples, self.replacement, generator=g)
+
+
 class ShardedSampler(Sampler[int]):
     """This rank's indices for permutation positions [cursor, end) of the current epoch.
 
@@ -48,16 +98,24 @@ class ShardedSampler(Sampler[int]):
     differs only for an epoch resumed with another step size (see the module docstring).
     """
 
-    def __init__(self, size: int, *, rank: int, world: int, seed: int, shuffle: bool, usable: int) -> None:
+    def __init__(self, size: int, *, rank: int, world: int, seed: int, shuffle: bool, usable: int,
+                 weighted: Weighted | None = None) -> None:
         assert usable % world == 0 and usable <= size
         self.size, self.rank, self.world = size, rank, world
+        self.weighted = weighted  # draws each epoch's order by weight (size = its num_samples)
         self.seed, self.shuffle, self.usable = seed, shuffle, usable
         self.epoch = 0
         self.cursor = 0  # global permutation positions already consumed this epoch
         self.end = usable  # global permutation positions this epoch runs to (exclusive)
 
+    def order(self, epoch: int) -> torch.Tensor:
+        """The data set's indices at the ``size`` positions of ``epoch``."""
+        if self.weighted is not None:
+            return self.weighted.order(self.seed, epoch)
+        return epoch_permutation(self.size, self.seed, epoch, self.shuffle)
+
     def __iter__(self) -> Iterator[int]:
-        perm = epoch_permutation(self.size, self.seed, self.epoch, self.shuffle)
+        perm = self.order(self.epoch)
         return iter(perm[self.cursor + self.rank : self.end : self.world].tolist())
 
     def __len__(self) -> int:
@@ -85,7 +143,9 @@ class ShardedLoader:
     def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world: int, accum: int, seed: int,
                  shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False,
                  collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
-        size = len(dataset)  # type: ignore[arg-type]
+        weighted = dataset if isinstance(dataset, Weighted) else None
+        self.samples = len(dataset)  # type: ignore[arg-type]
+        size = weighted.num_samples if weighted is not None else self.samples  # positions of an epoch
         self.size = size
         self.accum = accum
         self.step_samples = batch_size * world * accum
@@ -95,7 +155,7 @@ class ShardedLoader:
         self.batch_size = batch_size
         self.seed = seed
         self.sampler = ShardedSampler(size, rank=rank, world=world, seed=seed, shuffle=shuffle,
-                                      usable=self.steps_per_epoch * self.step_samples)
+                                      usable=self.steps_per_epoch * self.step_samples, weighted=weighted)
         # The loader's own generator: starting an epoch's iterator draws worker seeds from it, never from the
         # global RNG, so resuming mid-epoch (a new iterator) leaves dropout and everything else unchanged.
         self.generator = torch.Generator()
@@ -124,7 +184,7 @@ class ShardedLoader:
         collect_before_fork(self.loader)
         while True:
             self.generator.manual_seed(self.seed * 1_000_003 + s.epoch)
-            perm = epoch_permutation(s.size, s.seed, s.epoch, s.shuffle) if self.track_indices else None
+            perm = s.order(s.epoch) if self.track_indices else None
             for batch in self.loader:
                 if perm is not None:
                     self.last_indices = perm[s.cursor + s.rank : s.cursor + self.micro_samples : s.world].tolist()
@@ -169,10 +229,10 @@ class ShardedLoader:
         a data set of fewer than world samples per chunk leaves a rank a batch short (an empty one is skipped)."""
         if self._whole_batches is not None:
             return self._whole_batches
-        s = self.sampler
-        order = epoch_permutation(s.size, s.seed, 0, s.shuffle).tolist()
-        chunks = -(-s.size // self.micro_samples)
-        even, extra = divmod(s.size, chunks)
+        s, size = self.sampler, self.samples  # every sample once: a weighted set's too, unweighted
+        order = epoch_permutation(size, s.seed, 0, s.shuffle).tolist()
+        chunks = -(-size // self.micro_samples)
+        even, extra = divmod(size, chunks)
         batches, start = [], 0
         for i in range(chunks):
             end = start + even + (i < extra)
@@ -231,6 +291,8 @@ def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num
 
 def train_size(dataset: Any) -> int | None:
     """The samples of a training set, None for a stream (an IterableDataset: its length is unknown)."""
+    if isinstance(dataset, Weighted):
+        return dataset.num_samples  # an epoch is the samples it draws
     return None if isinstance(dataset, IterableDataset) else len(dataset)
 
 

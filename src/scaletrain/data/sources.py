@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from scaletrain.data.loader import Weighted
 from scaletrain.errors import DataError, UserError
 
 Task = Literal["classify", "lm"]
@@ -261,4 +262,6 @@ def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task
                         f"data.val_fraction = {val_fraction}; fix: pass eval_data, or more training data")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
     subset = torch.utils.data.Subset
+    if isinstance(train_ds, Weighted):  # trained by weight, held out as they are: each sample once
+        return Splits(train_ds.part(perm[n_val:]), subset(train_ds.dataset, perm[:n_val]), task, collate_fn=collate_fn)
     return Splits(subset(train_ds, perm[n_val:]), subset(train_ds, perm[:n_val]), task, collate_fn=collate_fn)

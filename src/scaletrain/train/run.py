@@ -17,7 +17,7 @@ from scaletrain import __version__, runtime
 from scaletrain.batch import IGNORE_INDEX, BatchFn
 from scaletrain.checkpoint import rng
 from scaletrain.config import Config
-from scaletrain.data import Splits, build_splits, eval_indices, in_memory, train_size
+from scaletrain.data import Splits, Weighted, build_splits, eval_indices, in_memory, train_size
 from scaletrain.errors import DiskFull, Reported, TrainingFailed, UserError, first_line, says_errors
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import WARMUP_STEPS, describe, seconds
@@ -60,6 +60,8 @@ PREEMPTED, INTERRUPTED = "preempted", "interrupted"
 
 def _count(dataset: Any) -> str:
     size = train_size(dataset)
+    if isinstance(dataset, Weighted):
+        return f"{len(dataset)} train ({size} drawn by weight per epoch)"
     return "a training stream" if size is None else f"{size} train"
 
 

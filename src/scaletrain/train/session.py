@@ -86,6 +86,7 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    WeightedRandomSampler,
     default_collate,
 )
 
@@ -93,7 +94,7 @@ from scaletrain import __version__, runtime
 from scaletrain.batch import map_tensors, to_device, tokens_per_sample
 from scaletrain.checkpoint import rng
 from scaletrain.config import Config, load, step_window
-from scaletrain.data import ShardedLoader, StreamLoader
+from scaletrain.data import ShardedLoader, StreamLoader, Weighted
 from scaletrain.errors import (
     CheckpointError,
     ConfigError,
@@ -307,25 +308,31 @@ def from_dataloader(given: DataLoader, batch_size: int, shuffle: bool | None,
                     who: str = "session.loader()") -> tuple[Any, int, bool | None, Any, int]:
     """(dataset, batch size, shuffle, collate_fn, workers) of a DataLoader handed to session.loader() or fit():
     what it was built with, each unless given to ``who`` itself. Its sampler says shuffle (random or in order; a
-    DistributedSampler's own shuffle: the session shards anyway); one that chooses samples another way (weights,
-    batches of its own making) cannot be sharded and resumed exactly: one line."""
+    DistributedSampler's own shuffle: the session shards anyway); a WeightedRandomSampler's weights, draws per
+    epoch and replacement make the data set a Weighted one (drawn from run.seed, sharded and resumed as any);
+    one that chooses samples another way (a subset, batches of its own making) cannot be sharded and resumed
+    exactly: one line."""
     stream = isinstance(given.dataset, IterableDataset)
     batches = given.batch_sampler
     plain = type(batches) is BatchSampler  # batch_size=N makes one; so does BatchSampler(sampler, N) given
     sampler = batches.sampler if plain else given.sampler
-    if not stream and not (plain and isinstance(sampler, (RandomSampler, SequentialSampler, DistributedSampler))):
+    dataset = given.dataset
+    if plain and isinstance(sampler, WeightedRandomSampler) and not stream:
+        dataset = Weighted(dataset, sampler.weights, sampler.num_samples, sampler.replacement)
+        shuffle = True if shuffle is None else shuffle
+    elif not stream and not (plain and isinstance(sampler, (RandomSampler, SequentialSampler, DistributedSampler))):
         how = f"its sampler {type(sampler).__name__}" if plain else f"its batch_sampler {type(batches).__name__}" \
             if batches is not None else "no batches (batch_size=None)"
         as_given = "st.loader(loader.dataset, batch_size=..., " if who.startswith("session") else \
             "fit(model, loader.dataset, config={'data.batch_size': ...}, "
         raise UserError(f"{who}: a DataLoader reading {how} cannot be sharded over ranks and resumed exactly; fix: "
-                        f"pass its dataset, as {as_given}collate_fn=loader.collate_fn), with any weighting or "
-                        "grouping of samples in the dataset")
+                        f"pass its dataset, as {as_given}collate_fn=loader.collate_fn), with any choice or "
+                        "grouping of samples made in the dataset (weights: a WeightedRandomSampler is read)")
     if shuffle is None and not stream:
         shuffle = sampler.shuffle if isinstance(sampler, DistributedSampler) else isinstance(sampler, RandomSampler)
     size = batches.batch_size if plain else given.batch_size
     own = given.collate_fn if given.collate_fn is not default_collate else None  # torch's default: scaletrain's
-    return given.dataset, batch_size or size or 0, shuffle, collate_fn or own, given.num_workers
+    return dataset, batch_size or size or 0, shuffle, collate_fn or own, given.num_workers
 
 
 def loaders_read(train_data: Any, eval_data: Any, collate_fn: Callable[[list[Any]], Any] | None) -> tuple[
@@ -646,7 +653,7 @@ class Session:
         plain torch, or for Accelerate's prepare()) is read for its dataset, batch size, collate_fn, shuffle and
         workers, and its samples sharded and resumed as above (its sampler's order is not kept: a loader of the
         session reshuffles from run.seed)."""
-        from scaletrain.data import in_memory
+        from scaletrain.data import in_memory, train_size
 
         self._usable("loader")
         if isinstance(dataset, DataLoader):
@@ -663,8 +670,9 @@ class Session:
         if stream:  # read in its order (data/loader.py StreamLoader)
             return self._add_loader(StreamLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=accum,
                                                  pin_memory=self.device.type == "cuda", collate_fn=collate_fn))
-        if len(data) < b * self.world_size * accum:  # type: ignore[arg-type]
-            raise UserError(f"session.loader(): {len(data)} samples cannot give every one of {self.world_size} "  # type: ignore[arg-type]
+        size = train_size(data) or 0  # a weighted set's: the samples an epoch draws
+        if size < b * self.world_size * accum:
+            raise UserError(f"session.loader(): {size} samples cannot give every one of {self.world_size} "
                             f"rank(s) {accum} batch(es) of {b}; fix: a smaller batch_size or more data")
         return self._add_loader(ShardedLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=accum,
                                               seed=self.cfg.run.seed,
