@@ -183,6 +183,80 @@ def test_stopped_by_the_signal_it_is_requeued_and_resumes_without_losing_a_step(
     assert (tmp_path / "requeued").read_text() == "4242\n"  # finished: not requeued again
 
 
+FIT_SCRIPT = """
+import sys, torch, scaletrain
+x = torch.randn(512, 8, generator=torch.Generator().manual_seed(0))
+scaletrain.fit(torch.nn.Linear(8, 2), (x, (x[:, 0] > 0).long()), argv=sys.argv[1:],
+               config={"train.max_steps": 24, "log.every": 4, "train.progress": False, "checkpoint.every": 100})
+"""
+
+
+def test_a_script_of_ones_own_runs_through_launch_on_every_machine(tmp_path, capsys, monkeypatch):
+    """A fit() or session script: `scaletrain launch` on each machine, its own arguments (after --) first, then
+    the run directory and the options its session reads, requeued as a recipe is. A script written for plain
+    torchrun (it never names scaletrain): its own arguments only, never requeued; options no session would read,
+    and srun's tasks (ranks from Slurm's variables, which it does not read), are one line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fit_job.py").write_text(FIT_SCRIPT)
+    (tmp_path / "plain.py").write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n")
+    assert main(["slurm", "fit_job.py", "--nodes", "2", "--gpus-per-node", "4", "--parallel.strategy=fsdp",
+                 "--", "--data", "my dir"]) == 0
+    text = capsys.readouterr().out
+    assert "#SBATCH --job-name=scaletrain-fit_job" in text.splitlines()
+    srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
+    assert srun == ("srun --kill-on-bad-exit=1 --cpus-per-task=32 scaletrain launch --nproc=4 "
+                    "--nnodes=\"$SLURM_NNODES\" --rdzv-endpoint=\"$head:$port\" --rdzv-id=\"$SLURM_JOB_ID\" "
+                    "fit_job.py --data 'my dir' --run.dir=runs/fit_job --parallel.strategy=fsdp")
+    assert "if [ \"$code\" -eq 0 ] && [ ! -f runs/fit_job/summary.json ]; then" in text.splitlines()
+    assert main(["slurm", "fit_job.py", "--gpus-per-node", "2", "--launcher", "srun"]) == 0
+    srun = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("srun "))
+    assert srun.endswith("python fit_job.py --run.dir=runs/fit_job --dist.nproc=1")
+
+    assert main(["slurm", "plain.py", "--nodes", "2", "--gpus-per-node", "8", "--", "--lr", "0.1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert next(ln for ln in lines if ln.startswith("srun ")).endswith(' --rdzv-id="$SLURM_JOB_ID" plain.py --lr 0.1')
+    assert not any("requeue" in ln for ln in lines if not ln.startswith("#"))
+    assert subprocess.run(["bash", "-n"], input="\n".join(lines), text=True, check=False).returncode == 0
+    for argv, said in [(["plain.py", "--train.max_steps=10"], ("--train.max_steps = '10': plain.py never names "
+                                                                "scaletrain, so no session reads its options; fix:")),
+                       (["plain.py", "--launcher", "srun"], "--launcher = 'srun': plain.py never names scaletrain"),
+                       (["gone.py"], "script 'gone.py' not found; fix: check the path")]:
+        assert main(["slurm", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"scaletrain: error: {said}"), err
+
+
+def test_a_scripts_job_stopped_by_the_signal_is_requeued_and_resumes(tmp_path):
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, body in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (stubs / name).write_text(body)
+        (stubs / name).chmod(0o755)
+    (tmp_path / "fit_job.py").write_text(FIT_SCRIPT)
+    script = tmp_path / "job.sbatch"
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)  # the script's --chdir, and the path of fit_job.py as given
+        assert main(["slurm", "fit_job.py", "--nodes", "1", "--gpus-per-node", "2", "--port", str(free_port()),
+                     "--out", str(script), "--run.dir=run", "--chaos.signal_rank=0", "--chaos.signal_step=5"]) == 0
+    finally:
+        os.chdir(cwd)
+    env = {**os.environ, "PATH": os.pathsep.join([str(stubs), str(Path(sys.executable).parent), os.environ["PATH"]]),
+           "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "SLURM_JOB_ID": "4343", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node01",
+           "REQUEUED": str(tmp_path / "requeued")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    for attempt in (1, 2):
+        done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=240, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert (tmp_path / "requeued").read_text() == "4343\n"  # once: after the first attempt only
+        assert (tmp_path / "run" / "summary.json").exists() == (attempt == 2)
+    assert "resumed from run/checkpoints/step-00000008: step 8 of 24" in done.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 24
+
+
 def test_slurm_time_limits_in_seconds():
     from scaletrain.cluster.slurm import time_limit_s
 

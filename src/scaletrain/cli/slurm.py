@@ -1,4 +1,5 @@
-"""`scaletrain slurm RECIPE|FILE.toml --nodes N --gpus-per-node G [--time T] [--out job.sbatch] [--section.key=value ...]`."""
+"""`scaletrain slurm RECIPE|FILE.toml|SCRIPT.py --nodes N --gpus-per-node G [--time T] [--out job.sbatch]
+[--section.key=value ...] [-- SCRIPT'S OWN ARGUMENTS]`."""
 
 from __future__ import annotations
 
@@ -9,18 +10,20 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.cli.options import (
-    add_config_argument,
     add_config_options,
     check_types,
     config_overrides,
     load_job,
     parse_count,
     parse_port,
+    recipe_names,
 )
 from scaletrain.errors import UserError
 
 HELP = ("Write an sbatch script that runs this training job on N machines x G GPUs under Slurm: one torchrun "
-        "agent per machine, a checkpoint and a requeue before the time limit, resumed where it stopped.")
+        "agent per machine, a checkpoint and a requeue before the time limit, resumed where it stopped. A script of "
+        "your own runs through scaletrain launch: a fit() or session script (argv=sys.argv[1:]) gets --run.dir and "
+        "the options and is requeued as a recipe is; one that never names scaletrain runs as torchrun runs it.")
 # What the script sets itself, from --nodes and --gpus-per-node and Slurm's variables.
 MAX_SIGNAL_S = 65535  # sbatch --signal=SIG@TIME: TIME is 0..65535 seconds
 _LAYOUT = {"dist.nproc": "--gpus-per-node", "dist.nnodes": "--nodes", "dist.rdzv_endpoint": "--nodes",
@@ -29,9 +32,14 @@ _LAYOUT = {"dist.nproc": "--gpus-per-node", "dist.nnodes": "--nodes", "dist.rdzv
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help=HELP, description=HELP, allow_abbrev=False,
-                       usage="scaletrain slurm RECIPE|FILE.toml --nodes N --gpus-per-node G [--time 04:00:00] "
-                             "[--launcher torchrun|srun] [--partition P] [--account A] [--out job.sbatch] [--section.key=value ...]")
-    add_config_argument(p)
+                       usage="scaletrain slurm RECIPE|FILE.toml|SCRIPT.py --nodes N --gpus-per-node G "
+                             "[--time 04:00:00] [--launcher torchrun|srun] [--partition P] [--account A] "
+                             "[--out job.sbatch] "
+                             "[--section.key=value ...] [-- SCRIPT'S OWN ARGUMENTS]")
+    p.add_argument("config", metavar="RECIPE|FILE.toml|SCRIPT.py",
+                   help=f"a built-in recipe ({', '.join(recipe_names())}), a TOML file with [section] tables, or a "
+                   "training script of your own (fit() or a session given argv=sys.argv[1:], or one written for "
+                   "plain torchrun)")
     own = p.add_argument_group("slurm")
     own.add_argument("--nodes", default="1", help="machines [default: 1]")
     own.add_argument("--gpus-per-node", default="8", help="GPUs (workers) per machine [default: 8]")
@@ -78,23 +86,59 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     if args.out and Path(args.out).exists():
         raise UserError(f"--out = {args.out!r}: the file exists, and is not overwritten; fix: another --out, or "
                         "remove it first")
+    script = args.config.endswith(".py")
+    own = leftovers.index("--") if "--" in leftovers and script else len(leftovers)
+    leftovers, script_args = leftovers[:own], leftovers[own + 1:]  # after --: a script's own, as they are
     overrides = config_overrides(args, leftovers)
     check_types(overrides)
     for key, flag in _LAYOUT.items():
         if key in overrides:
             raise UserError(f"--{key} = {overrides[key]!r}: the script sets it from {flag} and Slurm's "
                             f"variables; fix: drop it and use {flag}")
-    cfg = load_job(args.config, overrides, nproc=gpus, nnodes=nodes, endpoint="head:29500")
-    run_dir = cfg.run.dir or f"runs/{cfg.run.name}"
+    plain = script and _plain_script(args.config, overrides, args.launcher)
+    if script:  # the options a session of the script will read, checked now; its layout is the script's
+        from scaletrain.config import load
+
+        cfg = load(None, cli_overrides=overrides)
+        name = Path(args.config).stem
+        run_dir = "" if plain else cfg.run.dir or f"runs/{name}"
+    else:
+        cfg = load_job(args.config, overrides, nproc=gpus, nnodes=nodes, endpoint="head:29500")
+        name, run_dir = cfg.run.name, cfg.run.dir or f"runs/{cfg.run.name}"
     passed = [f"--{k}={v}" for k, v in overrides.items() if k != "run.dir"]
-    job = SlurmJob(nodes, gpus, time, cpus, signal_s, args.partition, args.account, f"scaletrain-{cfg.run.name}",
+    job = SlurmJob(nodes, gpus, time, cpus, signal_s, args.partition, args.account, f"scaletrain-{name}",
                    port, args.launcher)
     env = detect_env(sys.prefix, sys.base_prefix, os.environ, sys.argv[0])
-    text = sbatch_script(job, args.config, passed, run_dir, env)
+    text = sbatch_script(job, args.config, passed, run_dir, env, script_args=script_args if script else None)
     if not args.out:
         sys.stdout.write(text)
         return 0
     Path(args.out).write_text(text, encoding="utf-8")
-    print(f"wrote {args.out}: {nodes} machine(s) x {gpus} GPU(s), run directory {run_dir}; submit with: "
-          f"sbatch {args.out}", file=sys.stderr)
+    where = f"run directory {run_dir}" if run_dir else "a script without a scaletrain session: not requeued"
+    print(f"wrote {args.out}: {nodes} machine(s) x {gpus} GPU(s), {where}; submit with: sbatch {args.out}",
+          file=sys.stderr)
     return 0
+
+
+def _plain_script(path: str, overrides: dict[str, str], launcher: str) -> bool:
+    """Whether SCRIPT.py runs without scaletrain (a script written for plain torchrun: it never names it), checked
+    against what the job would give it: --section.key options a session reads, the srun launcher's tasks (each
+    its rank from Slurm's variables, which only a session reads)."""
+    from scaletrain.cli.launch import _compiles
+
+    script = Path(path)
+    if not script.is_file():
+        raise UserError(f"script {path!r} not found; fix: check the path (from the directory sbatch will run in)")
+    _compiles(script)
+    if "scaletrain" in script.read_text(encoding="utf-8", errors="replace"):
+        return False
+    if overrides:
+        key = next(iter(overrides))
+        raise UserError(f"--{key} = {overrides[key]!r}: {path} never names scaletrain, so no session reads its "
+                        "options; fix: pass the script's own arguments after --, or run its loop in "
+                        "scaletrain.fit() / scaletrain.session(argv=sys.argv[1:])")
+    if launcher == "srun":
+        raise UserError(f"--launcher = 'srun': {path} never names scaletrain, and a task started by srun gets its "
+                        "rank from Slurm's variables, which only a session reads (a torchrun script reads "
+                        "torchrun's); fix: --launcher torchrun")
+    return True

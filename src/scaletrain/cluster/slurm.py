@@ -120,10 +120,49 @@ def _directive_path(path: str) -> str:
     return f'"{path}"' if any(c.isspace() for c in path) else path
 
 
-def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str, env: PythonEnv) -> str:
+def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str, env: PythonEnv, *,
+                  script_args: list[str] | None = None) -> str:
     """The script's text. ``config`` and ``overrides`` (--section.key=value) are passed to every machine's
     `scaletrain train`, after the layout this function sets (nnodes, nproc, rendezvous, run dir); ``env`` is
-    activated before `srun`."""
+    activated before `srun`. With ``script_args`` (a list, maybe empty) ``config`` is a script of one's own,
+    run by `scaletrain launch` (srun: `python`, one task per GPU) with its own arguments first, then the run
+    dir and the overrides its session reads; without a ``run_dir`` it is a plain torchrun script: its own
+    arguments only, and never requeued (nothing says whether it finished)."""
+    q = shlex.quote
+    srun_mode = job.launcher == "srun"
+    if script_args is not None:
+        return _script_job(job, config, overrides, run_dir, env, [q(a) for a in script_args])
+    if srun_mode:  # each task a worker: env.py reads its rank and world from SLURM_PROCID and SLURM_NTASKS
+        # --nproc=1: a config's own [dist] nproc would make each task a launcher of its own job
+        train = ["scaletrain", "train", q(config), "--nproc=1", f"--run.dir={q(run_dir)}", *(q(o) for o in overrides)]
+        start = ["# one task per GPU, each a worker (no torchrun): rank and world from SLURM_PROCID and SLURM_NTASKS,",
+                 "# the first machine's address and this port for the process group's store",
+                 'export MASTER_ADDR="$head"', 'export MASTER_PORT="$port"']
+    else:
+        train = ["scaletrain", "train", q(config), f"--nproc={job.gpus_per_node}", '--nnodes="$SLURM_NNODES"',
+                 '--rdzv-endpoint="$head:$port"', '--dist.rdzv_id="$SLURM_JOB_ID"', f"--run.dir={q(run_dir)}",
+                 *(q(o) for o in overrides)]
+        start = ["# the first machine hosts the rendezvous; every machine's agent starts its GPUs' workers"]
+    return _lines(job, env, start, train, run_dir)
+
+
+def _script_job(job: SlurmJob, script: str, overrides: list[str], run_dir: str, env: PythonEnv,
+                own: list[str]) -> str:
+    q = shlex.quote
+    session = [f"--run.dir={q(run_dir)}", *(q(o) for o in overrides)] if run_dir else []
+    if job.launcher == "srun":  # a session adopts the Slurm task (env.py), as `scaletrain train` does
+        train = ["python", q(script), *own, *session, "--dist.nproc=1"]
+        start = ["# one task per GPU, each a worker of the script's session (no torchrun): rank and world from",
+                 "# SLURM_PROCID and SLURM_NTASKS, the first machine's address and this port for its store",
+                 'export MASTER_ADDR="$head"', 'export MASTER_PORT="$port"']
+    else:
+        train = ["scaletrain", "launch", f"--nproc={job.gpus_per_node}", '--nnodes="$SLURM_NNODES"',
+                 '--rdzv-endpoint="$head:$port"', '--rdzv-id="$SLURM_JOB_ID"', q(script), *own, *session]
+        start = ["# the first machine hosts the rendezvous; every machine's agent starts the script on its GPUs"]
+    return _lines(job, env, start, train, run_dir)
+
+
+def _lines(job: SlurmJob, env: PythonEnv, start: list[str], train: list[str], run_dir: str) -> str:
     q = shlex.quote
     srun_mode = job.launcher == "srun"
     tasks = job.gpus_per_node if srun_mode else 1
@@ -137,17 +176,14 @@ def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str
         directives.append(f"--partition={job.partition}")
     if job.account:
         directives.append(f"--account={job.account}")
-    if srun_mode:  # each task a worker: env.py reads its rank and world from SLURM_PROCID and SLURM_NTASKS
-        # --nproc=1: a config's own [dist] nproc would make each task a launcher of its own job
-        train = ["scaletrain", "train", q(config), "--nproc=1", f"--run.dir={q(run_dir)}", *(q(o) for o in overrides)]
-        start = ["# one task per GPU, each a worker (no torchrun): rank and world from SLURM_PROCID and SLURM_NTASKS,",
-                 "# the first machine's address and this port for the process group's store",
-                 'export MASTER_ADDR="$head"', 'export MASTER_PORT="$port"']
-    else:
-        train = ["scaletrain", "train", q(config), f"--nproc={job.gpus_per_node}", '--nnodes="$SLURM_NNODES"',
-                 '--rdzv-endpoint="$head:$port"', '--dist.rdzv_id="$SLURM_JOB_ID"', f"--run.dir={q(run_dir)}",
-                 *(q(o) for o in overrides)]
-        start = ["# the first machine hosts the rendezvous; every machine's agent starts its GPUs' workers"]
+    requeue = [
+        "# exit 0 without summary.json: stopped by USR1/TERM after saving a checkpoint; run again from it",
+        f'if [ "$code" -eq 0 ] && [ ! -f {q(run_dir + "/summary.json")} ]; then',
+        '  echo "scaletrain: stopped before the last step; requeueing job $SLURM_JOB_ID to resume"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi"] if run_dir else [
+        "# a script without a scaletrain session: not requeued (nothing here says whether it finished, and Slurm's",
+        "# USR1 before the time limit stops it unless it handles the signal itself)"]
     lines = ["#!/bin/bash",
              "# Written by `scaletrain slurm`; submit with: sbatch THIS_FILE",
              *(f"#SBATCH {d}" for d in directives),
@@ -162,10 +198,6 @@ def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str
              "# agent and its workers, or a worker, with their loader processes) may be confined to one CPU",
              f"srun --kill-on-bad-exit=1 --cpus-per-task={job.cpus_per_task} {' '.join(train)}",
              "code=$?",
-             "# exit 0 without summary.json: stopped by USR1/TERM after saving a checkpoint; run again from it",
-             f'if [ "$code" -eq 0 ] && [ ! -f {q(run_dir + "/summary.json")} ]; then',
-             '  echo "scaletrain: stopped before the last step; requeueing job $SLURM_JOB_ID to resume"',
-             '  scontrol requeue "$SLURM_JOB_ID"',
-             "fi",
+             *requeue,
              'exit "$code"']
     return "\n".join(lines) + "\n"
