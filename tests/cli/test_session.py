@@ -320,6 +320,37 @@ def test_an_untracked_scheduler_and_ema_are_tracked_by_the_session_and_st_track_
             assert float(resumed["lr"]) == pytest.approx(0.1 / 24)
 
 
+def _scaled(run_dir: Path, steps: int) -> dict[str, Any]:
+    """A CUDA AMP loop's own GradScaler (here on the CPU), never given to st.track(); one process."""
+    x = torch.randn(96, 4, generator=torch.Generator().manual_seed(0))
+    cfg = {"run.dir": str(run_dir), "train.max_steps": steps, "checkpoint.every": 3, "log.every": 3,
+           "data.batch_size": 8, "train.progress": False}
+    with scaletrain.session(cfg) as st:
+        model, opt = st.setup(Net(), lambda p: torch.optim.SGD(p, lr=0.1))
+        scaler = torch.amp.GradScaler("cpu", growth_interval=4)
+        for xb, yb in st.loader((x, (x[:, 0] > 0).long())):
+            with st.step():
+                scaler.scale(nn.functional.cross_entropy(model(xb), yb)).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+        return {**scaler.state_dict(), **{k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def test_a_loops_own_grad_scaler_is_tracked_and_resumes(tmp_path: Path, capsys) -> None:
+    """Its scale doubles every 4 steps without an overflow: 65536 x 2^2 after 11 steps (one epoch of 12 batches),
+    and a resume at 6 goes on from 2^1 and the growth count 2 (untracked, it started over at 65536 and the count
+    0: 2^1 at the end)."""
+    straight = _scaled(tmp_path / "straight", 11)
+    _scaled(tmp_path / "parts", 6)
+    assert "checkpointed with the run: the GradScaler of the loop" in capsys.readouterr().out
+    (tmp_path / "parts" / "summary.json").unlink()
+    resumed = _scaled(tmp_path / "parts", 11)
+    assert straight["scale"] == 65536.0 * 2 ** 2 and straight["_growth_tracker"] == 3
+    assert all(torch.equal(straight[k], resumed[k]) if isinstance(straight[k], torch.Tensor)
+               else straight[k] == resumed[k] for k in straight)
+
+
 def _one_cycle(run_dir: Path, steps: int) -> dict[str, Any]:
     """SGD with momentum under OneCycleLR, which cycles the momentum too, tracked; one process."""
     x = torch.randn(96, 4, generator=torch.Generator().manual_seed(0))

@@ -1126,7 +1126,8 @@ class Session:
     def _adopt_untracked(self) -> None:
         """What a resume needs and the loop never gave to st.track(), tracked here as the first step begins, each
         said in one line: an LR scheduler built on an optimizer of the session (the loop's own OneCycleLR, ported
-        as it was), and an average of a set-up model's weights (torch's AveragedModel: an EMA, SWA). Untracked,
+        as it was), an average of a set-up model's weights (torch's AveragedModel: an EMA, SWA), and the loop's
+        own enabled GradScaler (a CUDA AMP script's: its scale and growth count). Untracked,
         a resume started them over, silently: a OneCycleLR of 60 steps stopped at 30 ended at lr 0.156 instead of
         0.0003, and an EMA averaged from the resumed weights on. One heap scan, once (30 ms beside a trainer's
         imports, after a collection of the garbage that an earlier session in this process left). Several of a kind
@@ -1142,7 +1143,7 @@ class Session:
         covered = set()  # tracked already: as itself, as a tracked wrapper's .scheduler, as a composite's part
         for t in self._tracked.values():
             covered |= {id(t), id(getattr(t, "scheduler", None))}
-        schedulers, averages = [], []
+        schedulers, averages, scalers = [], [], []
         gc.collect()  # a finished session's scheduler or average, unreachable in a cycle, is not this one's
         for o in gc.get_objects():  # type(), not isinstance(): a __class__ may be a property that warns
             kind = type(o)
@@ -1152,6 +1153,8 @@ class Session:
                 schedulers.append(o)
             elif issubclass(kind, AveragedModel) and [tuple(p.shape) for p in o.module.parameters()] in shapes:
                 averages.append(o)
+            elif issubclass(kind, torch.amp.GradScaler) and o is not self.scaler and o.is_enabled():
+                scalers.append(o)  # the loop's own loss scaler (a CUDA AMP script's), not the session's
         for whole in [*schedulers, *self._tracked.values()]:  # SequentialLR's and ChainedScheduler's parts
             covered |= {id(part) for part in getattr(whole, "_schedulers", ())}
         schedulers = [o for o in schedulers if id(o) not in covered]
@@ -1164,6 +1167,7 @@ class Session:
                          and [tuple(p.shape) for p in o.module.parameters()] == own],
                         f"average_of_{m.name}", m.name if m.name.startswith("model") else f"model {m.name}",
                         "ema = st.track(ema)")
+        self._adopt(scalers, "grad_scaler", "the loop", "scaler = st.track(scaler)")
 
     def _adopt(self, found: list[Any], name: str, of: str, fix: str) -> None:
         if not found:
