@@ -908,6 +908,10 @@ def read_source(source: str) -> tuple[str, dict[str, Any], str]:
             fix = "check the path" if source.endswith(".toml") else f"use one of the recipes: {', '.join(names)}"
             raise ConfigError("config", source, f"a TOML file or a built-in recipe ({', '.join(names)})", fix,
                               "not found")
+        if path.suffix == ".py":  # `scaletrain train my_script.py`: a script runs under launch, not as a config
+            raise ConfigError("config", source, "a TOML file or a built-in recipe (a Python script is run, not read)",
+                              f"scaletrain launch --nproc 2 {source} (its fit() or session takes the --section.key "
+                              "options), or scaletrain.plan_fit() inside it to plan it", "a Python script")
         origin, name = str(path), path.stem
         try:
             raw = path.read_bytes()

@@ -70,6 +70,23 @@ def test_a_malformed_data_file_is_named(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("command", ["train", "plan", "verify-resume"])
+def test_a_script_given_where_a_config_goes_says_how_scripts_run(command, capsys, tmp_path, monkeypatch):
+    """`scaletrain train my_script.py` read the script as TOML: 'expected valid TOML (Expected '=' after a key ...
+    at line 1)'; fix: correct the file at that line'. verify-resume takes scripts: it runs them."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_script.py").write_text("import scaletrain\n")
+    code, lines = run_main([command, "my_script.py", "--steps", "0"] if command == "verify-resume" else
+                           [command, "my_script.py"], capsys)
+    if command == "verify-resume":
+        assert code == 2 and "TOML" not in " ".join(lines)
+        return
+    said = ("scaletrain: error: config = 'my_script.py' (a Python script): expected a TOML file or a built-in "
+            "recipe (a Python script is run, not read); fix: scaletrain launch --nproc 2 my_script.py (its fit() or "
+            "session takes the --section.key options), or scaletrain.plan_fit() inside it to plan it")
+    assert code == 2 and lines == [said]
+
+
 def test_help_lists_every_option(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--help"])
