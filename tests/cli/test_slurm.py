@@ -150,22 +150,29 @@ def test_an_existing_script_is_not_overwritten(tmp_path, capsys):
     assert "exists, and is not overwritten" in capsys.readouterr().err and out.read_text() == "mine\n"
 
 
-def test_stopped_by_the_signal_it_is_requeued_and_resumes_without_losing_a_step(tmp_path):
+def _stubbed_slurm(tmp_path: Path, job_id: str) -> dict[str, str]:
+    """The environment a batch script runs in here: srun and scontrol stubbed, job ``job_id`` on one machine,
+    ``scontrol requeue`` writing the id to tmp_path / "requeued"."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name, body in (("srun", SRUN), ("scontrol", SCONTROL)):
         (stubs / name).write_text(body)
         (stubs / name).chmod(0o755)
+    env = {**os.environ, "PATH": os.pathsep.join([str(stubs), str(Path(sys.executable).parent), os.environ["PATH"]]),
+           "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "SLURM_JOB_ID": job_id, "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node01",
+           "REQUEUED": str(tmp_path / "requeued")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def test_stopped_by_the_signal_it_is_requeued_and_resumes_without_losing_a_step(tmp_path):
+    env = _stubbed_slurm(tmp_path, "4242")
     script = tmp_path / "job.sbatch"
     assert main(["slurm", "digits", "--nodes", "1", "--gpus-per-node", "2", "--port", str(free_port()),
                  "--out", str(script), "--run.dir=run", "--train.max_steps=24", "--log.every=4",
                  "--train.progress=false", "--chaos.signal_rank=0", "--chaos.signal_step=5"]) == 0
-    env = {**os.environ, "PATH": os.pathsep.join([str(stubs), str(Path(sys.executable).parent), os.environ["PATH"]]),
-           "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node01",
-           "REQUEUED": str(tmp_path / "requeued")}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
 
     first = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=240, check=False)
@@ -227,11 +234,7 @@ def test_a_script_of_ones_own_runs_through_launch_on_every_machine(tmp_path, cap
 
 
 def test_a_scripts_job_stopped_by_the_signal_is_requeued_and_resumes(tmp_path):
-    stubs = tmp_path / "bin"
-    stubs.mkdir()
-    for name, body in (("srun", SRUN), ("scontrol", SCONTROL)):
-        (stubs / name).write_text(body)
-        (stubs / name).chmod(0o755)
+    env = _stubbed_slurm(tmp_path, "4343")
     (tmp_path / "fit_job.py").write_text(FIT_SCRIPT)
     script = tmp_path / "job.sbatch"
     cwd = os.getcwd()
@@ -241,12 +244,6 @@ def test_a_scripts_job_stopped_by_the_signal_is_requeued_and_resumes(tmp_path):
                      "--out", str(script), "--run.dir=run", "--chaos.signal_rank=0", "--chaos.signal_step=5"]) == 0
     finally:
         os.chdir(cwd)
-    env = {**os.environ, "PATH": os.pathsep.join([str(stubs), str(Path(sys.executable).parent), os.environ["PATH"]]),
-           "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "SLURM_JOB_ID": "4343", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node01",
-           "REQUEUED": str(tmp_path / "requeued")}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
     for attempt in (1, 2):
         done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=240, check=False)

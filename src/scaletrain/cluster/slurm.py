@@ -31,6 +31,8 @@ from scaletrain.errors import UserError
 NO_ENV = "# Python: no venv or conda env was active when `scaletrain slurm` ran; its `scaletrain` goes on PATH"
 # Slurm's --time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
 # days-hours:minutes:seconds.
+# srun mode: the process group's store at the first machine, on the job's port (env.py reads them)
+_SRUN_STORE = ['export MASTER_ADDR="$head"', 'export MASTER_PORT="$port"']
 _TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$")
 
 
@@ -136,8 +138,7 @@ def sbatch_script(job: SlurmJob, config: str, overrides: list[str], run_dir: str
         # --nproc=1: a config's own [dist] nproc would make each task a launcher of its own job
         train = ["scaletrain", "train", q(config), "--nproc=1", f"--run.dir={q(run_dir)}", *(q(o) for o in overrides)]
         start = ["# one task per GPU, each a worker (no torchrun): rank and world from SLURM_PROCID and SLURM_NTASKS,",
-                 "# the first machine's address and this port for the process group's store",
-                 'export MASTER_ADDR="$head"', 'export MASTER_PORT="$port"']
+                 "# the first machine's address and this port for the process group's store", *_SRUN_STORE]
     else:
         train = ["scaletrain", "train", q(config), f"--nproc={job.gpus_per_node}", '--nnodes="$SLURM_NNODES"',
                  '--rdzv-endpoint="$head:$port"', '--dist.rdzv_id="$SLURM_JOB_ID"', f"--run.dir={q(run_dir)}",
@@ -154,7 +155,7 @@ def _script_job(job: SlurmJob, script: str, overrides: list[str], run_dir: str, 
         train = ["python", q(script), *own, *session, "--dist.nproc=1"]
         start = ["# one task per GPU, each a worker of the script's session (no torchrun): rank and world from",
                  "# SLURM_PROCID and SLURM_NTASKS, the first machine's address and this port for its store",
-                 'export MASTER_ADDR="$head"', 'export MASTER_PORT="$port"']
+                 *_SRUN_STORE]
     else:
         train = ["scaletrain", "launch", f"--nproc={job.gpus_per_node}", '--nnodes="$SLURM_NNODES"',
                  '--rdzv-endpoint="$head:$port"', '--rdzv-id="$SLURM_JOB_ID"', q(script), *own, *session]

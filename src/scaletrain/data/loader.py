@@ -59,12 +59,14 @@ class Weighted(Dataset):
         self.num_samples = n if num_samples is None else int(num_samples)
         self.replacement = bool(replacement)
         positive = int((self.weights > 0).sum())
-        problem = f"{len(self.weights)} weights for {n} samples" if len(self.weights) != n else \
-            "a negative or non-finite weight" if not bool(torch.isfinite(self.weights).all()) or \
-            bool((self.weights < 0).any()) else "no positive weight" if not positive else \
-            f"num_samples = {self.num_samples}" if self.num_samples < 1 else \
-            f"{self.num_samples} samples drawn without replacement from {positive} of positive weight" \
-            if not self.replacement and self.num_samples > positive else ""
+        checks = [(len(self.weights) != n, f"{len(self.weights)} weights for {n} samples"),
+                  (not bool(torch.isfinite(self.weights).all() and (self.weights >= 0).all()),
+                   "a negative or non-finite weight"),
+                  (not positive, "no positive weight"),
+                  (self.num_samples < 1, f"num_samples = {self.num_samples}"),
+                  (not self.replacement and self.num_samples > positive,
+                   f"{self.num_samples} samples drawn without replacement from {positive} of positive weight")]
+        problem = next((said for failed, said in checks if failed), "")
         if problem:
             raise UserError(f"data: weighted sampling with {problem}; expected one finite weight >= 0 per sample, "
                             "some positive, and num_samples >= 1 (at most the samples of positive weight without "
@@ -143,9 +145,8 @@ class ShardedLoader:
     def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world: int, accum: int, seed: int,
                  shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False,
                  collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
-        weighted = dataset if isinstance(dataset, Weighted) else None
         self.samples = len(dataset)  # type: ignore[arg-type]
-        size = weighted.num_samples if weighted is not None else self.samples  # positions of an epoch
+        size = train_size(dataset) or 0  # positions of an epoch: a weighted set's draws
         self.size = size
         self.accum = accum
         self.step_samples = batch_size * world * accum
@@ -155,7 +156,8 @@ class ShardedLoader:
         self.batch_size = batch_size
         self.seed = seed
         self.sampler = ShardedSampler(size, rank=rank, world=world, seed=seed, shuffle=shuffle,
-                                      usable=self.steps_per_epoch * self.step_samples, weighted=weighted)
+                                      usable=self.steps_per_epoch * self.step_samples,
+                                      weighted=dataset if isinstance(dataset, Weighted) else None)
         # The loader's own generator: starting an epoch's iterator draws worker seeds from it, never from the
         # global RNG, so resuming mid-epoch (a new iterator) leaves dropout and everything else unchanged.
         self.generator = torch.Generator()

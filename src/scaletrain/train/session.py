@@ -1101,12 +1101,11 @@ class Session:
         self._interval_started = self._first_step_at = time.perf_counter()
 
     def _adopted_name(self, obj: Any) -> str:
-        """The name _adopt_schedulers tracks an LR scheduler of the session's ``i``-th optimizer by ('' for
+        """The name _adopt_untracked tracks an LR scheduler of the session's ``i``-th optimizer by ('' for
         anything else)."""
         optimizers = [opt for m in self._models for opt in m.optimizers]
         opt = getattr(obj, "optimizer", None)
-        found = [i for i, o in enumerate(optimizers) if o is opt]
-        return f"lr_scheduler_of_optimizer{found[0]}" if found else ""
+        return next((f"lr_scheduler_of_optimizer{i}" for i, o in enumerate(optimizers) if o is opt), "")
 
     def _regroup(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
         """Built after setup() restored its optimizer, a scheduler's constructor set the optimizer's
@@ -1151,20 +1150,21 @@ class Session:
                 continue
             if issubclass(kind, LRScheduler) and any(o.optimizer is opt for opt in optimizers):
                 schedulers.append(o)
-            elif issubclass(kind, AveragedModel) and [tuple(p.shape) for p in o.module.parameters()] in shapes:
-                averages.append(o)
+            elif issubclass(kind, AveragedModel):
+                shape = [tuple(p.shape) for p in o.module.parameters()]
+                if shape in shapes:
+                    averages.append((o, shape))
             elif issubclass(kind, torch.amp.GradScaler) and o is not self.scaler and o.is_enabled():
                 scalers.append(o)  # the loop's own loss scaler (a CUDA AMP script's), not the session's
         for whole in [*schedulers, *self._tracked.values()]:  # SequentialLR's and ChainedScheduler's parts
             covered |= {id(part) for part in getattr(whole, "_schedulers", ())}
         schedulers = [o for o in schedulers if id(o) not in covered]
         for i, opt in enumerate(optimizers):
-            self._adopt([o for o in schedulers if o.optimizer is opt], f"lr_scheduler_of_optimizer{i}",
-                        f"optimizer {i}", "sched = st.track(sched)")
+            mine = [o for o in schedulers if o.optimizer is opt]
+            self._adopt(mine, self._adopted_name(mine[0]) if mine else "", f"optimizer {i}", "sched = st.track(sched)")
         for m, own in zip(self._models, shapes):  # an average of two models' shape is the first one's
             tracked = {id(t) for t in self._tracked.values()}
-            self._adopt([o for o in averages if id(o) not in tracked
-                         and [tuple(p.shape) for p in o.module.parameters()] == own],
+            self._adopt([o for o, shape in averages if id(o) not in tracked and shape == own],
                         f"average_of_{m.name}", m.name if m.name.startswith("model") else f"model {m.name}",
                         "ema = st.track(ema)")
         self._adopt(scalers, "grad_scaler", "the loop", "scaler = st.track(scaler)")
