@@ -75,3 +75,19 @@ def test_a_loop_that_reads_no_session_loader_is_told_why_its_data_differ():
     straight, first, resumed = _runs()
     resumed[0][3]["weights"] = "other"
     assert "st.loader" not in compare(straight, first, resumed, steps=10, at=4).text()
+
+
+def test_a_step_after_resume_that_differs_with_all_restored_alike_names_state_of_the_loops_own():
+    """Weights, optimizer, RNG, data order and schedule equal after loading, yet the first step after the resume
+    differs (a generator of the loop's own, out of the session's reach): the text names that cause; a later
+    divergence, or one in a restored part, does not."""
+    straight, first, resumed = _runs()
+    for field in ("weights", "loss"):
+        resumed[1][1][field] = "other"  # step 5, the first after the resume at 4 (record 0 is the resume)
+    said = compare(straight, first, resumed, steps=10, at=4).text()
+    assert said.startswith("diverged at step 5 on rank 1: weights, loss differ; the likely cause: state of the "
+                           "loop's own that no checkpoint holds") and "fix: give it to st.track()" in said
+    for record, field in ((2, "weights"), (1, "rng")):  # step 6; step 5 with an RNG that differs
+        straight, first, resumed = _runs()
+        resumed[1][record][field] = "other"
+        assert "the likely cause" not in compare(straight, first, resumed, steps=10, at=4).text()

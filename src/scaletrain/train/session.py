@@ -69,6 +69,7 @@ import numbers
 import statistics
 import sys
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -213,6 +214,17 @@ def _as_session(trainer: dict[str, Any]) -> dict[str, Any]:
         return trainer
     return {**trainer, "models": ["model"], "loaders": [trainer["loader"]] if "loader" in trainer else [],
             "tracked": {"scheduler": trainer["scheduler"]} if "scheduler" in trainer else {}}
+
+
+def _user_frame() -> types.FrameType | None:
+    """The frame of the user's code that called into this session (the loop, its `with st.step()` or its
+    `for batch in loader`), past scaletrain's own frames and contextlib's."""
+    package = str(Path(__file__).resolve().parents[1])
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(package)
+                                 or frame.f_code.co_filename == contextlib.__file__):
+        frame = frame.f_back
+    return frame
 
 
 def _rank_as_session(state: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -379,6 +391,7 @@ class Session:
         self._noise: NoiseScaleLog | None = None  # log.grad_noise_scale: the model's gradient noise scale
         self._arrivals: Arrivals | None = None  # tensor parallelism: when this rank issued its group's collectives
         self._tracked: dict[str, Any] = {}  # st.track(): name -> an object with state_dict()
+        self._generators: dict[str, Any] = {}  # st.track() of random number generators: saved per rank
         self._restored_groups: dict[int, list[dict[str, Any]]] = {}  # id(optimizer) -> its groups as resumed
         self._loaders: list[Loader] = []
         self.preempt = opened.preempt if opened is not None else \
@@ -692,16 +705,21 @@ class Session:
 
     def track(self, obj: Any, *, name: str = "", _new: bool = False) -> Any:
         """Anything else a resume needs (an LR scheduler, a GradScaler, an EMA of the weights): an object with
-        ``state_dict()`` and ``load_state_dict()``. Its state goes into every checkpoint and, on resume, is
-        restored here. Track in the same order (or with the same ``name=``) in every run. Returns ``obj``."""
+        ``state_dict()`` and ``load_state_dict()``; or a random number generator of the loop's own (a
+        torch.Generator, np.random.default_rng(), random.Random), whose state each rank saves and gets back as
+        its own. Its state goes into every checkpoint and, on resume, is restored here. Track in the same order
+        (or with the same ``name=``) in every run. Returns ``obj``."""
         from scaletrain.checkpoint.tree import split
 
         self._usable("track")
         if self._training:
             raise UserError("session.track() after the first step; fix: track everything before the loop starts")
+        if rng.is_generator(obj):
+            return self._track_generator(obj, name)
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise UserError(f"session.track(): a {type(obj).__name__} has no state_dict()/load_state_dict(); fix: "
-                            "track an object that has both (an LR scheduler, a GradScaler, a module)")
+                            "track an object that has both (an LR scheduler, a GradScaler, a module) or a random number "
+                            "generator")
         name = name or f"{type(obj).__name__}{len(self._tracked)}"
         if name in self._tracked or any(t is obj for t in self._tracked.values()):
             raise UserError(f"session.track(name={name!r}): tracked already; fix: track each object once, each "
@@ -732,6 +750,43 @@ class Session:
                 self._regroup(obj)
         self._tracked[name] = obj
         return obj
+
+    def _track_generator(self, gen: Any, name: str, *, new: bool = False) -> Any:
+        """st.track() of a random number generator of the loop's own: every rank's state goes into its own rank
+        file (ranks seed theirs apart: torch.Generator().manual_seed(seed + rank)) and each rank's is put back on
+        resume; a rank the checkpoint's smaller world did not have keeps its generator as built. Named by the
+        loop's variable for it by default (as _adopt_untracked names it). ``new``: adopted unasked, a checkpoint
+        from before may lack it (it then starts as built)."""
+        frame = _user_frame()
+        known = {**frame.f_globals, **frame.f_locals} if frame is not None else {}
+        name = name or next((k for k, v in known.items() if v is gen), "") or f"generator{len(self._generators)}"
+        if name in self._generators or name in self._tracked or any(g is gen for g in self._generators.values()):
+            raise UserError(f"session.track(name={name!r}): tracked already; fix: track each object once, each "
+                            "name once")
+        try:
+            rng.generator_state(gen)
+        except NotImplementedError:  # random.SystemRandom: the operating system's entropy, no state
+            raise UserError(f"session.track(): a {type(gen).__name__} draws from the operating system and has no "
+                            "state to save; fix: a seeded random.Random, or leave it untracked (it cannot resume "
+                            "exactly)") from None
+        if self._rank_state is not None and "rng" not in self.skip:
+            assert self.resume is not None
+            saved = self._rank_state.get("generators", {})
+            if name not in saved and new:
+                self._generators[name] = gen
+                return gen
+            if name not in saved:
+                raise CheckpointError(self.resume.path, f"rank {self.rank}'s state holds the generators "
+                                      f"{sorted(saved)}, not {name!r}",
+                                      "track the same generators, in the same order (or with the same name=)")
+            try:
+                rng.set_generator_state(gen, saved[name])
+            except ValueError as err:
+                raise CheckpointError(self.resume.path, f"the generator {name!r} does not fit this "
+                                      f"{type(gen).__name__}: {err}", "track the same kind of generator under "
+                                      "this name") from None
+        self._generators[name] = gen
+        return gen
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The run's compute precision (train.precision) for the forward passes inside it (a no-op where FSDP's
@@ -1168,6 +1223,32 @@ class Session:
                         f"average_of_{m.name}", m.name if m.name.startswith("model") else f"model {m.name}",
                         "ema = st.track(ema)")
         self._adopt(scalers, "grad_scaler", "the loop", "scaler = st.track(scaler)")
+        if self._opened is None:  # a loop of the user's own: the trainer's and fit()'s draw from capture()'s only
+            self._adopt_generators()
+
+    def _adopt_generators(self) -> None:
+        """The random number generators of the loop's own (its variables and their attributes, one deep:
+        torch.Generator().manual_seed(seed + rank) for noise, np.random.default_rng(seed) for augmentation)
+        that no st.track() was given, tracked per rank under their variable names, said in one line. Untracked,
+        a resume drew from them as seeded again: the resumed run diverged at its first step, with nothing
+        saved to say why."""
+        frame = _user_frame()
+        if frame is None:
+            return
+        found = rng.named_generators({**frame.f_globals, **frame.f_locals})
+        adopted = []
+        for name, gen in found.items():
+            if any(g is gen for g in self._generators.values()):
+                continue
+            taken = name in self._generators or name in self._tracked
+            name = f"generator{len(self._generators)}" if taken else name
+            fresh = self._rank_state is not None and name not in self._rank_state.get("generators", {})
+            self._track_generator(gen, name, new=True)
+            adopted.append(f"{name} ({type(gen).__name__}{', made after the checkpoint: starts as built' if fresh else ''})")
+        if adopted:
+            self.console.print(f"checkpointed with the run: the loop's own random generator{'s' * (len(adopted) > 1)} "
+                               f"{', '.join(adopted)}, each rank's (tracked as st.track() would: a resume goes on "
+                               "from their state)")
 
     def _adopt(self, found: list[Any], name: str, of: str, fix: str) -> None:
         if not found:
@@ -1376,7 +1457,8 @@ class Session:
                    **({"best": self.best} if self.best is not None else {}),
                    **({"noise_scale": self._noise.state_dict()} if self._noise is not None else {})}
         rank_state = {"rng": rng.capture(self.device), "since": self._since, "guard": self.guard.state_dict(),
-                      "sums": {k: float(v.item()) for k, v in self._sums.items()}}
+                      "sums": {k: float(v.item()) for k, v in self._sums.items()},
+                      **({"generators": self._generator_states()} if self._generators else {})}
         first = self._loaders[0].inner if self._loaders else None
         single = self._single()
         accum = self._batches_per_step()
@@ -1415,6 +1497,9 @@ class Session:
         self.timer.add("ckpt", blocked)
         self._checkpoint_s += blocked
         self._interval_started += blocked  # a save's stall is not training time
+
+    def _generator_states(self) -> dict[str, Any]:
+        return {name: rng.generator_state(gen) for name, gen in self._generators.items()}
 
     def _read_rank_state(self) -> dict[str, Any] | None:
         if self.resume is None:
@@ -1735,7 +1820,7 @@ class _Trace(TraceFile):
             groups = [{k: v for k, v in g.items() if k not in skip} for g in tree["param_groups"]]
             optims[m.name] = {"state": tree["state"], "param_groups": groups}
         return {"weights": digest(weights),
-                "optimizer": digest(optims), "rng": digest(rng.capture(st.device)),
+                "optimizer": digest(optims), "rng": digest([rng.capture(st.device), st._generator_states()]),
                 "scheduler": digest([[g["lr"] for m in st._models for o in m.optimizers for g in o.param_groups],
                                      {name: obj.state_dict() for name, obj in st._tracked.items()}]),
                 "loader": digest([loader.inner.state_dict() for loader in st._loaders])}

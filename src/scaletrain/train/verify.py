@@ -59,6 +59,12 @@ class Verdict:
                                             "--train.deterministic=true makes the kernels repeatable)",
                  "after resume": f"at step {self.step}"}[self.phase]
         said = f"diverged {where} on rank {self.rank}: {', '.join(self.parts)} differ{'s' if len(self.parts) == 1 else ''}"
+        own = self.phase == "after resume" and not {"data order", "LR schedule", "RNG"} & set(self.parts)
+        if own and not self.unread and self.step == self.at + 1:  # all restored alike, yet the next step differs
+            said += ("; the likely cause: state of the loop's own that no checkpoint holds, which it used anew after "
+                     "the resume (a random generator kept deeper than one attribute of its variables, a count of "
+                     "calls); fix: give it to st.track() (anything with state_dict() and load_state_dict(), or a "
+                     "generator)")
         if self.unread and self.phase == "after resume":
             said += ("; the likely cause: this loop reads no st.loader, so its data were neither traced nor restored (a "
                      "DataLoader of its own starts its epoch again after a resume); fix: read them through "
