@@ -225,7 +225,8 @@ class DataConfig:
     shuffle: bool = True
     """Reshuffle the training set every epoch from the seed (the order is independent of world size)."""
     num_workers: Annotated[int, Range(0, most=PROCESSES)] = 0
-    """DataLoader worker processes per rank (0 = load in the training process)."""
+    """DataLoader worker processes per rank (0 = load in the training process); a sample's random draws there
+    are seeded from the seed, its epoch and its index, so augmentation resumes exactly whatever the count."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -38,6 +38,46 @@ def test_mid_epoch_resume_with_two_workers_gives_the_same_next_batches(rank):
     assert state["cursor"] == 13 * 8 and state["epoch"] == 0
 
 
+class _Augmented(torch.utils.data.Dataset):
+    """Each sample drawn anew from the global RNGs of whoever reads it, as a random crop or flip does: torch's
+    noise, Python's coin, NumPy's jitter."""
+
+    def __len__(self) -> int:
+        return 301
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        import random
+
+        import numpy as np
+
+        coin = 1.0 if random.random() < 0.5 else -1.0
+        return torch.randn(3) * coin + float(np.random.uniform()), i
+
+
+def test_samples_augmented_in_workers_resume_exactly_whatever_the_workers():
+    """In workers, a sample's random draws depend on its epoch and index only: a loader resumed mid-epoch (its
+    new iterator restarts the workers' RNGs) gives the straight run's augmented samples, with 2 workers or 1.
+    Before, each worker's RNG was seeded once as the iterator started: the resumed batches were augmented
+    otherwise (verify-resume: 'data ... differ')."""
+
+    def loader(workers: int) -> ShardedLoader:
+        return ShardedLoader(_Augmented(), batch_size=4, rank=1, world=2, accum=1, seed=3, num_workers=workers)
+
+    straight = loader(2)
+    it = iter(straight)
+    for _ in range(33):  # 37 steps an epoch: into the next epoch after the resume
+        next(it)
+    state = straight.state_dict()
+    want = [next(it) for _ in range(8)]
+    for workers in (2, 1):
+        resumed = loader(workers)
+        resumed.load_state_dict(state)
+        got = list(itertools.islice(iter(resumed), 8))
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got))
+    assert state["epoch"] == 0 and straight.epoch == 1  # resumed in epoch 0, on into epoch 1
+    assert len({float(x.sum()) for x, _ in want}) == 8  # drawn anew, not one draw repeated
+
+
 def _weighted(n: int = 200, draws: int = 210) -> Weighted:
     """n samples whose target is their index, the first 20 weighed 9: about half of the draws."""
     return Weighted(_data(n), torch.where(torch.arange(n) < 20, 9.0, 1.0), draws)

@@ -4,6 +4,7 @@ difference wins, and a job that is not reproducible at all is reported as such."
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -91,3 +92,42 @@ def test_a_step_after_resume_that_differs_with_all_restored_alike_names_state_of
         straight, first, resumed = _runs()
         resumed[1][record][field] = "other"
         assert "the likely cause" not in compare(straight, first, resumed, steps=10, at=4).text()
+
+
+def test_runs_that_start_apart_are_told_so_before_their_first_step():
+    """Every run traces the state it starts from (event "start"): two runs whose initial weights differ (a model
+    built from an unseeded RNG before the run seeds it) are named so, with the fix, rather than 'not reproducible
+    ... on a GPU, --train.deterministic=true' at step 1."""
+
+    straight, first, resumed = _runs()
+    for run, weights in ((straight, "init-a"), (first, "init-b")):
+        for r in run:
+            run[r].insert(0, {"step": 0, "event": "start", "weights": weights, "rng": "seeded"})
+    first[1][3]["loss"] = "other"  # step 3 differs too: the start is earlier
+    verdict = compare(straight, first, resumed, steps=10, at=4)
+    assert (verdict.phase, verdict.step, verdict.rank, verdict.parts) == ("before the interruption", 0, 0, ["weights"])
+    assert verdict.text().startswith("diverged before the first step on rank 0: weights differs from run to run, "
+                                     "so resuming cannot be judged; the likely cause: the model is built before the "
+                                     "run seeds the RNG") and "fix: torch.manual_seed(0) before building it" in verdict.text()
+    for r in first:
+        first[r][0]["weights"] = "init-a"
+    assert compare(straight, first, resumed, steps=10, at=4).step == 3  # alike at the start: the step-3 finding
+
+
+def test_verify_resume_keeps_run_bs_start_and_steps_up_to_the_interruption(tmp_path):
+    from scaletrain.cli.verify_resume import _after, _first
+
+    records = [{"step": 0, "event": "start"}, {"step": 1}, {"step": 2}, {"step": 2, "event": "resume"}, {"step": 3}]
+    (tmp_path / "trace").mkdir()
+    (tmp_path / "trace" / "rank-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert _first(tmp_path, 2) == {0: records[:3]}
+    assert _after(tmp_path, 2) == {0: [records[0], records[3], records[4]]}
+
+
+def test_the_same_samples_drawn_otherwise_are_batch_values_not_data_order():
+    straight, first, resumed = _runs()
+    resumed[0][2]["data"] = "augmented otherwise"  # step 6: the same indices
+    said = compare(straight, first, resumed, steps=10, at=4).text()
+    assert said.startswith("diverged at step 6 on rank 0: batch values differs; the same samples came out otherwise")
+    resumed[0][2]["indices"] = "others"
+    assert "came out otherwise" not in compare(straight, first, resumed, steps=10, at=4).text()

@@ -190,7 +190,8 @@ def _without_own_values(args: list[str]) -> list[str]:
 def _first(run_dir: Path, k: int) -> dict[int, list[dict[str, Any]]]:
     from scaletrain.train.verify import read_trace
 
-    return {r: [x for x in recs if "event" not in x and x["step"] <= k] for r, recs in read_trace(run_dir).items()}
+    return {r: [x for x in recs if x.get("event", "start") == "start" and x["step"] <= k]  # with its start
+            for r, recs in read_trace(run_dir).items()}
 
 
 def _after(run_dir: Path, k: int) -> dict[int, list[dict[str, Any]]]:

@@ -124,6 +124,58 @@ class ShardedSampler(Sampler[int]):
         return len(range(self.cursor + self.rank, self.end, self.world))
 
 
+def _mixed(*words: int) -> int:
+    """A well-mixed 64-bit seed of these integers (SplitMix64's finalizer over each in turn)."""
+    h = 0x9E3779B97F4A7C15
+    for w in words:
+        h = (h ^ (w & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h
+
+
+class SeededSamples(Dataset):
+    """``dataset`` read in DataLoader workers, each sample drawn with the global RNGs of its worker (torch's,
+    Python's, NumPy's: what a random crop, a flip or the user's noise draws from) seeded from (seed, epoch, index)
+    just before. Left to the workers' own seeding (each worker seeded once as its iterator starts, samples dealt
+    round-robin), a sample's augmentation depended on which worker drew it and how much it had drawn before: a
+    run resumed mid-epoch (a new iterator) augmented every later sample otherwise than the run that never
+    stopped, and verify-resume said the data differed. Keys are (epoch, index) from ``Keyed``; a plain index
+    (an evaluation's whole pass) is seeded as epoch -1."""
+
+    def __init__(self, dataset: Any, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> Any:
+        import random
+
+        import numpy as np
+
+        epoch, index = key if isinstance(key, tuple) else (-1, key)
+        mixed = _mixed(self.seed, epoch, index)
+        torch.manual_seed(mixed)
+        random.seed(mixed)
+        np.random.seed([mixed & 0xFFFFFFFF, mixed >> 32])
+        return self.dataset[index]
+
+
+class Keyed(Sampler[tuple[int, int]]):
+    """A ShardedSampler's indices as (epoch, index) keys for SeededSamples."""
+
+    def __init__(self, sampler: ShardedSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.sampler.epoch
+        return ((epoch, i) for i in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
 def collect_before_fork(loader: DataLoader) -> None:
     """Collect this process's garbage before a DataLoader forks its workers (once: they persist). A forked
     worker inherits every unreachable object still waiting for the cycle collector, and when its own collector
@@ -161,7 +213,12 @@ class ShardedLoader:
         # The loader's own generator: starting an epoch's iterator draws worker seeds from it, never from the
         # global RNG, so resuming mid-epoch (a new iterator) leaves dropout and everything else unchanged.
         self.generator = torch.Generator()
-        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True,
+        # In workers, each sample's random draws are a function of the run's seed, its epoch and its index (not of
+        # the worker that drew it, nor of when): a resume mid-epoch augments as the straight run does. In this
+        # process they come from the global RNGs, which checkpoints hold.
+        keyed = num_workers > 0
+        self.loader = DataLoader(SeededSamples(dataset, seed) if keyed else dataset, batch_size=batch_size,
+                                 sampler=Keyed(self.sampler) if keyed else self.sampler, drop_last=True,
                                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn or collate,
                                  persistent_workers=num_workers > 0, generator=self.generator)
         self.track_indices = False  # set to make last_indices available (verify-resume's traces)

@@ -1145,6 +1145,8 @@ class Session:
             torch.manual_seed(self.cfg.run.seed + self.rank)
         if self._trace is not None and self.resume is not None:
             self._trace.resumed(self)
+        elif self._trace is not None:
+            self._trace.begun(self)
         if self.resume is not None and not self._loaders:  # the console prints on rank 0
             self.console.print(f"warning: resumed at step {self.steps}, but this loop reads no st.loader: a DataLoader "
                                "of its own starts its epoch again, so the batches after the resume are not the ones "
@@ -1837,6 +1839,10 @@ class _Trace(TraceFile):
 
     def resumed(self, st: Session) -> None:
         self.write({"step": st.steps, "event": "resume", **self._state(st)})
+
+    def begun(self, st: Session) -> None:
+        """The state a new run starts its first step from: two runs of a reproducible job start alike."""
+        self.write({"step": 0, "event": "start", **self._state(st)})
 
 
 def session(config: Config | Mapping[str, Any] | str | None = None, *, argv: list[str] | None = None) -> Session:

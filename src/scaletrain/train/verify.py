@@ -8,7 +8,8 @@ same mechanism, so the LR schedule is the configured one, not a shortened copy.
 The comparison, per rank: B's steps 1..k against A's (if they differ, the job is not reproducible even
 without an interruption, and resuming cannot be judged); C's state right after loading against A's state
 after step k (a part that differs there was not restored); then C's steps k+1..N against A's. The first
-difference names the step, the rank and the parts: weights, optimizer, RNG, data order, LR schedule.
+difference names the step, the rank and the parts: weights, optimizer, RNG, data order, batch values, LR
+schedule.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from scaletrain.errors import UserError
 
 # Trace fields grouped into the parts a user can act on, in the order a cause shows up.
 PARTS: dict[str, tuple[str, ...]] = {
-    "data order": ("indices", "data", "loader"),
+    "data order": ("indices", "loader"),
+    "batch values": ("data",),  # the same samples (indices) drawn otherwise: augmented from another RNG state
     "LR schedule": ("lr", "scheduler"),
     "RNG": ("rng",),
     "weights": ("weights",),
@@ -53,13 +55,27 @@ class Verdict:
             return (f"identical: interrupted after step {self.at} and resumed, the run matches the uninterrupted "
                     f"one bit for bit at every one of {self.steps} steps on all {self.ranks} rank(s): loss, "
                     "weights, optimizer, RNG, data order and LR schedule")
+        if self.phase == "before the interruption" and self.step == 0:
+            said = (f"diverged before the first step on rank {self.rank}: {', '.join(self.parts)} "
+                    f"differ{'s' if len(self.parts) == 1 else ''} from run to run, so resuming cannot be judged")
+            if self.parts == ["weights"]:
+                said += ("; the likely cause: the model is built before the run seeds the RNG, from an unseeded "
+                         "one; fix: torch.manual_seed(0) before building it, or build it once the run started "
+                         "(fit() given the model's class builds it so, a session's loop after "
+                         "scaletrain.session() opened)")
+            return said
         where = {"at resume": f"right after loading the checkpoint of step {self.step}",
                  "before the interruption": f"at step {self.step}, before any interruption (the job is not "
                                             "reproducible run to run, so resuming cannot be judged; on a GPU, "
                                             "--train.deterministic=true makes the kernels repeatable)",
                  "after resume": f"at step {self.step}"}[self.phase]
         said = f"diverged {where} on rank {self.rank}: {', '.join(self.parts)} differ{'s' if len(self.parts) == 1 else ''}"
-        own = self.phase == "after resume" and not {"data order", "LR schedule", "RNG"} & set(self.parts)
+        if "batch values" in self.parts and "data order" not in self.parts and not self.unread:
+            said += ("; the same samples came out otherwise: a data set or collate_fn drawing from a generator "
+                     "of its own (random augmentation), which no checkpoint holds; fix: draw from torch's, "
+                     "Python's or NumPy's global RNG, which scaletrain restores (and seeds per sample in "
+                     "DataLoader workers)")
+        own = self.phase == "after resume" and not {"data order", "batch values", "LR schedule", "RNG"} & set(self.parts)
         if own and not self.unread and self.step == self.at + 1:  # all restored alike, yet the next step differs
             said += ("; the likely cause: state of the loop's own that no checkpoint holds, which it used anew after "
                      "the resume (a random generator kept deeper than one attribute of its variables, a count of "
@@ -101,6 +117,9 @@ def compare(straight: dict[int, list[dict[str, Any]]], first: dict[int, list[dic
         a = {r["step"]: r for r in straight[rank] if "event" not in r}
         b = {r["step"]: r for r in first.get(rank, []) if "event" not in r}
         loads = [r for r in resumed.get(rank, []) if r.get("event") == "resume"]
+        starts = [[r for r in run.get(rank, []) if r.get("event") == "start"][:1] for run in (straight, first)]
+        if all(starts) and (fields := _diff(starts[0][0], starts[1][0], STATE_FIELDS)):
+            found.append((0, 0, rank, fields))  # apart before their first step: its initial state
         c = {r["step"]: r for r in resumed.get(rank, []) if "event" not in r}
         for s in range(1, at + 1):
             fields = _diff(a.get(s, {}), b.get(s, {"missing": True}), step_fields) if s in a else []
