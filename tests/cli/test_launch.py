@@ -299,6 +299,46 @@ def test_an_endpoint_that_cannot_work_is_one_line_before_any_agent_starts(capsys
                                f"it; fix: --rdzv-endpoint={host}:"), line
 
 
+DDP_TUTORIAL = """\
+import os
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def demo_basic(rank, world_size):
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    DDP(torch.nn.Linear(10, 5))(torch.randn(20, 10)).sum().backward()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(demo_basic, args=(2,), nprocs=2, join=True)
+"""
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    (DDP_TUTORIAL, ("mp.spawn", 17, "init_process_group with its own rank and world_size")),
+    ("from torch.multiprocessing import spawn as sp\nimport os\nos.environ['MASTER_PORT'] = '29500'\nsp(f)\n",
+     ("sp", 4, "its own MASTER_PORT")),
+    (("import torch\nimport torch.distributed as d\nd.init_process_group('gloo', 'tcp://h:1', 0, 2)\n"
+     "torch.multiprocessing.spawn(f)\n"), ("torch.multiprocessing.spawn", 4, "init_process_group with its own rank")),
+    # a torchrun script that spawns processes for other work, and one that only forms its group: both run
+    (("import torch.multiprocessing as mp\nimport torch.distributed as dist\ndist.init_process_group()\n"
+     "mp.spawn(tokenize, nprocs=4)\n"), None),
+    ("import torch.distributed as dist\ndist.init_process_group('gloo', rank=0, world_size=1)\n", None),
+])
+def test_a_script_that_starts_its_own_group_is_told_apart(source: str, found: tuple | None) -> None:
+    import ast
+
+    from scaletrain.cli.launch import _own_processes
+
+    assert _own_processes(ast.parse(source)) == found
+
+
 @pytest.mark.parametrize("argv, said", [
     (["--nproc_per_node", "2", "t.py"], ("unexpected argument '--nproc_per_node'; fix: scaletrain launch calls it "
                                         "--nproc (torchrun's --nproc_per_node)")),
@@ -308,6 +348,10 @@ def test_an_endpoint_that_cannot_work_is_one_line_before_any_agent_starts(capsys
     (["--nproc", "2", "broken.py"], ("broken.py:2: SyntaxError: '(' was never closed; fix: correct line 2 "
                                      "(python -m py_compile broken.py says the same)")),
     (["--nproc", "2", "."], "script '.' is a directory; fix: name the script in it"),  # it said "not found"
+    # PyTorch's DDP tutorial: every worker spawned its own pair, at one MASTER_PORT; the job hung without a word
+    (["--nproc", "2", "tutorial.py"], ("tutorial.py starts its own processes (mp.spawn, line 17) and forms their "
+                                       "group itself (init_process_group with its own rank and world_size), so "
+                                       "each worker a launcher starts would start a job of its own")),
 ])
 def test_torchruns_habits_and_a_missing_module_are_one_line(argv: list[str], said: str, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch,
@@ -320,6 +364,7 @@ def test_torchruns_habits_and_a_missing_module_are_one_line(argv: list[str], sai
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text("")
     (tmp_path / "broken.py").write_text("import os\nprint(os.getcwd(\n")
+    (tmp_path / "tutorial.py").write_text(DDP_TUTORIAL)
     assert main(["launch", *argv]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"scaletrain: error: {said}"), line

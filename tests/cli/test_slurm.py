@@ -206,6 +206,9 @@ def test_a_script_of_ones_own_runs_through_launch_on_every_machine(tmp_path, cap
     monkeypatch.chdir(tmp_path)
     (tmp_path / "fit_job.py").write_text(FIT_SCRIPT)
     (tmp_path / "plain.py").write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n")
+    (tmp_path / "spawns.py").write_text("import torch.distributed as dist\nimport torch.multiprocessing as mp\n"
+                                        "def work(rank):\n    dist.init_process_group('nccl', rank=rank, world_size=8)\n"
+                                        "mp.spawn(work, nprocs=8)\n")
     assert main(["slurm", "fit_job.py", "--nodes", "2", "--gpus-per-node", "4", "--parallel.strategy=fsdp",
                  "--", "--data", "my dir"]) == 0
     text = capsys.readouterr().out
@@ -227,7 +230,10 @@ def test_a_script_of_ones_own_runs_through_launch_on_every_machine(tmp_path, cap
     for argv, said in [(["plain.py", "--train.max_steps=10"], ("--train.max_steps = '10': plain.py never names "
                                                                 "scaletrain, so no session reads its options; fix:")),
                        (["plain.py", "--launcher", "srun"], "--launcher = 'srun': plain.py never names scaletrain"),
-                       (["gone.py"], "script 'gone.py' not found; fix: check the path")]:
+                       (["gone.py"], "script 'gone.py' not found; fix: check the path"),
+                       # a job that would have hung on every machine, found before the sbatch is written
+                       (["spawns.py"], ("spawns.py starts its own processes (mp.spawn, line 5) and forms their group "
+                                       "itself (init_process_group with its own rank and world_size)"))]:
         assert main(["slurm", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"scaletrain: error: {said}"), err

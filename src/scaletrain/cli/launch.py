@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import time
 from pathlib import Path
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
                             f"--nproc 2 {script / 'train.py'})")
         if not script.is_file():
             raise UserError(f"script {args.script!r} not found; fix: check the path (or use -m for a module)")
-        _compiles(script)
+        check_script(script)
     elif not _importable(args.script):
         raise UserError(f"module {args.script!r} not found from {Path.cwd()}; fix: check its name, run from the "
                         "directory that holds its package, or install it (pip install -e .)")
@@ -78,16 +79,59 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
                   plain=lambda: not note(RUN_DIR).is_file())
 
 
-def _compiles(script: Path) -> None:
-    """A script that Python cannot parse, said once, before any worker starts: each of N workers printed the same
-    SyntaxError traceback, and the launcher said a worker failed with exit code 1."""
+def check_script(script: Path) -> None:
+    """What a launcher can tell of a script before any worker starts, each said once in one line: Python cannot
+    parse it (each of N workers printed the same SyntaxError traceback, and the launcher said a worker failed
+    with exit code 1), or it starts its own processes and their group (_own_processes)."""
     try:
-        compile(script.read_bytes(), str(script), "exec", dont_inherit=True)
+        tree = ast.parse(script.read_bytes(), str(script))
     except SyntaxError as err:
         raise UserError(f"{script}:{err.lineno}: {type(err).__name__}: {err.msg}; fix: correct line {err.lineno} "
                         f"(python -m py_compile {script} says the same)") from None
     except (OSError, ValueError):  # unreadable, or a null byte: python says it, as it would have
-        pass
+        return
+    if own := _own_processes(tree):
+        raise UserError(f"{script} starts its own processes ({own[0]}, line {own[1]}) and forms their group itself "
+                        f"({own[2]}), so each worker a launcher starts would start a job of its own and wait for "
+                        f"peers that never come; fix: run it as its author does (python {script}), or let the "
+                        "launcher start the workers: drop the spawn and call dist.init_process_group() with no "
+                        "rank, as torchrun's workers do")
+
+
+_SPAWNERS = ("spawn", "start_processes")  # torch.multiprocessing's
+
+
+def _own_processes(tree: ast.AST) -> tuple[str, int, str] | None:
+    """(the call, its line, how it forms the group) where a script starts its worker processes itself, as
+    PyTorch's DDP tutorial does (torch.multiprocessing.spawn of a function that calls
+    init_process_group(backend, rank=rank, world_size=n) at its own MASTER_PORT): under a launcher every worker
+    ran that, the groups collided on one port or waited on a store nobody hosted, and the job hung with no
+    word (until a timeout of 30 minutes). Both halves must be there: a script may spawn processes for other work."""
+    modules, functions = {"torch.multiprocessing"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {a.asname for a in node.names if a.name == "torch.multiprocessing" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            modules |= {a.asname or a.name for a in node.names if a.name == "multiprocessing"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.multiprocessing":
+            functions |= {a.asname or a.name for a in node.names if a.name in _SPAWNERS}
+    spawn, group, port = None, "", ""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Attribute) and f.attr in _SPAWNERS and ast.unparse(f.value) in modules) or \
+                    (isinstance(f, ast.Name) and f.id in functions):
+                spawn = spawn or (ast.unparse(f), node.lineno)
+            named = {k.arg for k in node.keywords} & {"rank", "world_size", "init_method"}
+            if ast.unparse(f).endswith("init_process_group") and (named or len(node.args) > 1):
+                *most, last = sorted(named) or ["rank"]
+                group = group or f"init_process_group with its own {', '.join(most)}{' and ' * bool(most)}{last}"
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "os.environ" and \
+                        isinstance(target.slice, ast.Constant) and target.slice.value == "MASTER_PORT":
+                    port = "its own MASTER_PORT"
+    return (*spawn, group or port) if spawn and (group or port) else None
 
 
 # torchrun's options and what scaletrain launch calls them

@@ -124,12 +124,12 @@ def _plain_script(path: str, overrides: dict[str, str], launcher: str) -> bool:
     """Whether SCRIPT.py runs without scaletrain (a script written for plain torchrun: it never names it), checked
     against what the job would give it: --section.key options a session reads, the srun launcher's tasks (each
     its rank from Slurm's variables, which only a session reads)."""
-    from scaletrain.cli.launch import _compiles
+    from scaletrain.cli.launch import check_script
 
     script = Path(path)
     if not script.is_file():
         raise UserError(f"script {path!r} not found; fix: check the path (from the directory sbatch will run in)")
-    _compiles(script)
+    check_script(script)
     if "scaletrain" in script.read_text(encoding="utf-8", errors="replace"):
         return False
     if overrides:
