@@ -399,6 +399,10 @@ class NeedsWidth(nn.Module):
     ("a label too many", r"loss: class target 4 for logits of 4 classes .* \(5 here\)"),
     ("a bfloat16 model", (r"model: its first forward failed \(.*\): its parameters are bfloat16 and the inputs "
                           r"float32; fix: keep the model in float32 and train with --train.precision=bf16-mixed")),
+    # (x, weight, y): torch's 'Linear.forward() takes 2 positional arguments but 3 were given', traceback and all
+    ("a sample weight", (r"model: Linear.forward\(input\) cannot take what each sample gives it: 2 positional inputs "
+                         r"\(a sample's items but the last, which is the target\): too many positional arguments; "
+                         r"fix: .* batch_fn=lambda b: \(b\[0\], b\[-1\]\)\)")),
 ])
 def test_first_mistakes_with_fit_are_one_line(tmp_path: Path, mistake: str, said: str) -> None:
     """What users get wrong in the first minutes, before or at the first step: one line naming it, with the fix
@@ -419,6 +423,8 @@ def test_first_mistakes_with_fit_are_one_line(tmp_path: Path, mistake: str, said
         data = (x, (x[:, :4] > 0).float())
     elif mistake == "a bfloat16 model":
         model = lambda: nn.Linear(8, 4).to(torch.bfloat16)
+    elif mistake == "a sample weight":
+        data = list(zip(x, torch.rand(256), y))
     elif mistake == "a label too many":
         data = (x, torch.where(torch.arange(256) == 200, 4, y))  # one sample of 256, not the first
     with pytest.raises(UserError, match=said) as err:

@@ -517,7 +517,9 @@ def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any], None] | 
     shown to ``seen``). Data in float64 (numpy's default) meeting float32 parameters fails there with torch's
     dtype error from deep inside the model, as do integer features meeting a first Linear: said in one line as
     what it is, a property of the data, with the fix. Any other error is the user's code's own, traceback and
-    all."""
+    all. Samples whose items the model's forward cannot take (a third item, a sample weight, passed as a second
+    input to a forward of one) are one line too, before the call: it was torch's TypeError at the first step."""
+    _check_arity(module, one)
     try:
         return flops_per_sample(module, one, seen)
     except RuntimeError as err:
@@ -545,6 +547,24 @@ def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any], None] | 
         raise UserError(f"data: the model's first forward failed ({said}): the inputs hold {held} tensors and the "
                         f"model's parameters are {dtype}; fix: make the features {dtype} (x.astype(np.float32), or "
                         ".float() in the Dataset's __getitem__); token ids go through an nn.Embedding first") from err
+
+
+def _check_arity(module: nn.Module, one: Batch) -> None:
+    """A UserError where forward's signature cannot bind the inputs a sample gives (see _first_forward)."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # a builtin or C forward: no signature to read
+        return
+    try:
+        signature.bind(*one.args, **one.kwargs)
+    except TypeError as err:
+        gives = [f"{len(one.args)} positional input{'s' * (len(one.args) != 1)}"] if one.args or not one.kwargs else []
+        gives += [f"the keys {', '.join(one.kwargs)}"] if one.kwargs else []
+        items = " (a sample's items but the last, which is the target)" if one.args and one.target is not None else ""
+        raise UserError(f"model: {type(module).__name__}.forward({', '.join(signature.parameters)}) cannot take what each sample gives it: "
+                        f"{' and '.join(gives)}{items}: {err}; fix: samples of (inputs..., target) as forward takes "
+                        "them, or batch_fn=lambda batch: (inputs, target) to pick them from each batch (a sample of "
+                        "(x, weight, y): batch_fn=lambda b: (b[0], b[-1]))") from None
 
 
 def builder(model: Callable[[], nn.Module], *, instead: str = "an instance") -> Callable[[], nn.Module]:
