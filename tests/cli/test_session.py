@@ -666,3 +666,46 @@ def test_a_session_never_closed_says_so_at_exit(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(sys, "last_value", ValueError("the user's own bug"), raising=False)  # as an uncaught one
     _never_closed({"steps": 3, "closed": False}, tmp_path / "b")
     assert capsys.readouterr().err == ""
+
+
+def _epochs(run_dir: Path, *, anew: bool, as_dataloader: bool = False) -> list[list[int]]:
+    """Three epochs of 8 steps; the loader made once before the loop, or ``anew`` at each epoch as many loops make
+    their DataLoader (given as a DataLoader of the same data with ``as_dataloader``). Each epoch's sample order."""
+    x, y = torch.arange(64, dtype=torch.float32)[:, None], torch.arange(64)
+    cfg = {"run.dir": str(run_dir), "train.max_steps": 24, "data.batch_size": 8, "log.every": 8,
+           "checkpoint.every": 8, "train.progress": False}
+    make = (lambda: torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8,
+                                                   shuffle=True)) \
+        if as_dataloader else (lambda: (x, y))
+    data = make()
+    if as_dataloader:
+        make = lambda: torch.utils.data.DataLoader(data.dataset, batch_size=8, shuffle=True)  # new, the same data
+    orders = []
+    with scaletrain.session(cfg) as st:
+        model, opt = st.setup(nn.Linear(1, 64), lambda p: torch.optim.SGD(p, lr=0.01))
+        loader = None if anew else st.loader(data)
+        for _ in range(3):
+            if anew:
+                loader = st.loader(make())
+            order = []
+            for _, yb in loader:
+                with st.step():
+                    st.backward(nn.functional.cross_entropy(model(yb[:, None].float()), yb))
+                    opt.step()
+                    opt.zero_grad()
+                order += yb.tolist()
+            orders.append(order)
+        assert len(st._loaders) == 1
+    return orders
+
+
+def test_a_loader_made_again_each_epoch_goes_on_with_the_first_ones_epochs(tmp_path: Path) -> None:
+    """A loop that makes its loader inside `for epoch in ...` gets the epochs of one loader made once: each
+    reshuffled, one position in the checkpoints. Before, each new loader began at epoch 0: every epoch trained
+    in the same order (44, 33, 40, 48, ... three times over), and the checkpoints held a position per epoch."""
+    once = _epochs(tmp_path / "once", anew=False)
+    assert len({tuple(order) for order in once}) == 3 and all(sorted(order) == list(range(64)) for order in once)
+    assert _epochs(tmp_path / "anew", anew=True) == once
+    assert _epochs(tmp_path / "dataloader", anew=True, as_dataloader=True) == once
+    trainer = json.loads((tmp_path / "anew" / "checkpoints" / "step-00000024" / "trainer.json").read_text())
+    assert len(trainer["loaders"]) == 1

@@ -260,6 +260,8 @@ class Loader:
         self.tokens = 0  # their tokens (token-id batches: each batch's own width, padded batches of any length)
         self.stepped = 0  # training batches handed out by the end of the last step, this session
         self.since_step = 0  # training batches handed out since the last step ended (an accumulation's count)
+        self.key: tuple[Any, ...] = ()  # what st.loader() was given (Session.loader)
+        self.source: tuple[Any, ...] = ()
 
     @property
     def epoch(self) -> int:
@@ -674,6 +676,15 @@ class Session:
                                                                                 collate_fn)
         else:
             workers = 0
+        source = dataset if isinstance(dataset, tuple) else (dataset,)  # (inputs, targets): the same tensors
+        key = (tuple(id(part) for part in source), batch_size or self.cfg.data.batch_size, accum,
+               self.cfg.data.shuffle if shuffle is None else shuffle)
+        again = next((loader for loader in self._loaders if loader.key == key), None)
+        if again is not None and self._training:
+            # The same data, made again once the loop runs: a loop that makes its loader inside `for epoch in
+            # ...` (as it made its DataLoader) goes on with the one it made first. A new one each epoch began at
+            # epoch 0 every time (the same order every epoch) and added a position to every checkpoint.
+            return again
         # a Dataset or a stream as it is; (inputs, targets) made one; a wrong type: one line
         stream = isinstance(dataset, IterableDataset)
         data = dataset if stream else in_memory(dataset, eval_data=dataset, collate_fn=collate_fn).train
@@ -682,7 +693,8 @@ class Session:
             (self.rank, self.world_size)
         if stream:  # read in its order (data/loader.py StreamLoader)
             return self._add_loader(StreamLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=accum,
-                                                 pin_memory=self.device.type == "cuda", collate_fn=collate_fn))
+                                                 pin_memory=self.device.type == "cuda", collate_fn=collate_fn),
+                                    key, source)
         size = train_size(data) or 0  # a weighted set's: the samples an epoch draws
         if size < b * self.world_size * accum:
             raise UserError(f"session.loader(): {size} samples cannot give every one of {self.world_size} "
@@ -691,15 +703,20 @@ class Session:
                                               seed=self.cfg.run.seed,
                                               shuffle=self.cfg.data.shuffle if shuffle is None else shuffle,
                                               num_workers=self.cfg.data.num_workers or workers,
-                                              pin_memory=self.device.type == "cuda", collate_fn=collate_fn))
+                                              pin_memory=self.device.type == "cuda", collate_fn=collate_fn),
+                                key, source)
 
-    def _add_loader(self, inner: ShardedLoader | StreamLoader) -> Loader:
-        """``inner`` restored from the checkpoint (the loaders in the order they were made) and kept."""
+    def _add_loader(self, inner: ShardedLoader | StreamLoader, key: tuple[Any, ...] = (),
+                    source: tuple[Any, ...] = ()) -> Loader:
+        """``inner`` restored from the checkpoint (the loaders in the order they were made) and kept, under
+        ``key`` (what st.loader was given: the same data made again is this loader), ``source`` held so that
+        no other object takes its ids."""
         saved = self._trainer.get("loaders", [])
         if len(saved) > len(self._loaders) and "data" not in self.skip:
             inner.load_state_dict(saved[len(self._loaders)])
         inner.track_indices = self._trace is not None
         loader = Loader(self, inner)
+        loader.key, loader.source = key, source
         self._loaders.append(loader)
         return loader
 
