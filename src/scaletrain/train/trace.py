@@ -4,7 +4,8 @@ After every optimizer step each rank appends one JSON line to RUN_DIR/trace/rank
 the values logged since the last log step (this rank's, exact), the learning rate, SHA-256 digests of the batch it trained on and of
 the state after the step (weights, optimizer, every RNG, LR schedule, loader position), and the batch's
 sample indices. A resumed run also writes one ``"event": "resume"`` line with the state as loaded, which
-must equal the uninterrupted run's state after that step. Costs a host sync and a pass over the state
+must equal the uninterrupted run's state after that step; a new run one ``"event": "start"`` line (step 0) with
+the state it starts from, which two runs of a reproducible job share. Costs a host sync and a pass over the state
 every step: a verification tool, off by default.
 """
 
