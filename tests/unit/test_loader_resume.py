@@ -78,6 +78,34 @@ def test_samples_augmented_in_workers_resume_exactly_whatever_the_workers():
     assert len({float(x.sum()) for x, _ in want}) == 8  # drawn anew, not one draw repeated
 
 
+class _BatchedAugmented(_Augmented):
+    """A data set with a batched fetch of its own (as Hugging Face datasets read an Arrow slice per batch), each
+    sample augmented from the global RNGs."""
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+        return [(self[i][0], -i) for i in indices]  # -i: told apart from a per-sample read
+
+
+def test_a_data_sets_own_batched_fetch_is_kept_in_workers_and_resumes_exactly():
+    """Its __getitems__ still reads each batch (negative targets: not one read per sample), the RNGs seeded per
+    batch from its first key: a loader resumed mid-epoch gives the straight run's augmented batches."""
+
+    def loader() -> ShardedLoader:
+        return ShardedLoader(_BatchedAugmented(), batch_size=4, rank=0, world=2, accum=1, seed=3, num_workers=2)
+
+    straight = loader()
+    it = iter(straight)
+    for _ in range(5):
+        next(it)
+    state = straight.state_dict()
+    want = [next(it) for _ in range(4)]
+    resumed = loader()
+    resumed.load_state_dict(state)
+    got = list(itertools.islice(iter(resumed), 4))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got))
+    assert all((y <= 0).all() for _, y in want) and len({float(x.sum()) for x, _ in want}) == 4
+
+
 def _weighted(n: int = 200, draws: int = 210) -> Weighted:
     """n samples whose target is their index, the first 20 weighed 9: about half of the draws."""
     return Weighted(_data(n), torch.where(torch.arange(n) < 20, 9.0, 1.0), draws)

@@ -145,21 +145,38 @@ class SeededSamples(Dataset):
 
     def __init__(self, dataset: Any, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
+        inner = dataset
+        while isinstance(inner, torch.utils.data.Subset):  # a Subset's __getitems__ reads its data set's way
+            inner = inner.dataset
+        if callable(getattr(inner, "__getitems__", None)):  # a batched fetch of its own (Hugging Face datasets)
+            self.__getitems__ = self._batch  # the DataLoader's fetcher looks on the instance
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> Any:
+    @staticmethod
+    def _seed(*words: int) -> None:
         import random
 
         import numpy as np
 
-        epoch, index = key if isinstance(key, tuple) else (-1, key)
-        mixed = _mixed(self.seed, epoch, index)
+        mixed = _mixed(*words)
         torch.manual_seed(mixed)
         random.seed(mixed)
         np.random.seed([mixed & 0xFFFFFFFF, mixed >> 32])
+
+    def __getitem__(self, key: int | tuple[int, int]) -> Any:
+        epoch, index = key if isinstance(key, tuple) else (-1, key)
+        self._seed(self.seed, epoch, index)
         return self.dataset[index]
+
+    def _batch(self, keys: list[int | tuple[int, int]]) -> Any:
+        """A batch through the data set's own batched fetch, kept (one Arrow slice, not a read per sample), the
+        RNGs seeded once from its first key and size: the same batch of the same epoch draws alike, so a resume
+        at the same batch size is exact (a sample's draws then depend on its batch, not on it alone)."""
+        pairs = [key if isinstance(key, tuple) else (-1, key) for key in keys]
+        self._seed(self.seed, *pairs[0], len(pairs))
+        return self.dataset.__getitems__([index for _, index in pairs])
 
 
 class Keyed(Sampler[tuple[int, int]]):
