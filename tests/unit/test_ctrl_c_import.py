@@ -4,9 +4,16 @@ initialisation, nor a half-imported numpy that a later import trips over."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
+
+
+def _as_at_a_terminal() -> None:
+    """Ctrl-C's default handling in the child, as at a terminal: a suite started in the background (`make test
+    &`) passes SIGINT on ignored, and Python keeps it so (both tests then saw no interrupt at all)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_a_ctrl_c_inside_a_held_import_is_raised_after_the_module_is_whole(tmp_path):
@@ -30,7 +37,8 @@ def test_a_ctrl_c_inside_a_held_import_is_raised_after_the_module_is_whole(tmp_p
         else:
             print("no interrupt")
     """)
-    out = subprocess.run([sys.executable, "-c", script], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", script], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         preexec_fn=_as_at_a_terminal)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "interrupted after before after"
 
@@ -41,7 +49,8 @@ def test_without_the_finder_the_same_import_stops_half_way(tmp_path):
                                              "os.kill(os.getpid(), signal.SIGINT)\nsys.steps.append('after')\n")
     script = ("import sys\nsys.steps = []\ntry:\n    import slow_module\nexcept KeyboardInterrupt:\n"
               "    print('interrupted after', *sys.steps)\n")
-    out = subprocess.run([sys.executable, "-c", script], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", script], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         preexec_fn=_as_at_a_terminal)
     assert out.stdout.strip() == "interrupted after before", out.stderr
 
 
