@@ -525,6 +525,55 @@ def test_a_collate_fn_pads_sequences_of_unequal_length(tmp_path: Path) -> None:
     assert summary["eval"]["count"] == 128.0 and summary["eval"]["accuracy"] == 1.0, summary["eval"]
 
 
+class OpenedInWorkers(Dataset):
+    """Read in a DataLoader worker through a handle that worker opened (as an HDF5 file is opened per worker by
+    a worker_init_fn): a worker's read without it fails; this process reads directly."""
+
+    def __init__(self, n: int) -> None:
+        self.x, self.y = _points(n, 0)
+        self.opened_by: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and self.opened_by != worker.id:
+            raise RuntimeError(f"worker {worker.id} read before it opened its handle")
+        return self.x[i], self.y[i]
+
+
+def _open_handle(worker_id: int) -> None:
+    torch.utils.data.get_worker_info().dataset.opened_by = worker_id
+
+
+def test_a_dataloaders_worker_init_fn_runs_in_its_workers(tmp_path: Path) -> None:
+    """fit() and st.loader() keep a DataLoader's worker_init_fn (it was dropped: every read failed), and the data
+    set it sets up through get_worker_info().dataset is the data set's own, not scaletrain's wrapper around it."""
+    import multiprocessing
+
+    from torch.utils.data import DataLoader
+
+    given = DataLoader(OpenedInWorkers(256), batch_size=16, shuffle=True, num_workers=2, worker_init_fn=_open_handle)
+    summary = scaletrain.fit(nn.Linear(8, 4), given, config={**_config(tmp_path, "w"), "train.max_steps": 6,
+                                                             "data.batch_size": 16, "train.eval_batches": 0})
+    assert summary["steps"] == 6
+    # ... and its workers (training's and evaluation's) are gone once fit() returns: left to the garbage collector,
+    # their shutdown came after their queues were finalized, and the next gc.collect() waited 5 s on each of them
+    assert multiprocessing.active_children() == []
+    with scaletrain.session({"run.dir": str(tmp_path / "s"), "train.max_steps": 3, "data.batch_size": 16}) as st:
+        model, opt = st.setup(nn.Linear(8, 4), lambda p: torch.optim.SGD(p, lr=0.1))
+        for xb, yb in st.loader(OpenedInWorkers(256), worker_init_fn=_open_handle):
+            with st.step():
+                st.backward(F.cross_entropy(model(xb), yb))
+                opt.step()
+                opt.zero_grad()
+            if st.done:
+                break
+        assert st.steps == 3
+    assert multiprocessing.active_children() == []
+
+
 def test_dataloaders_train_as_their_datasets_with_their_settings(tmp_path: Path) -> None:
     """A script's own DataLoaders (plain torch, Lightning's trainer.fit): their dataset, batch size, collate_fn
     and shuffle, sharded and reshuffled as fit()'s own; the same weights, bitwise, as the dataset given with

@@ -144,12 +144,24 @@ class SeededSamples(Dataset):
     (an evaluation's whole pass) is seeded as epoch -1."""
 
     def __init__(self, dataset: Any, seed: int) -> None:
-        self.dataset, self.seed = dataset, seed
-        inner = dataset
+        object.__setattr__(self, "dataset", dataset)
+        object.__setattr__(self, "seed", seed)
+        inner = dataset  # the data set given: fit()'s training split is a Subset of it
         while isinstance(inner, torch.utils.data.Subset):  # a Subset's __getitems__ reads its data set's way
             inner = inner.dataset
+        object.__setattr__(self, "own", inner)
         if callable(getattr(inner, "__getitems__", None)):  # a batched fetch of its own (Hugging Face datasets)
-            self.__getitems__ = self._batch  # the DataLoader's fetcher looks on the instance
+            object.__setattr__(self, "__getitems__", self._batch)  # the DataLoader's fetcher looks on the instance
+
+    # In a worker, get_worker_info().dataset is this wrapper: a worker_init_fn that opens a file for the data set
+    # (info.dataset.h5 = h5py.File(...)) or reads its attributes reaches the data set given, past fit()'s Subset.
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "seed", "own") or name.startswith("__"):  # not set yet (unpickled in a spawned
+            raise AttributeError(name)  # worker); a Subset's __getitems__ would take (epoch, index) keys
+        return getattr(self.own, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.own, name, value)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -193,6 +205,17 @@ class Keyed(Sampler[tuple[int, int]]):
         return len(self.sampler)
 
 
+def stop_workers(loader: DataLoader | None) -> None:
+    """Shut a DataLoader's persistent workers down now, while its queues are whole (a later iteration starts new
+    ones). Left to the garbage collector (a finished fit()'s loaders sit in reference cycles), the shutdown ran
+    after the queues were finalized, so no worker heard it and each waited out torch's 5 s join before it was
+    terminated: the next gc.collect() after a fit() with data.num_workers=2 took 20 s."""
+    running = getattr(loader, "_iterator", None)
+    if running is not None and callable(getattr(running, "_shutdown_workers", None)):
+        running._shutdown_workers()
+        loader._iterator = None  # type: ignore[union-attr]
+
+
 def collect_before_fork(loader: DataLoader) -> None:
     """Collect this process's garbage before a DataLoader forks its workers (once: they persist). A forked
     worker inherits every unreachable object still waiting for the cycle collector, and when its own collector
@@ -213,7 +236,8 @@ class ShardedLoader:
 
     def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world: int, accum: int, seed: int,
                  shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False,
-                 collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+                 collate_fn: Callable[[list[Any]], Any] | None = None,
+                 worker_init_fn: Callable[[int], None] | None = None) -> None:
         self.samples = len(dataset)  # type: ignore[arg-type]
         size = train_size(dataset) or 0  # positions of an epoch: a weighted set's draws
         self.size = size
@@ -237,7 +261,8 @@ class ShardedLoader:
         self.loader = DataLoader(SeededSamples(dataset, seed) if keyed else dataset, batch_size=batch_size,
                                  sampler=Keyed(self.sampler) if keyed else self.sampler, drop_last=True,
                                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn or collate,
-                                 persistent_workers=num_workers > 0, generator=self.generator)
+                                 persistent_workers=num_workers > 0, generator=self.generator,
+                                 worker_init_fn=worker_init_fn)
         self.track_indices = False  # set to make last_indices available (verify-resume's traces)
         self.last_indices: list[int] = []
         self._whole: DataLoader | None = None  # whole_pass()'s loader, made once (its workers kept)
@@ -284,6 +309,11 @@ class ShardedLoader:
         s.cursor = 0
         s.end = s.usable
 
+    def stop_workers(self) -> None:
+        """Its loaders' worker processes, shut down (stop_workers)."""
+        stop_workers(self.loader)
+        stop_workers(self._whole)
+
     def whole_pass(self) -> Iterator[Any]:
         """Every sample of the data set once over the ranks, this rank's share in whole_pass_batches()' batches:
         an evaluation pass (session.evaluating()), which neither drops the tail nor moves the training position.
@@ -293,6 +323,7 @@ class ShardedLoader:
             self._whole = DataLoader(own.dataset, batch_sampler=self.whole_pass_batches(),
                                      num_workers=own.num_workers, pin_memory=own.pin_memory,
                                      collate_fn=own.collate_fn, persistent_workers=own.num_workers > 0,
+                                     worker_init_fn=own.worker_init_fn,
                                      generator=torch.Generator().manual_seed(self.seed))
             collect_before_fork(self._whole)
         return iter(self._whole)
@@ -351,16 +382,19 @@ def eval_indices(size: int, *, batch_size: int, world: int, max_batches: int = 0
 
 def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num_workers: int = 0,
                 pin_memory: bool = False, max_batches: int = 0,
-                collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
+                collate_fn: Callable[[list[Any]], Any] | None = None,
+                worker_init_fn: Callable[[int], None] | None = None, seed: int = 0) -> DataLoader:
     """Rank r evaluates samples r, r + W, ... of eval_indices: every one exactly once across ranks, none
     padded. Its own generator: an evaluation draws nothing from the global RNG, so evaluating (or not) between
     two steps leaves training, and a resume, exactly as they were. Its worker processes, when it has any, stay
-    for the next evaluation (started once, not at every one)."""
+    for the next evaluation (started once, not at every one), each sample's draws seeded from ``seed`` and its
+    index (SeededSamples: the same at every evaluation), the worker_init_fn reaching the data set given."""
     chosen = eval_indices(len(dataset), batch_size=batch_size, world=world,  # type: ignore[arg-type]
                           max_batches=max_batches)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=chosen[rank::world], num_workers=num_workers,
-                        pin_memory=pin_memory, collate_fn=collate_fn or collate, persistent_workers=num_workers > 0,
-                        generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(SeededSamples(dataset, seed) if num_workers > 0 else dataset, batch_size=batch_size,
+                        sampler=chosen[rank::world], num_workers=num_workers, pin_memory=pin_memory,
+                        collate_fn=collate_fn or collate, persistent_workers=num_workers > 0,
+                        generator=torch.Generator().manual_seed(0), worker_init_fn=worker_init_fn)
     collect_before_fork(loader)  # made at the first evaluation, which iterates it at once
     return loader
 

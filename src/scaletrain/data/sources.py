@@ -35,6 +35,7 @@ class Splits:
     task: Task
     info: dict[str, Any] = field(default_factory=dict)  # num_classes/input_shape, or vocab_size/seq_len
     collate_fn: Callable[[list[Any]], Any] | None = None  # a list of samples -> a batch (None: scaletrain's)
+    worker_init_fn: Callable[[int], None] | None = None  # run in each DataLoader worker (a DataLoader's, to fit())
 
 
 class TensorPairs(Dataset):

@@ -61,7 +61,7 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     build = builder(model, instead="a function")
     # the data are the arguments; several machines need no rendezvous to be planned (the run will)
     given = {"data.source": "memory", "dist.rdzv_endpoint": "planned:29500"}
-    train_data, _, collate_fn, loader = loaders_read(train_data, None, collate_fn)  # a DataLoader's settings
+    train_data, _, collate_fn, loader, _ = loaders_read(train_data, None, collate_fn)  # a DataLoader's settings
     cfg = resolve_config(config, argv, defaults={**loader, **given}, pinned=given).for_device("cuda")  # for a GPU
     cfg = dataclasses.replace(cfg, model=ModelConfig())  # the model is the user's: no built-in's key applies
     splits = in_memory(train_data, None, cfg.data.val_fraction, collate_fn=collate_fn)

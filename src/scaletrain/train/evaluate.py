@@ -46,7 +46,10 @@ def evaluate(job: Job) -> dict[str, float]:
     elif job.eval_loader is None:  # the same samples every time: one loader, its workers kept between evaluations
         job.eval_loader = eval_loader(job.eval_data, batch_size=batch_size, rank=rank, world=world,
                                       num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
-                                      max_batches=cfg.train.eval_batches, collate_fn=job.collate_fn)
+                                      max_batches=cfg.train.eval_batches, collate_fn=job.collate_fn,
+                                      worker_init_fn=job.worker_init_fn, seed=cfg.run.seed)
+        if job.st is not None:
+            job.st.held_loaders.append(job.eval_loader)
     loader = job.eval_loader
     if isinstance(loader, StreamLoader):  # as many items on every rank (None: an empty share), eval_batches first
         passed = loader.whole_pass(pad=True)

@@ -87,6 +87,7 @@ class Job:
     model_name: str = ""  # its class
     given_mode: str | None = None  # the model came as torch.compile(model, mode=...) returned it: that mode
     collate_fn: Callable[[list[Any]], Any] | None = None  # the user's (fit's collate_fn), else scaletrain's
+    worker_init_fn: Callable[[int], None] | None = None  # a DataLoader's given to fit()
     user_loss: bool = False  # loss_fn was given: how it lines logits up with targets is its own (a shift, a mask)
     first: Batch | None = None  # a batch of the first training sample, on the host (plan vs actual measures it)
     build: Callable[[], nn.Module] | None = None  # a model of one's own given as its class or a builder: builds it
@@ -186,7 +187,7 @@ class Job:
             st.track(Schedule(self.scheduler, self.optimizer, skip="scheduler" in st.skip, step=st.steps),
                      name="scheduler")
         self.loader = st.loader(self.train_data, batch_size=plan.batch_size, accum=plan.accum_steps,
-                                collate_fn=self.collate_fn)
+                                collate_fn=self.collate_fn, worker_init_fn=self.worker_init_fn)
         if (cfg.train.early_stop or cfg.checkpoint.best) and self.eval_data is not None:
             self.best_eval = st.track(BestEval(cfg.train.early_stop, cfg.train.early_stop_delta, cfg.train.monitor,
                                                monitor_mode(cfg.train, self.metrics)), name="best_eval", _new=True)
@@ -714,5 +715,6 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
                tokens_per_sample=one.tokens_per_sample(), params=sum(p.numel() for p in module.parameters()),
                trainable=sum(p.numel() for p in module.parameters() if p.requires_grad),
                model_name=type(module).__name__, given_mode=given_mode, collate_fn=splits.collate_fn,
+               worker_init_fn=splits.worker_init_fn,
                user_loss=loss_fn is not None, first=one, build=build, own_optimizer=optimizer,
                own_scheduler=scheduler, peak_lrs=peaks, metrics=metrics, token_loss=token_loss)

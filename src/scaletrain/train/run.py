@@ -580,10 +580,11 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     2 (1 when training failed), said once however many ranks raised it.
     """
     memory = {"data.source": "memory"}  # the data are the arguments, whatever a recipe or TOML file says
-    train_data, eval_data, collate_fn, given = loaders_read(train_data, eval_data, collate_fn)
+    train_data, eval_data, collate_fn, given, worker_init_fn = loaders_read(train_data, eval_data, collate_fn)
     cfg = resolve_config(config, argv, defaults={**given, **memory}, pinned=memory)
     check_workers(cfg)
     splits = in_memory(train_data, eval_data, cfg.data.val_fraction, collate_fn=collate_fn)
+    splits.worker_init_fn = worker_init_fn
     checked_metrics(metrics)  # before anything starts
     if on_eval is not None and not callable(on_eval):
         raise UserError(f"fit(on_eval=...): a {type(on_eval).__name__} is not a function; fix: a function "

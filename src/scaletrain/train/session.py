@@ -96,6 +96,7 @@ from scaletrain.batch import map_tensors, to_device, tokens_per_sample
 from scaletrain.checkpoint import rng
 from scaletrain.config import Config, load, step_window
 from scaletrain.data import ShardedLoader, StreamLoader, Weighted
+from scaletrain.data.loader import stop_workers
 from scaletrain.errors import (
     CheckpointError,
     ConfigError,
@@ -319,9 +320,9 @@ class Loader:
 
 def from_dataloader(given: DataLoader, batch_size: int, shuffle: bool | None,
                     collate_fn: Callable[[list[Any]], Any] | None, *,
-                    who: str = "session.loader()") -> tuple[Any, int, bool | None, Any, int]:
-    """(dataset, batch size, shuffle, collate_fn, workers) of a DataLoader handed to session.loader() or fit():
-    what it was built with, each unless given to ``who`` itself. Its sampler says shuffle (random or in order; a
+                    who: str = "session.loader()") -> tuple[Any, int, bool | None, Any, int, Any]:
+    """(dataset, batch size, shuffle, collate_fn, workers, worker_init_fn) of a DataLoader handed to
+    session.loader() or fit(): what it was built with, each unless given to ``who`` itself. Its sampler says shuffle (random or in order; a
     DistributedSampler's own shuffle: the session shards anyway); a WeightedRandomSampler's weights, draws per
     epoch and replacement make the data set a Weighted one (drawn from run.seed, sharded and resumed as any);
     one that chooses samples another way (a subset, batches of its own making) cannot be sharded and resumed
@@ -346,27 +347,28 @@ def from_dataloader(given: DataLoader, batch_size: int, shuffle: bool | None,
         shuffle = sampler.shuffle if isinstance(sampler, DistributedSampler) else isinstance(sampler, RandomSampler)
     size = batches.batch_size if plain else given.batch_size
     own = given.collate_fn if given.collate_fn is not default_collate else None  # torch's default: scaletrain's
-    return dataset, batch_size or size or 0, shuffle, collate_fn or own, given.num_workers
+    return dataset, batch_size or size or 0, shuffle, collate_fn or own, given.num_workers, given.worker_init_fn
 
 
 def loaders_read(train_data: Any, eval_data: Any, collate_fn: Callable[[list[Any]], Any] | None) -> tuple[
-        Any, Any, Callable[[list[Any]], Any] | None, dict[str, Any]]:
+        Any, Any, Callable[[list[Any]], Any] | None, dict[str, Any], Callable[[int], None] | None]:
     """DataLoaders given to fit() (and plan_fit()) (a script written for plain torch, or for Lightning's trainer.fit): their datasets,
     their collate_fn (unless fit() was given one), and their batch size, shuffle and workers as the defaults of
     data.batch_size, data.eval_batch_size, data.shuffle and data.num_workers (a config or the command line wins).
     The batch size is per rank, as the loader's was per process; the samples are sharded and resumed as any
-    dataset's, reshuffled from run.seed."""
+    dataset's, reshuffled from run.seed. Last, the training loader's worker_init_fn (None without one)."""
     given: dict[str, Any] = {}
+    init = None
     if isinstance(train_data, DataLoader):
-        train_data, batch, shuffle, own, workers = from_dataloader(train_data, 0, None, None, who="fit()")
+        train_data, batch, shuffle, own, workers, init = from_dataloader(train_data, 0, None, None, who="fit()")
         given.update({"data.batch_size": batch, "data.num_workers": workers,
                       **({"data.shuffle": shuffle} if shuffle is not None else {})})
         collate_fn = collate_fn or own
     if isinstance(eval_data, DataLoader):
-        eval_data, batch, _, own, _ = from_dataloader(eval_data, 0, False, None, who="fit(eval_data=...)")
+        eval_data, batch, _, own, _, _ = from_dataloader(eval_data, 0, False, None, who="fit(eval_data=...)")
         given["data.eval_batch_size"] = batch
         collate_fn = collate_fn or own
-    return train_data, eval_data, collate_fn, given
+    return train_data, eval_data, collate_fn, given, init
 
 
 class Session:
@@ -396,6 +398,7 @@ class Session:
         self._generators: dict[str, Any] = {}  # st.track() of random number generators: saved per rank
         self._restored_groups: dict[int, list[dict[str, Any]]] = {}  # id(optimizer) -> its groups as resumed
         self._loaders: list[Loader] = []
+        self.held_loaders: list[DataLoader] = []  # the trainer's evaluation loaders: their workers stop at close
         self.preempt = opened.preempt if opened is not None else \
             PreemptFlag(f"[rank {self.rt.rank}] " if self.rt.world_size > 1 else "").install()
         self.services: RunServices | None = None  # run dir, metrics, checkpoints, stragglers, preemption
@@ -654,7 +657,8 @@ class Session:
         return (wrapped, *built)
 
     def loader(self, dataset: Any, *, batch_size: int = 0, shuffle: bool | None = None, accum: int = 1,
-               collate_fn: Callable[[list[Any]], Any] | None = None) -> Loader:
+               collate_fn: Callable[[list[Any]], Any] | None = None,
+               worker_init_fn: Callable[[int], None] | None = None) -> Loader:
         """This rank's shard of ``dataset`` (a torch Dataset, or (inputs, targets) tensors), ``batch_size`` per
         rank (0 = data.batch_size), reshuffled every epoch from run.seed, in the same order at any world size.
         ``accum``: batches per optimizer step (gradient accumulation): each `with st.step():` draws that many,
@@ -664,16 +668,18 @@ class Session:
         checkpoint's loader position is kept in steps, so a resume at another world size can keep the global
         batch by accumulating more (scaletrain train does). A stream (an IterableDataset) is read in its order
         (data/loader.py StreamLoader). ``collate_fn``: a list of samples -> a batch, as a DataLoader takes it (a
-        padding collator); default scaletrain.batch.collate. A DataLoader of one's own (a script written for
-        plain torch, or for Accelerate's prepare()) is read for its dataset, batch size, collate_fn, shuffle and
-        workers, and its samples sharded and resumed as above (its sampler's order is not kept: a loader of the
+        padding collator); default scaletrain.batch.collate. ``worker_init_fn``: run in each DataLoader worker
+        as it starts, as a DataLoader runs it (get_worker_info().dataset reads and sets the data set's own
+        attributes). A DataLoader of one's own (a script written for plain torch, or for Accelerate's prepare())
+        is read for its dataset, batch size, collate_fn, shuffle, workers and worker_init_fn, and its samples sharded and resumed as above (its sampler's order is not kept: a loader of the
         session reshuffles from run.seed)."""
         from scaletrain.data import in_memory, train_size
 
         self._usable("loader")
         if isinstance(dataset, DataLoader):
-            dataset, batch_size, shuffle, collate_fn, workers = from_dataloader(dataset, batch_size, shuffle,
-                                                                                collate_fn)
+            dataset, batch_size, shuffle, collate_fn, workers, init = from_dataloader(dataset, batch_size, shuffle,
+                                                                                      collate_fn)
+            worker_init_fn = worker_init_fn or init
         else:
             workers = 0
         source = dataset if isinstance(dataset, tuple) else (dataset,)  # (inputs, targets): the same tensors
@@ -703,7 +709,8 @@ class Session:
                                               seed=self.cfg.run.seed,
                                               shuffle=self.cfg.data.shuffle if shuffle is None else shuffle,
                                               num_workers=self.cfg.data.num_workers or workers,
-                                              pin_memory=self.device.type == "cuda", collate_fn=collate_fn),
+                                              pin_memory=self.device.type == "cuda", collate_fn=collate_fn,
+                                              worker_init_fn=worker_init_fn),
                                 key, source)
 
     def _add_loader(self, inner: ShardedLoader | StreamLoader, key: tuple[Any, ...] = (),
@@ -1757,6 +1764,11 @@ class Session:
                      meta={"config_digest": self.cfg.digest(), "step": str(self.steps)})
 
     def _release(self) -> None:
+        for loader in getattr(self, "_loaders", []):  # their DataLoader workers, while their queues are whole
+            if isinstance(loader.inner, ShardedLoader):
+                loader.inner.stop_workers()
+        for held in getattr(self, "held_loaders", []):
+            stop_workers(held)
         if getattr(self, "_watcher", None) is not None:
             self._watcher.stop()
         if getattr(self, "_profiler", None) is not None:
