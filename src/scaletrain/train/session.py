@@ -66,6 +66,7 @@ import dataclasses
 import logging
 import math
 import numbers
+import os
 import statistics
 import sys
 import time
@@ -220,7 +221,7 @@ def _as_session(trainer: dict[str, Any]) -> dict[str, Any]:
 def _user_frame() -> types.FrameType | None:
     """The frame of the user's code that called into this session (the loop, its `with st.step()` or its
     `for batch in loader`), past scaletrain's own frames and contextlib's."""
-    package = str(Path(__file__).resolve().parents[1])
+    package = str(Path(__file__).resolve().parents[1]) + os.sep  # not a user's scaletrain_jobs/ beside it
     frame = sys._getframe(1)
     while frame is not None and (frame.f_code.co_filename.startswith(package)
                                  or frame.f_code.co_filename == contextlib.__file__):
