@@ -19,20 +19,29 @@ def _data(n: int = 301) -> TensorPairs:
     return TensorPairs(torch.arange(n, dtype=torch.float32).unsqueeze(1), torch.arange(n))
 
 
+def _stopped(loader: ShardedLoader, after: int, n: int) -> tuple[dict[str, int], list]:
+    """``loader`` read ``after`` micro-batches: its state then, and the ``n`` it gives next."""
+    it = iter(loader)
+    for _ in range(after):
+        next(it)
+    state = loader.state_dict()
+    return state, [next(it) for _ in range(n)]
+
+
+def _resumed(loader: ShardedLoader, state: dict[str, int], n: int) -> list:
+    """The first ``n`` micro-batches of a new ``loader`` resumed from ``state``."""
+    loader.load_state_dict(state)
+    return list(itertools.islice(iter(loader), n))
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_mid_epoch_resume_with_two_workers_gives_the_same_next_batches(rank):
     def loader() -> ShardedLoader:
         return ShardedLoader(_data(), batch_size=4, rank=rank, world=2, accum=2, seed=3, num_workers=2)
 
-    straight = loader()
-    it = iter(straight)
-    for _ in range(13):  # mid-epoch: 301 // 16 = 18 steps = 36 micro-batches per rank per epoch
-        next(it)
-    state = straight.state_dict()
-    want = [next(it) for _ in range(8)]
-    resumed = loader()
-    resumed.load_state_dict(state)
-    got = list(itertools.islice(iter(resumed), 8))
+    # mid-epoch: 301 // 16 = 18 steps = 36 micro-batches per rank per epoch
+    state, want = _stopped(loader(), 13, 8)
+    got = _resumed(loader(), state, 8)
     for (xa, ya), (xb, yb) in zip(want, got):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert state["cursor"] == 13 * 8 and state["epoch"] == 0
@@ -64,15 +73,9 @@ def test_samples_augmented_in_workers_resume_exactly_whatever_the_workers():
         return ShardedLoader(_Augmented(), batch_size=4, rank=1, world=2, accum=1, seed=3, num_workers=workers)
 
     straight = loader(2)
-    it = iter(straight)
-    for _ in range(33):  # 37 steps an epoch: into the next epoch after the resume
-        next(it)
-    state = straight.state_dict()
-    want = [next(it) for _ in range(8)]
+    state, want = _stopped(straight, 33, 8)  # 37 steps an epoch: into the next epoch after the resume
     for workers in (2, 1):
-        resumed = loader(workers)
-        resumed.load_state_dict(state)
-        got = list(itertools.islice(iter(resumed), 8))
+        got = _resumed(loader(workers), state, 8)
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got))
     assert state["epoch"] == 0 and straight.epoch == 1  # resumed in epoch 0, on into epoch 1
     assert len({float(x.sum()) for x, _ in want}) == 8  # drawn anew, not one draw repeated
@@ -93,15 +96,8 @@ def test_a_data_sets_own_batched_fetch_is_kept_in_workers_and_resumes_exactly():
     def loader() -> ShardedLoader:
         return ShardedLoader(_BatchedAugmented(), batch_size=4, rank=0, world=2, accum=1, seed=3, num_workers=2)
 
-    straight = loader()
-    it = iter(straight)
-    for _ in range(5):
-        next(it)
-    state = straight.state_dict()
-    want = [next(it) for _ in range(4)]
-    resumed = loader()
-    resumed.load_state_dict(state)
-    got = list(itertools.islice(iter(resumed), 4))
+    state, want = _stopped(loader(), 5, 4)
+    got = _resumed(loader(), state, 4)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got))
     assert all((y <= 0).all() for _, y in want) and len({float(x.sum()) for x, _ in want}) == 4
 

@@ -41,13 +41,22 @@ def restore(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-GENERATORS = "a torch.Generator, numpy's Generator (np.random.default_rng), RandomState or bit generator, or random.Random"
-
-
 def is_generator(obj: Any) -> bool:
-    """A random number generator of the user's own that ``generator_state`` can save (st.track() takes it)."""
+    """A random number generator of the user's own (st.track() takes it): ``generator_state`` saves it unless
+    it is ``stateless``."""
     return isinstance(obj, (torch.Generator, np.random.Generator, np.random.BitGenerator, np.random.RandomState,
                             random.Random))
+
+
+def stateless(obj: Any) -> bool:
+    """random.SystemRandom: it draws from the operating system and has no state to save."""
+    return isinstance(obj, random.SystemRandom)
+
+
+def _kind(obj: Any) -> str:
+    if isinstance(obj, torch.Generator):
+        return "torch"
+    return "python" if isinstance(obj, random.Random) else "numpy"
 
 
 def _plain(node: Any) -> Any:
@@ -74,7 +83,7 @@ def generator_state(obj: Any) -> dict[str, Any]:
     if isinstance(obj, torch.Generator):
         return {"kind": "torch", "state": obj.get_state()}
     if isinstance(obj, random.Random):
-        version, internal, gauss = obj.getstate()  # SystemRandom raises NotImplementedError: no state to save
+        version, internal, gauss = obj.getstate()
         return {"kind": "python", "version": version, "state": torch.tensor(internal, dtype=torch.int64),
                 "gauss": gauss}
     if isinstance(obj, np.random.RandomState):
@@ -86,7 +95,7 @@ def generator_state(obj: Any) -> dict[str, Any]:
 def set_generator_state(obj: Any, state: dict[str, Any]) -> None:
     """Put back what ``generator_state`` gave for this generator; ValueError for another kind's state (numpy's
     own for another bit generator's)."""
-    kind = generator_state(obj)["kind"]
+    kind = _kind(obj)
     if state.get("kind") != kind:
         raise ValueError(f"it holds a {state.get('kind')} generator's state, not a {kind} one's")
     if isinstance(obj, torch.Generator):
@@ -109,11 +118,8 @@ def named_generators(names: dict[str, Any]) -> dict[str, Any]:
     found: dict[str, Any] = {}
 
     def take(name: str, value: Any) -> None:
-        if is_generator(value) and id(value) not in own and not any(g is value for g in found.values()):
-            try:
-                generator_state(value)
-            except NotImplementedError:  # random.SystemRandom: no state to save
-                return
+        if is_generator(value) and not stateless(value) and id(value) not in own and \
+                not any(g is value for g in found.values()):
             found[name] = value
 
     for name, value in names.items():

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import gc
 import itertools
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
@@ -168,17 +170,18 @@ class SeededSamples(Dataset):
 
     @staticmethod
     def _seed(*words: int) -> None:
-        import random
-
-        import numpy as np
-
         mixed = _mixed(*words)
         torch.manual_seed(mixed)
         random.seed(mixed)
         np.random.seed([mixed & 0xFFFFFFFF, mixed >> 32])
 
+    @staticmethod
+    def _pair(key: int | tuple[int, int]) -> tuple[int, int]:
+        """(epoch, index) of a key: an evaluation's plain index is epoch -1."""
+        return key if isinstance(key, tuple) else (-1, key)
+
     def __getitem__(self, key: int | tuple[int, int]) -> Any:
-        epoch, index = key if isinstance(key, tuple) else (-1, key)
+        epoch, index = self._pair(key)
         self._seed(self.seed, epoch, index)
         return self.dataset[index]
 
@@ -186,9 +189,14 @@ class SeededSamples(Dataset):
         """A batch through the data set's own batched fetch, kept (one Arrow slice, not a read per sample), the
         RNGs seeded once from its first key and size: the same batch of the same epoch draws alike, so a resume
         at the same batch size is exact (a sample's draws then depend on its batch, not on it alone)."""
-        pairs = [key if isinstance(key, tuple) else (-1, key) for key in keys]
+        pairs = [self._pair(key) for key in keys]
         self._seed(self.seed, *pairs[0], len(pairs))
         return self.dataset.__getitems__([index for _, index in pairs])
+
+
+def _read_by(dataset: Any, seed: int, num_workers: int) -> Any:
+    """What a DataLoader of ``num_workers`` reads: in workers SeededSamples, in this process the data set."""
+    return SeededSamples(dataset, seed) if num_workers > 0 else dataset
 
 
 class Keyed(Sampler[tuple[int, int]]):
@@ -258,7 +266,7 @@ class ShardedLoader:
         # the worker that drew it, nor of when): a resume mid-epoch augments as the straight run does. In this
         # process they come from the global RNGs, which checkpoints hold.
         keyed = num_workers > 0
-        self.loader = DataLoader(SeededSamples(dataset, seed) if keyed else dataset, batch_size=batch_size,
+        self.loader = DataLoader(_read_by(dataset, seed, num_workers), batch_size=batch_size,
                                  sampler=Keyed(self.sampler) if keyed else self.sampler, drop_last=True,
                                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn or collate,
                                  persistent_workers=num_workers > 0, generator=self.generator,
@@ -391,7 +399,7 @@ def eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world: int, num
     index (SeededSamples: the same at every evaluation), the worker_init_fn reaching the data set given."""
     chosen = eval_indices(len(dataset), batch_size=batch_size, world=world,  # type: ignore[arg-type]
                           max_batches=max_batches)
-    loader = DataLoader(SeededSamples(dataset, seed) if num_workers > 0 else dataset, batch_size=batch_size,
+    loader = DataLoader(_read_by(dataset, seed, num_workers), batch_size=batch_size,
                         sampler=chosen[rank::world], num_workers=num_workers, pin_memory=pin_memory,
                         collate_fn=collate_fn or collate, persistent_workers=num_workers > 0,
                         generator=torch.Generator().manual_seed(0), worker_init_fn=worker_init_fn)

@@ -562,8 +562,9 @@ def _check_arity(module: nn.Module, one: Batch) -> None:
         gives = [f"{len(one.args)} positional input{'s' * (len(one.args) != 1)}"] if one.args or not one.kwargs else []
         gives += [f"the keys {', '.join(one.kwargs)}"] if one.kwargs else []
         items = " (a sample's items but the last, which is the target)" if one.args and one.target is not None else ""
-        raise UserError(f"model: {type(module).__name__}.forward({', '.join(signature.parameters)}) cannot take what each sample gives it: "
-                        f"{' and '.join(gives)}{items}: {err}; fix: samples of (inputs..., target) as forward takes "
+        forward = f"{type(module).__name__}.forward({', '.join(signature.parameters)})"
+        raise UserError(f"model: {forward} cannot take what each sample gives it: {' and '.join(gives)}"
+                        f"{items}: {err}; fix: samples of (inputs..., target) as forward takes "
                         "them, or batch_fn=lambda batch: (inputs, target) to pick them from each batch (a sample of "
                         "(x, weight, y): batch_fn=lambda b: (b[0], b[-1]))") from None
 

@@ -255,15 +255,15 @@ class Loader:
     unseen batch. Read inside session.evaluating(), it is one whole pass instead (every sample once over the
     ranks, as many batches on each; a stream from its start), and its position stays where training left it."""
 
-    def __init__(self, session: Session, inner: ShardedLoader | StreamLoader) -> None:
+    def __init__(self, session: Session, inner: ShardedLoader | StreamLoader, key: tuple[Any, ...] = (),
+                 source: tuple[Any, ...] = ()) -> None:
         self._session, self.inner = session, inner
+        self.key, self.source = key, source  # what st.loader() was given (Session.loader), held
         self.waited = 0.0  # seconds this rank waited for batches since the last step began
         self.drawn = 0  # batches handed out since the last step began
         self.tokens = 0  # their tokens (token-id batches: each batch's own width, padded batches of any length)
         self.stepped = 0  # training batches handed out by the end of the last step, this session
         self.since_step = 0  # training batches handed out since the last step ended (an accumulation's count)
-        self.key: tuple[Any, ...] = ()  # what st.loader() was given (Session.loader)
-        self.source: tuple[Any, ...] = ()
 
     @property
     def epoch(self) -> int:
@@ -672,8 +672,9 @@ class Session:
         padding collator); default scaletrain.batch.collate. ``worker_init_fn``: run in each DataLoader worker
         as it starts, as a DataLoader runs it (get_worker_info().dataset reads and sets the data set's own
         attributes). A DataLoader of one's own (a script written for plain torch, or for Accelerate's prepare())
-        is read for its dataset, batch size, collate_fn, shuffle, workers and worker_init_fn, and its samples sharded and resumed as above (its sampler's order is not kept: a loader of the
-        session reshuffles from run.seed)."""
+        is read for its dataset, batch size, collate_fn, shuffle, workers and worker_init_fn, and its samples
+        sharded and resumed as above (its sampler's order is not kept: a loader of the session reshuffles from
+        run.seed)."""
         from scaletrain.data import in_memory, train_size
 
         self._usable("loader")
@@ -683,9 +684,10 @@ class Session:
             worker_init_fn = worker_init_fn or init
         else:
             workers = 0
+        b = batch_size or self.cfg.data.batch_size
+        shuffle = self.cfg.data.shuffle if shuffle is None else shuffle
         source = dataset if isinstance(dataset, tuple) else (dataset,)  # (inputs, targets): the same tensors
-        key = (tuple(id(part) for part in source), batch_size or self.cfg.data.batch_size, accum,
-               self.cfg.data.shuffle if shuffle is None else shuffle)
+        key = (tuple(id(part) for part in source), b, accum, shuffle)
         again = next((loader for loader in self._loaders if loader.key == key), None)
         if again is not None and self._training:
             # The same data, made again once the loop runs: a loop that makes its loader inside `for epoch in
@@ -695,7 +697,6 @@ class Session:
         # a Dataset or a stream as it is; (inputs, targets) made one; a wrong type: one line
         stream = isinstance(dataset, IterableDataset)
         data = dataset if stream else in_memory(dataset, eval_data=dataset, collate_fn=collate_fn).train
-        b = batch_size or self.cfg.data.batch_size
         dp_rank, dp_size = (self.layout.dp_rank(self.rank), self.layout.dp_size) if self.layout else \
             (self.rank, self.world_size)
         if stream:  # read in its order (data/loader.py StreamLoader)
@@ -707,8 +708,7 @@ class Session:
             raise UserError(f"session.loader(): {size} samples cannot give every one of {self.world_size} "
                             f"rank(s) {accum} batch(es) of {b}; fix: a smaller batch_size or more data")
         return self._add_loader(ShardedLoader(data, batch_size=b, rank=dp_rank, world=dp_size, accum=accum,
-                                              seed=self.cfg.run.seed,
-                                              shuffle=self.cfg.data.shuffle if shuffle is None else shuffle,
+                                              seed=self.cfg.run.seed, shuffle=shuffle,
                                               num_workers=self.cfg.data.num_workers or workers,
                                               pin_memory=self.device.type == "cuda", collate_fn=collate_fn,
                                               worker_init_fn=worker_init_fn),
@@ -723,8 +723,7 @@ class Session:
         if len(saved) > len(self._loaders) and "data" not in self.skip:
             inner.load_state_dict(saved[len(self._loaders)])
         inner.track_indices = self._trace is not None
-        loader = Loader(self, inner)
-        loader.key, loader.source = key, source
+        loader = Loader(self, inner, key, source)
         self._loaders.append(loader)
         return loader
 
@@ -782,18 +781,17 @@ class Session:
         resume; a rank the checkpoint's smaller world did not have keeps its generator as built. Named by the
         loop's variable for it by default (as _adopt_untracked names it). ``new``: adopted unasked, a checkpoint
         from before may lack it (it then starts as built)."""
-        frame = _user_frame()
-        known = {**frame.f_globals, **frame.f_locals} if frame is not None else {}
-        name = name or next((k for k, v in known.items() if v is gen), "") or f"generator{len(self._generators)}"
+        if not name:
+            frame = _user_frame()
+            known = {**frame.f_globals, **frame.f_locals} if frame is not None else {}
+            name = next((k for k, v in known.items() if v is gen), "") or f"generator{len(self._generators)}"
         if name in self._generators or name in self._tracked or any(g is gen for g in self._generators.values()):
             raise UserError(f"session.track(name={name!r}): tracked already; fix: track each object once, each "
                             "name once")
-        try:
-            rng.generator_state(gen)
-        except NotImplementedError:  # random.SystemRandom: the operating system's entropy, no state
+        if rng.stateless(gen):
             raise UserError(f"session.track(): a {type(gen).__name__} draws from the operating system and has no "
                             "state to save; fix: a seeded random.Random, or leave it untracked (it cannot resume "
-                            "exactly)") from None
+                            "exactly)")
         if self._rank_state is not None and "rng" not in self.skip:
             assert self.resume is not None
             saved = self._rank_state.get("generators", {})

@@ -55,9 +55,10 @@ class Verdict:
             return (f"identical: interrupted after step {self.at} and resumed, the run matches the uninterrupted "
                     f"one bit for bit at every one of {self.steps} steps on all {self.ranks} rank(s): loss, "
                     "weights, optimizer, RNG, data order and LR schedule")
+        differ = f"{', '.join(self.parts)} differ{'s' if len(self.parts) == 1 else ''}"
         if self.phase == "before the interruption" and self.step == 0:
-            said = (f"diverged before the first step on rank {self.rank}: {', '.join(self.parts)} "
-                    f"differ{'s' if len(self.parts) == 1 else ''} from run to run, so resuming cannot be judged")
+            said = (f"diverged before the first step on rank {self.rank}: {differ} from run to run, so "
+                    "resuming cannot be judged")
             if self.parts == ["weights"]:
                 said += ("; the likely cause: the model is built before the run seeds the RNG, from an unseeded "
                          "one; fix: torch.manual_seed(0) before building it, or build it once the run started "
@@ -69,7 +70,7 @@ class Verdict:
                                             "reproducible run to run, so resuming cannot be judged; on a GPU, "
                                             "--train.deterministic=true makes the kernels repeatable)",
                  "after resume": f"at step {self.step}"}[self.phase]
-        said = f"diverged {where} on rank {self.rank}: {', '.join(self.parts)} differ{'s' if len(self.parts) == 1 else ''}"
+        said = f"diverged {where} on rank {self.rank}: {differ}"
         if "batch values" in self.parts and "data order" not in self.parts and not self.unread:
             said += ("; the same samples came out otherwise: a data set or collate_fn drawing from a generator "
                      "of its own (random augmentation), which no checkpoint holds; fix: draw from torch's, "
@@ -117,8 +118,9 @@ def compare(straight: dict[int, list[dict[str, Any]]], first: dict[int, list[dic
         a = {r["step"]: r for r in straight[rank] if "event" not in r}
         b = {r["step"]: r for r in first.get(rank, []) if "event" not in r}
         loads = [r for r in resumed.get(rank, []) if r.get("event") == "resume"]
-        starts = [[r for r in run.get(rank, []) if r.get("event") == "start"][:1] for run in (straight, first)]
-        if all(starts) and (fields := _diff(starts[0][0], starts[1][0], STATE_FIELDS)):
+        starts = [next((r for r in run.get(rank, []) if r.get("event") == "start"), None)
+                  for run in (straight, first)]
+        if None not in starts and (fields := _diff(*starts, STATE_FIELDS)):
             found.append((0, 0, rank, fields))  # apart before their first step: its initial state
         c = {r["step"]: r for r in resumed.get(rank, []) if "event" not in r}
         for s in range(1, at + 1):
