@@ -351,6 +351,54 @@ def test_the_command_line_goes_on_top_of_a_config_object(tmp_path: Path) -> None
     assert (summary["global_batch"], summary["steps"], summary["epochs"]) == (16, 2 * 512 // 16, 2.0)
 
 
+OWN_ARGS = """import argparse, torch, scaletrain
+parser = argparse.ArgumentParser()
+parser.add_argument("features", type=int)
+parser.add_argument("--width", type=int, default=4)
+args, _ = parser.parse_known_args()
+x = torch.randn(256, args.features); y = (x.sum(1) > 0).long()
+net = lambda: torch.nn.Sequential(torch.nn.Linear(args.features, args.width), torch.nn.Linear(args.width, 2))
+summary = scaletrain.fit(net, (x, y), config={'train.progress': False, 'run.dir': 'runs/mine'})
+print("SAW", args.width, summary["run_dir"], summary["strategy"], summary["steps"])
+"""
+
+
+def test_fit_without_argv_takes_the_command_lines_options_and_leaves_the_scripts_own(tmp_path: Path) -> None:
+    """`scaletrain launch --nproc 2 mine.py 8 --parallel.strategy=fsdp --run.dir=runs/given --train.max_steps 3`
+    on a script calling fit() without argv trained under DDP in runs/mine for all its epochs, without a word:
+    the options reached no one (and verify-resume's --run.dir and --chaos.* neither: "traced no step"). fit()
+    and session() now read the command line's --section.key options; the script's own (a positional, --width)
+    are left to it, argparse's parse_known_args reading them as before."""
+    (tmp_path / "mine.py").write_text(OWN_ARGS)
+    proc = subprocess.run([*SCALETRAIN, "launch", "--nproc", "2", "mine.py", "8", "--parallel.strategy=fsdp",
+                           "--width", "6", "--run.dir=runs/given", "--train.max_steps", "3"], check=False,
+                          capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("SAW 6 runs/given fsdp 3\n") == 2, proc.stdout
+
+
+def test_the_command_lines_options_are_told_from_a_scripts_own() -> None:
+    from scaletrain.cli.options import command_line_options
+
+    line = ["data.csv", "--lr", "0.1", "--train.max_steps", "5", "--run.dir=r", "--model.kind.x", "--log.trace",
+            "--verbose", "--parallel.strategy", "--other", "--", "--optim.lr=1"]
+    assert command_line_options(line) == ["--train.max_steps", "5", "--run.dir=r", "--model.kind.x", "--log.trace",
+                                          "--parallel.strategy"]  # --model.kind.x: ours, and refused by name
+    assert command_line_options(["--nproc", "2", "--trainer.x=1", "--train"]) == []  # aliases, other sections
+
+
+def test_a_session_without_argv_reads_the_command_line_and_argv_given_replaces_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from scaletrain.train.session import resolve_config
+
+    monkeypatch.setattr(sys, "argv", ["my.py", "7", "--optim.lr", "0.5", "--mine=1"])
+    assert resolve_config({"optim.lr": 0.1}, None, defaults={}).optim.lr == 0.5
+    assert resolve_config({"optim.lr": 0.1}, [], defaults={}).optim.lr == 0.1
+    monkeypatch.setattr(sys, "argv", ["my.py", "--optim.lrr=0.5"])
+    with pytest.raises(ConfigError, match="did you mean"):
+        resolve_config(None, None, defaults={})
+
+
 @pytest.mark.parametrize("argv", [["--nproc", "2"], ["--nnodes=2", "--rdzv-endpoint=node0:29500"]])
 def test_workers_asked_of_a_script_run_as_one_process_are_one_line(tmp_path: Path, argv: list[str]) -> None:
     """`python my.py --nproc 2` trained on one process without a word (fit() joins the workers a launcher starts

@@ -113,7 +113,7 @@ def test_a_scripts_own_arguments_go_after_a_double_dash(tmp_path):
 @pytest.mark.parametrize(("script", "words"), [
     # a loop of its own with no session: nothing traced, and comparing nothing said "identical ... 0 rank(s)"
     ("import torch\nm = torch.nn.Linear(4, 1)\nm(torch.randn(2, 4)).sum().backward()\n",
-     ["ran to its end but traced no step", "fix: open it as scaletrain.session(argv=sys.argv[1:])"]),
+     ["ran to its end but traced no step", "fix: scaletrain.session() or fit() without argv (or argv=sys.argv[1:])"]),
     # a failure that prints nothing: the line said "failed (exit 3): ;" and "make `python x.py ...` work first"
     ("import sys\nsys.exit(3)\n", ["failed (exit 3): it printed nothing",
                                    "fix: make `python job.py --chaos.interrupt_step=4 --run.dir="]),

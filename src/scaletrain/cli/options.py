@@ -102,6 +102,27 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
     return overrides
 
 
+def command_line_options(argv: list[str]) -> list[str]:
+    """scaletrain's own options on a script's command line, for fit() and session() called without ``argv``:
+    each ``--section.key[=value]`` of a config section (and its value when it is the next argument), before a
+    lone ``--``; the script's own arguments are left to it. `scaletrain launch --nproc 2 my.py
+    --parallel.strategy=fsdp`, and the --run.dir and --chaos.* that verify-resume and a Slurm requeue give a
+    script, reached a fit() whose author never passed argv only through it: without, they were dropped unsaid."""
+    ours = set(sections())
+    taken: list[str] = []
+    i = 0
+    while i < len(argv) and argv[i] != "--":
+        token = argv[i]
+        key, eq, _ = token[2:].partition("=")
+        if token.startswith("--") and key.partition(".")[0] in ours and "." in key:
+            taken.append(token)
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                taken.append(argv[i + 1])  # --key value
+                i += 1
+        i += 1
+    return taken
+
+
 def parse_port(text: str, flag: str = "--port") -> int:
     """A TCP port in [1, 65535], else one line naming the flag."""
     port = parse_count(flag, text, 1, "29500")

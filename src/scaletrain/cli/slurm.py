@@ -22,7 +22,7 @@ from scaletrain.errors import UserError
 
 HELP = ("Write an sbatch script that runs this training job on N machines x G GPUs under Slurm: one torchrun "
         "agent per machine, a checkpoint and a requeue before the time limit, resumed where it stopped. A script of "
-        "your own runs through scaletrain launch: a fit() or session script (argv=sys.argv[1:]) gets --run.dir and "
+        "your own runs through scaletrain launch: a fit() or session script gets --run.dir and "
         "the options and is requeued as a recipe is; one that never names scaletrain runs as torchrun runs it.")
 # What the script sets itself, from --nodes and --gpus-per-node and Slurm's variables.
 MAX_SIGNAL_S = 65535  # sbatch --signal=SIG@TIME: TIME is 0..65535 seconds
@@ -38,7 +38,7 @@ def add_parser(sub: Any, name: str) -> None:
                              "[--section.key=value ...] [-- SCRIPT'S OWN ARGUMENTS]")
     p.add_argument("config", metavar="RECIPE|FILE.toml|SCRIPT.py",
                    help=f"a built-in recipe ({', '.join(recipe_names())}), a TOML file with [section] tables, or a "
-                   "training script of your own (fit() or a session given argv=sys.argv[1:], or one written for "
+                   "training script of your own (fit() or a session, reading the command line, or one written for "
                    "plain torchrun)")
     own = p.add_argument_group("slurm")
     own.add_argument("--nodes", default="1", help="machines [default: 1]")
@@ -136,7 +136,7 @@ def _plain_script(path: str, overrides: dict[str, str], launcher: str) -> bool:
         key = next(iter(overrides))
         raise UserError(f"--{key} = {overrides[key]!r}: {path} never names scaletrain, so no session reads its "
                         "options; fix: pass the script's own arguments after --, or run its loop in "
-                        "scaletrain.fit() / scaletrain.session(argv=sys.argv[1:])")
+                        "scaletrain.fit() / scaletrain.session()")
     if launcher == "srun":
         raise UserError(f"--launcher = 'srun': {path} never names scaletrain, and a task started by srun gets its "
                         "rank from Slurm's variables, which only a session reads (a torchrun script reads "

@@ -24,7 +24,7 @@ from scaletrain.errors import ConfigError, UserError
 
 HELP = ("Check that your job resumes exactly: run it straight for N steps, and again interrupted at step K and "
         "resumed; report identical, or the first diverging step and which part of the state differs. The job is a "
-        "recipe, a TOML config, or a script whose loop runs in scaletrain.session(argv=sys.argv[1:]).")
+        "recipe, a TOML config, or a script whose loop runs in scaletrain.fit() or scaletrain.session().")
 
 
 def _dropped(text: str) -> str:
@@ -126,7 +126,7 @@ def _three_runs(console: Any, work: Path, n: int, k: int, run_one: Callable[[lis
 
 
 def _verify_script(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
-    """verify-resume for a script whose loop runs in a scaletrain.session(argv=sys.argv[1:]): the same three
+    """verify-resume for a script whose loop runs in scaletrain.fit() or a session reading the command line: the same three
     runs (straight, stopped after step K, resumed), each `python SCRIPT ARGS` (or `scaletrain launch --nproc N
     SCRIPT ARGS`) with the session's own --run.dir, --debug.trace and --chaos.interrupt_step added."""
     from scaletrain.observe.console import Console

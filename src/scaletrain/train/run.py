@@ -573,8 +573,9 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     torch.no_grad() (to sample from it, or log elsewhere; its time is counted as evaluation). Under FSDP the
     model's forward is collective: call it on every rank alike; under parallel.pp > 1 it is this rank's stage.
     ``config``: a Config, a mapping of dotted keys ({"optim.lr": 0.1}), or a recipe/TOML path.
-    ``argv``: ``--section.key=value`` strings on top of it, as scaletrain.session() takes them (pass
-    sys.argv[1:], and `scaletrain launch --nproc 2 my.py --parallel.strategy=fsdp` reaches the run).
+    ``argv``: ``--section.key=value`` strings on top of it, as scaletrain.session() takes them; by default the
+    command line's --section.key options (`scaletrain launch --nproc 2 my.py --parallel.strategy=fsdp` reaches
+    the run; the script's own arguments are left to it); ``argv=[]``: none.
 
     A scaletrain error that the caller does not catch ends the program as the CLI does: one line, exit code
     2 (1 when training failed), said once however many ranks raised it.

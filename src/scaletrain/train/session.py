@@ -1875,7 +1875,8 @@ class _Trace(TraceFile):
 
 def session(config: Config | Mapping[str, Any] | str | None = None, *, argv: list[str] | None = None) -> Session:
     """A Session for a loop of one's own (see scaletrain.train.session). ``config``: a Config, a mapping of
-    dotted keys, or a recipe/TOML path; ``argv``: ``--section.key=value`` strings on top (e.g. sys.argv[1:])."""
+    dotted keys, or a recipe/TOML path; ``argv``: ``--section.key=value`` strings on top (by default the
+    command line's: sys.argv[1:]'s --section.key options; ``argv=[]``: none)."""
     from scaletrain.errors import Reported, Stopped, install_excepthook
 
     try:
@@ -1982,10 +1983,11 @@ def check_optimizer(opt: Optimizer, model: nn.Module, *, who: str = "session.set
 def resolve_config(config: Config | Mapping[str, Any] | str | None, argv: list[str] | None, *,
                    defaults: Mapping[str, Any], pinned: Mapping[str, Any] | None = None) -> Config:
     """What session() and fit() take: a Config, a mapping of dotted keys over ``defaults``, or a recipe/TOML path
-    with ``pinned`` over it; then ``argv``'s --section.key=value strings on top of any of them."""
-    from scaletrain.cli.options import parse_overrides
+    with ``pinned`` over it; then ``argv``'s --section.key=value strings on top of any of them (None: those of
+    the command line, cli.options.command_line_options)."""
+    from scaletrain.cli.options import command_line_options, parse_overrides
 
-    cli = parse_overrides(argv or [])
+    cli = parse_overrides(command_line_options(sys.argv[1:]) if argv is None else argv)
     if isinstance(config, Config):
         return load(None, overrides=_flat(config), cli_overrides=cli) if cli else config
     if isinstance(config, str):

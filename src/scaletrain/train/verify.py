@@ -157,7 +157,7 @@ def run_train(config: str, args: list[str], run_dir: Path, env: dict[str, str]) 
 
 
 def run_script(script: str, args: list[str], run_dir: Path, env: dict[str, str], world: int) -> None:
-    """A script whose loop runs in scaletrain.session(argv=...), as `python SCRIPT` or, for several ranks,
+    """A script whose loop runs in a scaletrain.session or fit() reading the command line, as `python SCRIPT` or, for several ranks,
     `scaletrain launch --nproc N SCRIPT`; a failure is a UserError carrying its last lines, and so is a run that
     traced no step (no session took the command line: comparing nothing would have said "identical")."""
     launcher = ["python"] if world == 1 else ["scaletrain", "launch", "--nproc", str(world)]
@@ -167,8 +167,9 @@ def run_script(script: str, args: list[str], run_dir: Path, env: dict[str, str],
          shown)
     if not read_trace(run_dir):
         raise UserError(f"verify-resume: `{shown}` ran to its end but traced no step in {run_dir}: its loop runs in "
-                        "no scaletrain.session, or in one that does not read the command line; fix: open it as "
-                        "scaletrain.session(argv=sys.argv[1:]) (the script's own arguments go after --)")
+                        "no scaletrain.session or fit(), or in one given an argv that leaves out the command line's; fix: "
+                        "scaletrain.session() or fit() without argv (or argv=sys.argv[1:]) (the script's own "
+                        "arguments go after --)")
 
 
 def _run(cmd: list[str], run_dir: Path, env: dict[str, str], shown: str) -> None:
