@@ -42,7 +42,7 @@ def _loop(rank: int, world: int, where: str, strategy: str, accum: int) -> list[
                 for _ in range(accum):
                     x, y = next(batches)
                     st.backward(torch.nn.functional.cross_entropy(model(x), y) / accum)
-                    if strategy == "ddp":  # FSDP keeps an unsynced micro-batch's gradient inside, unsharded
+                    if strategy == "ddp" and world > 1:  # FSDP keeps an unsynced micro-batch's gradient inside, unsharded
                         mine = model.module[0].weight.grad.clone()
                         theirs = [torch.zeros_like(mine) for _ in range(world)]
                         dist.all_gather(theirs, mine)
@@ -100,3 +100,57 @@ def test_a_step_that_ends_inside_an_accumulation_is_one_line(tmp_path, world):
             "(gradients are averaged over the ranks at a step's last micro-batch); fix: draw all 4 inside one "
             "`with st.step():`, a forward and backward each, or accum=1 for a step per batch") in said
     assert not (tmp_path / "misused" / "checkpoints").exists() or not any((tmp_path / "misused" / "checkpoints").iterdir())
+
+
+def _own_accumulation(rank: int, world: int, where: str, strategy: str, idiom: str) -> list[bool]:
+    """The loop accumulating by itself, as a DDP script does, from a loader of micro-batches (accum 1): DDP's
+    ``with model.no_sync():`` or nanoGPT's ``model.require_backward_grad_sync = last``; per micro-batch, whether
+    its gradient stayed off the parameters (under FSDP an unsynced one is kept inside, unsharded)."""
+    import contextlib
+
+    import scaletrain
+
+    local: list[bool] = []
+    cfg = {"run.dir": str(Path(where) / f"own-{idiom}"), "train.max_steps": 5, "data.batch_size": 16 // ACCUM,
+           "parallel.strategy": strategy, "train.progress": False, "log.every": 5}
+    with scaletrain.session(cfg) as st:
+        model, opt = st.setup(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
+                              lambda p: torch.optim.SGD(p, lr=0.5))
+        batches = iter(st.loader(_data(), shuffle=False))
+        while not st.done:
+            with st.step():
+                for i in range(ACCUM):
+                    x, y = next(batches)
+                    last = i == ACCUM - 1
+                    if idiom == "no_sync":
+                        switch = contextlib.nullcontext() if last else model.no_sync()
+                    else:
+                        model.require_backward_grad_sync = last
+                        switch = contextlib.nullcontext()
+                    with switch:
+                        st.backward(torch.nn.functional.cross_entropy(model(x), y) / ACCUM)
+                    local.append(all(p.grad is None for p in model.parameters()))
+                opt.step()
+                opt.zero_grad()
+    return local
+
+
+def _both_idioms(rank: int, world: int, where: str, strategy: str) -> dict[str, list[bool]]:
+    return {"reference": _loop(rank, world, where, strategy, 1),
+            **{idiom: _own_accumulation(rank, world, where, strategy, idiom) for idiom in ("no_sync", "flag")}}
+
+
+@pytest.mark.parametrize(("world", "strategy"), [(1, "ddp"), (2, "fsdp")])
+def test_a_ddp_loops_own_accumulation_runs_under_fsdp_and_on_one_process(tmp_path, world, strategy):
+    """A DDP script's accumulation (model.no_sync(), or nanoGPT's model.require_backward_grad_sync) run with
+    --parallel.strategy=fsdp, or as one process, stopped at its first micro-batch: "'FSDPSequential' object has
+    no attribute 'no_sync'" ('Sequential' on one process). Both now switch the gradient sync as under DDP: on 2
+    ranks the micro-batches but each step's last keep their gradients local (none reaches the sharded parameters)
+    and the steps equal one batch of 16's to rounding; on one process both are the plain loop."""
+    per_rank = run_ranks(_both_idioms, world, str(tmp_path), strategy)
+    for idiom in ("no_sync", "flag"):
+        assert per_rank[0][idiom] == ([True, True, True, False] if world == 2 else [False] * 4) * 5, idiom
+        reference = safetensors.torch.load_file(str(tmp_path / f"{strategy}-1" / "model.safetensors"))
+        own = safetensors.torch.load_file(str(tmp_path / f"own-{idiom}" / "model.safetensors"))
+        for k, w in reference.items():
+            torch.testing.assert_close(own[k], w, rtol=0, atol=1e-6)

@@ -196,6 +196,30 @@ class _Model:
         self.ends = trainable[:1] + trainable[-1:]
 
 
+def _ddp_sync_switches(wrapped: nn.Module) -> None:
+    """DDP's switches for a loop's own gradient accumulation on a model DDP does not wrap (under FSDP, or one
+    process's bare model): ``with model.no_sync():`` (DDP's idiom) and ``model.require_backward_grad_sync =
+    False`` (nanoGPT's), each read at the next forward as DDP reads them; under FSDP the micro-batch's backward then
+    keeps its gradients local and unsharded until a synchronized one reduce-scatters their sum
+    (Session._sync_or_not), on one process there is nothing to synchronize. A DDP loop run with
+    --parallel.strategy=fsdp, or as one process, stopped at its first micro-batch ("'FSDPSequential' object has no
+    attribute 'no_sync'")."""
+    if isinstance(wrapped, DDP) or hasattr(wrapped, "no_sync") or hasattr(wrapped, "require_backward_grad_sync"):
+        return
+    wrapped.require_backward_grad_sync = True
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        before = wrapped.require_backward_grad_sync
+        wrapped.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            wrapped.require_backward_grad_sync = before
+
+    wrapped.no_sync = no_sync
+
+
 @dataclasses.dataclass
 class Opened:
     """What scaletrain train and fit() resolve before their session opens (train/run.py): the runtime, the console,
@@ -643,6 +667,8 @@ class Session:
         for opt in built:  # forward and backward end where an optimizer steps, whether or not st.backward() ran
             opt.register_step_pre_hook(self._optimizer_starting)
             opt.register_step_post_hook(self._optimizer_done)
+        if self._opened is None and self._stage is None:
+            _ddp_sync_switches(wrapped)
         if self._opened is None and (isinstance(wrapped, DDP) or is_fsdp(wrapped)):  # the trainer holds its own
             wrapped.register_forward_pre_hook(lambda *_, entry=entry: self._sync_or_not(entry))
         if isinstance(wrapped, DDP):
@@ -935,6 +961,8 @@ class Session:
             return
         accumulating = any(loader.inner.accum > 1 and loader.since_step % loader.inner.accum
                            for loader in self._loaders)
+        if is_fsdp(entry.wrapped):  # and the loop's own switch, read at forward as DDP reads it (_ddp_sync_switches)
+            accumulating = accumulating or not entry.wrapped.require_backward_grad_sync
         if accumulating != entry.unsynced:
             entry.unsynced = accumulating
             set_gradient_sync(entry.wrapped, not accumulating)
