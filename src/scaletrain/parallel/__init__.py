@@ -15,6 +15,8 @@ ready (and their all-reduce or reduce-scatter can start) while earlier blocks ar
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import math
 import re
@@ -90,13 +92,61 @@ def compile_mode(compiled: nn.Module) -> str:
             (False, True): "reduce-overhead"}.get((tune, graphs), "default")
 
 
+class ReplicatedModel(DDP):
+    """torch's DistributedDataParallel, through which the model's own methods and attributes are reached as on the
+    model itself (``model.generate(...)``, ``model.config``), as they are under FSDP and on one process, where the
+    model is called bare: a loop sampling from its model stopped under DDP only ("'DistributedDataParallel' object
+    has no attribute 'generate'"). A method called with gradients enabled runs through DDP's forward (the model's
+    forward is that method for the call, as Lightning Fabric redirects one), so its backward is all-reduced;
+    without gradients it is called as it is."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("module", "forward") or name.startswith("_"):  # torch's probes of DDP's own stay DDP's
+                raise
+        inner = super().__getattr__("module")
+        found = getattr(inner, name)
+        if not (inspect.ismethod(found) and found.__self__ is inner):
+            return found
+
+        @functools.wraps(found)
+        def through_forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return found(*args, **kwargs)
+            return self._forwarding(found, args, kwargs)
+
+        return through_forward
+
+    def _forwarding(self, method: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        inner = self.module
+        own = inner.__dict__.get("forward")  # an instance's own forward, if it has one
+
+        def restore() -> None:
+            if own is None:
+                inner.__dict__.pop("forward", None)
+            else:
+                inner.forward = own
+
+        def once(*a: Any, **k: Any) -> Any:
+            restore()  # the method's own calls of the model (self(x)) reach its real forward
+            return method(*a, **k)
+
+        inner.forward = once
+        try:
+            return self(*args, **kwargs)
+        finally:
+            restore()
+
+
 def apply_ddp(model: nn.Module, mesh: DeviceMesh | None, *, bucket_mb: float, find_unused: bool) -> DDP:
     """Replicate the model; gradients are averaged by bucketed all-reduce overlapping backward.
 
     Runs over the mesh's dp_replicate axis, or the default group (all ranks) when mesh is None."""
     ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
     group = mesh.get_group("dp_replicate") if mesh is not None else None
-    wrapped = DDP(model, device_ids=ids, process_group=group, bucket_cap_mb=bucket_mb,
+    wrapped = ReplicatedModel(model, device_ids=ids, process_group=group, bucket_cap_mb=bucket_mb,
                   find_unused_parameters=find_unused, gradient_as_bucket_view=True)
     log.info("DDP: buckets of %.0f MB", bucket_mb)
     return wrapped
