@@ -431,7 +431,12 @@ def test_bad_use_is_one_clear_error(tmp_path: Path) -> None:
         net = Net()
         with pytest.raises(UserError, match=r"session.step\(\) before session.setup\(\)"), st.step():
             pass
-        st.setup(net, lambda p: torch.optim.SGD(p, lr=0.1))
+        model, opt = st.setup(net, lambda p: torch.optim.SGD(p, lr=0.1))
+        model(torch.ones(2, 4)).sum().backward()
+        # a loop with no `with st.step():` trained through its loader with nothing counted, logged or saved
+        with pytest.raises(UserError, match=r"optimizer.step\(\) outside `with st.step\(\):`: the session counts, "
+                                            r"logs, checkpoints and resumes only the steps taken inside one; fix"):
+            opt.step()
         with pytest.raises(UserError, match="set up already; fix: call setup"):
             st.setup(net)
         with pytest.raises(UserError, match="has no parameter that requires grad"):

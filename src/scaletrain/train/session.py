@@ -414,6 +414,7 @@ class Session:
             install_excepthook()
         self._closed, self._in_step, self._training, self._timing = False, False, False, False
         self._evaluating = False  # inside st.evaluating(): batches drawn are not training's
+        self._restoring = False  # inside _restore(): DCP steps the optimizers once to build their state
         self._progress = {"steps": 0, "closed": False}  # what an unclosed session's warning at exit reads
         self._models: list[_Model] = []
         self._stage: nn.Module | None = None  # parallel.pp > 1: this rank's pipeline stage (the model set up)
@@ -1086,6 +1087,12 @@ class Session:
     def _optimizer_starting(self, *_: Any) -> None:
         if self._in_step:  # not an optimizer state's initialization by DCP on resume, say
             self.timer.optimizer_starting()
+        elif self._opened is None and not self._restoring:
+            # A loop without `with st.step():` trained through its whole loader with nothing counted, logged,
+            # checkpointed or stopped at train.max_steps, and said "0 steps" at its end.
+            raise UserError("optimizer.step() outside `with st.step():`: the session counts, logs, checkpoints and "
+                            "resumes only the steps taken inside one; fix: put each step's forward, backward and "
+                            "optimizer.step() inside `with st.step():`")
 
     def _optimizer_done(self, *_: Any) -> None:
         if self._in_step:
@@ -1563,6 +1570,13 @@ class Session:
         return read_tree(self.resume, name)
 
     def _restore(self, entry: _Model, weights_of: Resume | None = None) -> None:
+        self._restoring = True
+        try:
+            self._restore_state(entry, weights_of)
+        finally:
+            self._restoring = False
+
+    def _restore_state(self, entry: _Model, weights_of: Resume | None = None) -> None:
         """The checkpoint's state of one model and its optimizers (debug.skip_restore leaves weights or
         optimizer as built). Either layout: a single model and optimizer by their own names (fit()'s, and a
         one-model session's), or every model under its name. ``weights_of``: another checkpoint's weights only
