@@ -397,6 +397,14 @@ def test_a_session_without_argv_reads_the_command_line_and_argv_given_replaces_i
     monkeypatch.setattr(sys, "argv", ["my.py", "--optim.lrr=0.5"])
     with pytest.raises(ConfigError, match="did you mean"):
         resolve_config(None, None, defaults={})
+    # fit(argv=[]) reads none of them, and the session fit() opens does not read them again (it logged every
+    # step, as the command line's --log.every=1 said, over the config's 100)
+    monkeypatch.setattr(sys, "argv", ["my.py", "--log.every=1"])
+    x, y = _points(256, 0)
+    summary = scaletrain.fit(lambda: nn.Linear(8, 4), (x, y), config={**_config(tmp_path, "none"), "train.epochs": 1,
+                                                                        "log.every": 100}, argv=[])
+    records = [json.loads(line) for line in (tmp_path / "none" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 6 and [r["step"] for r in records if r["kind"] == "train"] == [6]
 
 
 @pytest.mark.parametrize("argv", [["--nproc", "2"], ["--nnodes=2", "--rdzv-endpoint=node0:29500"]])

@@ -404,7 +404,8 @@ class Session:
                  argv: list[str] | None = None, opened: Opened | None = None) -> None:
         self._opened = opened
         self.started = time.perf_counter() if opened is None else opened.started
-        cfg = resolve_config(config, argv, defaults={"run.name": "session"})
+        # scaletrain train and fit() hand over the config they resolved: the command line is in it already
+        cfg = resolve_config(config, argv if opened is None else [], defaults={"run.name": "session"})
         if opened is None:  # scaletrain train and fit() checked it already
             check_workers(cfg)
         self.rt: Runtime = runtime.init(cfg.dist) if opened is None else opened.rt
