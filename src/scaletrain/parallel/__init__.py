@@ -94,11 +94,14 @@ def compile_mode(compiled: nn.Module) -> str:
 
 class ReplicatedModel(DDP):
     """torch's DistributedDataParallel, through which the model's own methods and attributes are reached as on the
-    model itself (``model.generate(...)``, ``model.config``), as they are under FSDP and on one process, where the
-    model is called bare: a loop sampling from its model stopped under DDP only ("'DistributedDataParallel' object
-    has no attribute 'generate'"). A method called with gradients enabled runs through DDP's forward (the model's
-    forward is that method for the call, as Lightning Fabric redirects one), so its backward is all-reduced;
-    without gradients it is called as it is."""
+    model itself (``model.generate(...)``, ``model.config``, ``model.save_pretrained(...)``), as they are under FSDP
+    and on one process, where the model is called bare: a loop sampling from its model stopped under DDP only
+    ("'DistributedDataParallel' object has no attribute 'generate'").
+
+    A method is called as it is, outside DDP's forward, which holds collectives (a buffer broadcast, the buckets'
+    rebuild): a save_pretrained() on rank 0 alone must not wait there for the others. Gradients from such a call
+    would not be averaged, so a method that runs the model's forward with gradients (``model.loss(x, y)``) is one
+    line instead of ranks drifting apart (Lightning Fabric warns of the same)."""
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -111,33 +114,23 @@ class ReplicatedModel(DDP):
         if not (inspect.ismethod(found) and found.__self__ is inner):
             return found
 
+        def refuse(*_: Any) -> None:
+            if torch.is_grad_enabled():
+                raise UserError(f"model.{name}() runs the model's forward with gradients outside DDP's forward, so "
+                                "its gradients would not be averaged over the ranks; fix: call the model itself "
+                                f"(loss = loss_fn(model(x), y)), or {name}() under torch.no_grad()")
+
         @functools.wraps(found)
-        def through_forward(*args: Any, **kwargs: Any) -> Any:
+        def outside_forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return found(*args, **kwargs)
-            return self._forwarding(found, args, kwargs)
+            handle = inner.register_forward_pre_hook(refuse)
+            try:
+                return found(*args, **kwargs)
+            finally:
+                handle.remove()
 
-        return through_forward
-
-    def _forwarding(self, method: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-        inner = self.module
-        own = inner.__dict__.get("forward")  # an instance's own forward, if it has one
-
-        def restore() -> None:
-            if own is None:
-                inner.__dict__.pop("forward", None)
-            else:
-                inner.forward = own
-
-        def once(*a: Any, **k: Any) -> Any:
-            restore()  # the method's own calls of the model (self(x)) reach its real forward
-            return method(*a, **k)
-
-        inner.forward = once
-        try:
-            return self(*args, **kwargs)
-        finally:
-            restore()
+        return outside_forward
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh | None, *, bucket_mb: float, find_unused: bool) -> DDP:
