@@ -280,8 +280,22 @@ def estimate_step(model: nn.Module, sample: torch.Tensor | Batch, batch_size: in
     from one measured forward and backward per batch size: the gradients allocated beforehand are not
     forward's, so what it keeps is the same as a forward-only measurement's, and the planner, which wants
     both, measures each step once instead of twice."""
+    return step_at(step_points(model, sample, precision=precision, loss_fn=loss_fn), batch_size)
+
+
+def step_points(model: nn.Module, sample: torch.Tensor | Batch, *, precision: str = "fp32",
+                loss_fn: Callable[[Any], torch.Tensor] = default_loss) -> tuple[StepMemory, StepMemory]:
+    """estimate_step's two measured points, a forward and backward at batch 1 and at batch 2, from which
+    step_at gives any batch size (the planner keeps them: a config planned again at another micro-batch is the
+    same two steps)."""
     one, two = (measure_step(model, _batch_of(sample, b), precision=precision, loss_fn=loss_fn, backward=True,
                              grads_allocated=True) for b in (1, 2))
+    return one, two
+
+
+def step_at(points: tuple[StepMemory, StepMemory], batch_size: int) -> StepMemory:
+    """estimate_step's figures at ``batch_size`` from step_points' two."""
+    one, two = points
     return StepMemory(_extrapolated(one.activations_bytes, two.activations_bytes, batch_size),
                       _extrapolated(one.peak_bytes, two.peak_bytes, batch_size))
 

@@ -32,6 +32,7 @@ fully at best, so a plan's step time is a lower bound, and "communication-bound"
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
@@ -47,9 +48,10 @@ from scaletrain.observe.memory import (
     AUTOCAST_DTYPE,
     FIT_MARGIN,
     OPTIM_STATES,
-    estimate_activation_bytes,
-    estimate_step,
+    StepMemory,
     fmt_bytes,
+    step_at,
+    step_points,
 )
 from scaletrain.plan.catalog import Accelerator
 
@@ -424,10 +426,17 @@ def _fake_input(mode: FakeTensorMode, cfg: Config, sample: torch.Tensor | Batch,
 def _step_bytes(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *, low: bool,
                 kept: bool) -> tuple[int, int | None]:
     """(the step's peak beyond the model state, with ``kept`` what forward keeps for backward) at
-    cfg.data.batch_size: as DDP runs it (autocast) or, ``low``, as FSDP does (a model built in the compute
-    dtype, a floating input cast to it; no autocast for scaletrain's own models, autocast over a model of one's
-    own: precision.policy_casts)."""
-    precision, batch = cfg.train.precision, cfg.data.batch_size
+    cfg.data.batch_size, from _step_points."""
+    step = step_at(_step_points(cfg, model, sample, low=low), cfg.data.batch_size)
+    return step.peak_bytes, step.activations_bytes if kept else None
+
+
+def _step_points(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *,
+                 low: bool) -> tuple[StepMemory, StepMemory]:
+    """The step measured at batch 1 and 2 (observe.memory.step_points): as DDP runs it (autocast) or, ``low``, as
+    FSDP does (a model built in the compute dtype, a floating input cast to it; no autocast for scaletrain's own
+    models, autocast over a model of one's own: precision.policy_casts)."""
+    precision = cfg.train.precision
     if low:
         dtype = AUTOCAST_DTYPE[precision]
         precision = "fp32" if getattr(model, "fsdp_policy_casts", False) else precision
@@ -435,10 +444,25 @@ def _step_bytes(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *, 
             sample = sample.to(dtype)
         elif isinstance(sample, Batch):  # FSDP's policy casts the floating inputs (cast_forward_inputs)
             sample = sample.map(lambda t: t.to(dtype) if t.is_floating_point() else t, target=False)
-    if not kept:
-        return estimate_activation_bytes(model, sample, batch, precision=precision, whole_step=True), None
-    step = estimate_step(model, sample, batch, precision=precision)
-    return step.peak_bytes, step.activations_bytes
+    return step_points(model, sample, precision=precision)
+
+
+# What _measure measured of a built-in model, by what decides it: the config at one sample per batch, the
+# sample's and target's shapes, then the checkpointing mode and FSDP's compute-dtype copy (_POINTS), or the
+# parameters and FLOPs per sample (_COUNTS). A plan measures its config again at the trainer's micro-batch (a
+# pipeline's) and at MEASURED_LAYERS blocks for each measurement: the same fake steps, extrapolated to another
+# batch size (the 405B plan measured each twice: 36 of its 73 profiled seconds). A model of one's own is not
+# kept: its config does not say which model it is.
+_POINTS: dict[Any, tuple[StepMemory, StepMemory]] = {}
+_COUNTS: dict[Any, tuple[tuple[int, int, int, int], float | None]] = {}
+
+
+def _measured_key(cfg: Config, task: str, sample: torch.Tensor | Batch,
+                  target: torch.Tensor | None) -> tuple[Any, ...] | None:
+    if task == OWN or not isinstance(sample, torch.Tensor):
+        return None
+    shape = (tuple(target.shape), target.dtype) if isinstance(target, torch.Tensor) else None
+    return replace(cfg, data=replace(cfg.data, batch_size=1)), task, (tuple(sample.shape), sample.dtype), shape
 
 
 def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor, *,
@@ -456,29 +480,44 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
     dtype = AUTOCAST_DTYPE.get(cfg.train.precision)
     acts: dict[str, int] = {}
     held: dict[str, int] = {}  # with ``kept``: what forward keeps for backward, per key
+    known = _measured_key(cfg, task, sample, target)
 
-    def measured(key: str, model: nn.Module, *, low: bool) -> None:
-        acts[key], just_kept = _step_bytes(cfg, model, fake_sample, low=low, kept=kept)
-        if just_kept is not None:
-            held[key] = just_kept
+    def measured(key: str, build: Callable[[], nn.Module], *, low: bool) -> None:
+        points = _POINTS.get((known, key, low)) if known is not None else None
+        if points is None:
+            points = _step_points(cfg, build(), fake_sample, low=low)
+            if known is not None:
+                _POINTS[known, key, low] = points
+        step = step_at(points, cfg.data.batch_size)
+        acts[key] = step.peak_bytes
+        if kept:
+            held[key] = step.activations_bytes
 
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fake_sample = _fake_input(mode, cfg, sample, target)
-        model = _fake_model(cfg, task, info, "none")
-        counts = model_counts(model, cfg.parallel.fsdp_units)
+        plain: list[nn.Module] = []  # the model without checkpointing, built when first needed
+
+        def plain_model() -> nn.Module:
+            if not plain:
+                plain.append(_fake_model(cfg, task, info, "none"))
+            return plain[0]
+
+        counts, counted = _COUNTS.get(known) if known is not None and known in _COUNTS else \
+            (model_counts(plain_model(), cfg.parallel.fsdp_units), None)
         if steps and flops is None:
-            flops = flops_per_sample(model, fake_sample)
+            flops = counted = counted if counted is not None else flops_per_sample(plain_model(), fake_sample)
+        if known is not None:
+            _COUNTS[known] = counts, counted
         for ac in modes if steps else ():
-            if ac != "none":
-                model = _fake_model(cfg, task, info, ac)
+            build = plain_model if ac == "none" else functools.partial(_fake_model, cfg, task, info, ac)
             if False in sharded or dtype is None:
-                measured(ac, model, low=False)
+                measured(ac, build, low=False)
             if dtype is None:  # no compute dtype: FSDP's step is DDP's
                 acts[f"sharded-{ac}"] = acts[ac]
                 if kept:
                     held[f"sharded-{ac}"] = held[ac]
             elif True in sharded:
-                measured(f"sharded-{ac}", _fake_model(cfg, task, info, ac, dtype), low=True)
+                measured(f"sharded-{ac}", functools.partial(_fake_model, cfg, task, info, ac, dtype), low=True)
     tokens = sample.tokens_per_sample() if isinstance(sample, Batch) else \
         int(info.get("seq_len", 0)) if task == "lm" else 0
     return ModelFacts(*counts, flops_per_sample=flops or 0.0, tokens_per_sample=tokens, activations=acts, kept=held)
