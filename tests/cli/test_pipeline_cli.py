@@ -162,6 +162,21 @@ def test_a_loop_of_ones_own_runs_as_a_pipeline_and_equals_one_process(tmp_path):
     assert ref[-1][1] < 0.8 * math.log(64), ref
 
 
+def test_a_loop_of_ones_own_runs_as_a_pipeline_of_fsdp_ranks(tmp_path):
+    """The example's second documented command, 2 stages x FSDP over 2 ranks each: e08dd1f gave the set-up
+    models DDP's sync switches but not a pipeline stage, whose FSDP forward then read the missing switch
+    ("'FSDP_LlamaStage' object has no attribute 'require_backward_grad_sync'") at the first step."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([str(BIN / "scaletrain"), "launch", "--nproc", "4", str(EXAMPLE), "--parallel.pp=2",
+                           "--parallel.strategy=fsdp", "--train.max_steps=4", "--log.every=2",
+                           f"--run.dir={tmp_path / 'ppfsdp'}"], capture_output=True, text=True, env=env, timeout=240,
+                          check=False, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [s for s, _ in losses(tmp_path / "ppfsdp")] == [2, 4]
+
+
 def test_gpt_pp_x_tp_equals_one_process(tmp_path):
     """The built-in GPT as 2 stages x tensor parallelism 2 (4 ranks): its tied embedding and head on different
     stages, each split by the same vocabulary rows, their gradients summed shard by shard; the weights, losses

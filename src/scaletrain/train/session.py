@@ -669,7 +669,7 @@ class Session:
         for opt in built:  # forward and backward end where an optimizer steps, whether or not st.backward() ran
             opt.register_step_pre_hook(self._optimizer_starting)
             opt.register_step_post_hook(self._optimizer_done)
-        if self._opened is None and self._stage is None:
+        if self._opened is None:  # a pipeline stage too: under FSDP, _sync_or_not reads its switch
             _ddp_sync_switches(wrapped)
         if self._opened is None and (isinstance(wrapped, DDP) or is_fsdp(wrapped)):  # the trainer holds its own
             wrapped.register_forward_pre_hook(lambda *_, entry=entry: self._sync_or_not(entry))
