@@ -8,7 +8,10 @@ batch), and a loop drawing one batch per step from an accum=4 loader trained on 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -23,19 +26,27 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x[:, 0] > 0).long()
 
 
+@contextlib.contextmanager
+def _classifier(where: str, name: str, strategy: str, batch_size: int) -> Iterator[tuple[Any, Any, Any]]:
+    """(session, model, optimizer): 5 steps of a small classifier under ``strategy``, SGD at lr 0.5, in run
+    directory ``name``."""
+    import scaletrain
+
+    cfg = {"run.dir": str(Path(where) / name), "train.max_steps": 5, "data.batch_size": batch_size,
+           "parallel.strategy": strategy, "train.progress": False, "log.every": 5}
+    with scaletrain.session(cfg) as st:
+        model, opt = st.setup(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
+                              lambda p: torch.optim.SGD(p, lr=0.5))
+        yield st, model, opt
+
+
 def _loop(rank: int, world: int, where: str, strategy: str, accum: int) -> list[bool]:
     """5 steps of a small classifier accumulating ``accum`` micro-batches of 16 / accum; per micro-batch, whether
     this rank's gradient equalled the other rank's right after its backward (a synchronized one does)."""
     import torch.distributed as dist
 
-    import scaletrain
-
     same: list[bool] = []
-    cfg = {"run.dir": str(Path(where) / f"{strategy}-{accum}"), "train.max_steps": 5, "data.batch_size": 16 // accum,
-           "parallel.strategy": strategy, "train.progress": False, "log.every": 5}
-    with scaletrain.session(cfg) as st:
-        model, opt = st.setup(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
-                              lambda p: torch.optim.SGD(p, lr=0.5))
+    with _classifier(where, f"{strategy}-{accum}", strategy, 16 // accum) as (st, model, opt):
         batches = iter(st.loader(_data(), accum=accum, shuffle=False))
         while not st.done:
             with st.step():
@@ -106,16 +117,8 @@ def _own_accumulation(rank: int, world: int, where: str, strategy: str, idiom: s
     """The loop accumulating by itself, as a DDP script does, from a loader of micro-batches (accum 1): DDP's
     ``with model.no_sync():`` or nanoGPT's ``model.require_backward_grad_sync = last``; per micro-batch, whether
     its gradient stayed off the parameters (under FSDP an unsynced one is kept inside, unsharded)."""
-    import contextlib
-
-    import scaletrain
-
     local: list[bool] = []
-    cfg = {"run.dir": str(Path(where) / f"own-{idiom}"), "train.max_steps": 5, "data.batch_size": 16 // ACCUM,
-           "parallel.strategy": strategy, "train.progress": False, "log.every": 5}
-    with scaletrain.session(cfg) as st:
-        model, opt = st.setup(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
-                              lambda p: torch.optim.SGD(p, lr=0.5))
+    with _classifier(where, f"own-{idiom}", strategy, 16 // ACCUM) as (st, model, opt):
         batches = iter(st.loader(_data(), shuffle=False))
         while not st.done:
             with st.step():
@@ -148,9 +151,9 @@ def test_a_ddp_loops_own_accumulation_runs_under_fsdp_and_on_one_process(tmp_pat
     ranks the micro-batches but each step's last keep their gradients local (none reaches the sharded parameters)
     and the steps equal one batch of 16's to rounding; on one process both are the plain loop."""
     per_rank = run_ranks(_both_idioms, world, str(tmp_path), strategy)
+    reference = safetensors.torch.load_file(str(tmp_path / f"{strategy}-1" / "model.safetensors"))
     for idiom in ("no_sync", "flag"):
         assert per_rank[0][idiom] == ([True, True, True, False] if world == 2 else [False] * 4) * 5, idiom
-        reference = safetensors.torch.load_file(str(tmp_path / f"{strategy}-1" / "model.safetensors"))
         own = safetensors.torch.load_file(str(tmp_path / f"own-{idiom}" / "model.safetensors"))
         for k, w in reference.items():
             torch.testing.assert_close(own[k], w, rtol=0, atol=1e-6)

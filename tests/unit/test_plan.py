@@ -84,6 +84,7 @@ def test_a_config_measured_again_at_another_batch_reuses_its_steps_and_plans_the
     assert built == []
     monkeypatch.setattr(estimate, "_POINTS", {})
     monkeypatch.setattr(estimate, "_COUNTS", {})
+    monkeypatch.setattr(estimate, "_FLOPS", {})
     fresh = measure_model(at7, splits.task, splits.info, sample)
     assert built and again == fresh
     assert fresh.activations != _facts({**SMALL, "model.n_layer": 9, "train.precision": "bf16-mixed"})[3].activations

@@ -426,8 +426,13 @@ def _fake_input(mode: FakeTensorMode, cfg: Config, sample: torch.Tensor | Batch,
 def _step_bytes(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *, low: bool,
                 kept: bool) -> tuple[int, int | None]:
     """(the step's peak beyond the model state, with ``kept`` what forward keeps for backward) at
-    cfg.data.batch_size, from _step_points."""
-    step = step_at(_step_points(cfg, model, sample, low=low), cfg.data.batch_size)
+    cfg.data.batch_size: _bytes_at of _step_points."""
+    return _bytes_at(cfg, _step_points(cfg, model, sample, low=low), kept=kept)
+
+
+def _bytes_at(cfg: Config, points: tuple[StepMemory, StepMemory], *, kept: bool) -> tuple[int, int | None]:
+    """_step_bytes' figures at cfg.data.batch_size from _step_points' two."""
+    step = step_at(points, cfg.data.batch_size)
     return step.peak_bytes, step.activations_bytes if kept else None
 
 
@@ -454,7 +459,14 @@ def _step_points(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *,
 # batch size (the 405B plan measured each twice: 36 of its 73 profiled seconds). A model of one's own is not
 # kept: its config does not say which model it is.
 _POINTS: dict[Any, tuple[StepMemory, StepMemory]] = {}
-_COUNTS: dict[Any, tuple[tuple[int, int, int, int], float | None]] = {}
+_COUNTS: dict[Any, tuple[int, int, int, int]] = {}
+_FLOPS: dict[Any, float] = {}
+
+
+def _once(store: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    if key not in store:
+        store[key] = make()
+    return store[key]
 
 
 def _measured_key(cfg: Config, task: str, sample: torch.Tensor | Batch,
@@ -481,35 +493,22 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
     acts: dict[str, int] = {}
     held: dict[str, int] = {}  # with ``kept``: what forward keeps for backward, per key
     known = _measured_key(cfg, task, sample, target)
+    points, counts_of, flops_of = (_POINTS, _COUNTS, _FLOPS) if known is not None else ({}, {}, {})
 
     def measured(key: str, build: Callable[[], nn.Module], *, low: bool) -> None:
-        points = _POINTS.get((known, key, low)) if known is not None else None
-        if points is None:
-            points = _step_points(cfg, build(), fake_sample, low=low)
-            if known is not None:
-                _POINTS[known, key, low] = points
-        step = step_at(points, cfg.data.batch_size)
-        acts[key] = step.peak_bytes
-        if kept:
-            held[key] = step.activations_bytes
+        two = _once(points, (known, key, low), lambda: _step_points(cfg, build(), fake_sample, low=low))
+        acts[key], just_kept = _bytes_at(cfg, two, kept=kept)
+        if just_kept is not None:
+            held[key] = just_kept
 
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fake_sample = _fake_input(mode, cfg, sample, target)
-        plain: list[nn.Module] = []  # the model without checkpointing, built when first needed
-
-        def plain_model() -> nn.Module:
-            if not plain:
-                plain.append(_fake_model(cfg, task, info, "none"))
-            return plain[0]
-
-        counts, counted = _COUNTS.get(known) if known is not None and known in _COUNTS else \
-            (model_counts(plain_model(), cfg.parallel.fsdp_units), None)
+        plain = functools.cache(lambda: _fake_model(cfg, task, info, "none"))  # built when first needed
+        counts = _once(counts_of, known, lambda: model_counts(plain(), cfg.parallel.fsdp_units))
         if steps and flops is None:
-            flops = counted = counted if counted is not None else flops_per_sample(plain_model(), fake_sample)
-        if known is not None:
-            _COUNTS[known] = counts, counted
+            flops = _once(flops_of, known, lambda: flops_per_sample(plain(), fake_sample))
         for ac in modes if steps else ():
-            build = plain_model if ac == "none" else functools.partial(_fake_model, cfg, task, info, ac)
+            build = plain if ac == "none" else functools.partial(_fake_model, cfg, task, info, ac)
             if False in sharded or dtype is None:
                 measured(ac, build, low=False)
             if dtype is None:  # no compute dtype: FSDP's step is DDP's
