@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from scaletrain.cli import (
     bench,
@@ -24,7 +26,7 @@ from scaletrain.cli import (
     verify_resume,
 )
 from scaletrain.cli.options import Parser
-from scaletrain.env import hold_stop_signal
+from scaletrain.env import die_with_launcher, hold_stop_signal, under_launcher
 from scaletrain.errors import EXIT_USAGE, TrainingFailed, UserError
 from scaletrain.errors import report as report_error
 
@@ -110,3 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `scaletrain plan ... | head`: the reader left; no traceback, and none at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1  # as rich's console does when the pipe breaks under one of its tables
+
+
+def run_as_module(argv: list[str] | None = None) -> NoReturn:
+    """`python -m scaletrain ARGV`: scaletrain/__main__.py, and a worker the launcher forked (cluster/forked.py)."""
+    die_with_launcher()  # a torchrun worker: killed with its agent, not left training on as an orphan
+    code = main(argv)
+    if under_launcher():
+        # A worker of a torchrun job, done: leave without the interpreter's teardown. Gloo's threads can outlive
+        # it (FSDP's mesh and DCP hold their groups past destroy_process_group), and one of them taking the GIL
+        # then aborts the process after its work is saved ("terminate called without an active exception",
+        # SIGABRT; CI, about 1 run in 10 of a 2-rank job). Everything it wrote is closed; flush what is buffered.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)

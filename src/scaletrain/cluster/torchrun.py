@@ -167,25 +167,32 @@ def _stores_on_their_address(fresh: Callable[[], bool] = lambda: False) -> Itera
 
 
 @contextlib.contextmanager
-def _workers_die_with_this_process() -> Iterator[None]:
+def _worker_processes(fork: bool) -> Iterator[None]:
     """While torchrun's agent runs in this process, each worker it starts asks Linux, between fork and exec, to
     SIGKILL it when this process dies (PR_SET_PDEATHSIG), so a launcher that is SIGKILLed (the OOM killer, a
     scheduler's kill -9) takes its workers: a plain torchrun script's workers otherwise trained on as orphans (a
     session's ask for it themselves, env.die_with_launcher, but only once they have imported scaletrain). A
-    worker forked after this process died exits at once. Linux only; the agent's _popen is torch's private name
-    (as of 2.13): where this torch has another, nothing changes."""
+    worker forked after this process died exits at once. ``fork``: a worker running scaletrain's own module is
+    a fork of this process instead of a new interpreter (cluster/forked.py). Linux only; the agent's _popen is
+    torch's private name (as of 2.13): where this torch has another, nothing changes."""
     import subprocess
 
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as handler
 
+    from scaletrain.cluster import forked
+
     original = vars(handler.SubprocessHandler).get("_popen")
     arm = dies_with(os.getpid())  # run in the child, between fork and exec
-    if arm is None or original is None:
+    if original is None or (arm is None and not fork):
         yield
         return
 
-    def _popen(self: Any, args: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def _popen(self: Any, args: tuple[str, ...], env: dict[str, str]) -> Any:
         if not hasattr(self, "_stdout") or not hasattr(self, "_stderr"):
+            return original(self, args, env)
+        if fork and (argv := forked.module_argv(args)) is not None:
+            return forked.start(args, argv, env, self._stdout, self._stderr, arm)
+        if arm is None:
             return original(self, args, env)
         return subprocess.Popen(args=args, env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True,
                                 preexec_fn=arm)  # noqa: PLW1509 -- nothing but a system call in the child
@@ -353,6 +360,8 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    from scaletrain.cluster import forked
+
     if _is_local(cfg.rdzv_endpoint) and (lo := _loopback_interface()):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
     elif cfg.local_addr and (nic := interface_of(cfg.local_addr)):
@@ -364,6 +373,7 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     check_socket_ifname()
     check_endpoint(cfg)
+    forked.check_start()
     _quiet_agent_logs()
     parsed = _agent_args(cfg, target, module=module, run_id=run_id)
     if cfg.nnodes > 1:  # the wait can be long: say what this agent waits for, and how long it will
@@ -380,7 +390,8 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     notes, outer = tempfile.mkdtemp(prefix="scaletrain-launch-"), os.environ.get(LAUNCH_DIR_ENV)
     os.environ[LAUNCH_DIR_ENV] = notes  # the workers inherit it
     try:
-        with _stores_on_their_address(plain), _workers_die_with_this_process():
+        with _stores_on_their_address(plain), _worker_processes(module and target[:1] == ["scaletrain"]
+                                                                   and forked.can_fork()):
             torchrun.run(parsed)
     except ChildFailedError as err:
         rank, code = root_failure(err.failures)

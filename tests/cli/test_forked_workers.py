@@ -1,0 +1,115 @@
+"""Workers of scaletrain's own commands forked from the launcher (cluster/forked.py): started as a new
+`python -u -m scaletrain` would be, routed only where it is scaletrain's module, and training bit-identically
+to new interpreters (SCALETRAIN_WORKER_START=exec)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.cluster import forked
+
+ENV = {k: v for k, v in os.environ.items()
+       if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    forked.START_ENV)}
+ENV.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+           PYTHONPATH=os.pathsep.join(sys.path))
+
+
+def test_the_routing_forks_scaletrains_module_only_and_a_fork_exits_with_its_code(tmp_path):
+    """Inside the launcher's patch of torchrun's process start: `-u -m scaletrain ...` is a forked Worker that
+    ends with scaletrain's own exit code and output; any other command a real Popen."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (
+        SubprocessHandler,
+    )
+
+    from scaletrain.cluster.torchrun import _worker_processes
+
+    env = {**ENV, forked.START_ENV: "auto"}
+    made = {}
+    with _worker_processes(fork=True):
+        for name, args in (("version", ("-u", "-m", "scaletrain", "--version")),
+                           ("usage", ("-u", "-m", "scaletrain", "train", "digits", "--train.max_steps=-3")),
+                           ("other", ("-u", "-c", "import sys; print('plain'); sys.exit(3)"))):
+            made[name] = SubprocessHandler(sys.executable, args, env, str(tmp_path / f"{name}.out"),
+                                           str(tmp_path / f"{name}.err"), 0, None)
+    codes = {name: handler.proc.wait(timeout=120) for name, handler in made.items()}
+    for handler in made.values():
+        handler._stdout.close()
+        handler._stderr.close()
+    assert isinstance(made["version"].proc, forked.Worker) and isinstance(made["usage"].proc, forked.Worker)
+    assert isinstance(made["other"].proc, subprocess.Popen)
+    assert codes == {"version": 0, "usage": 2, "other": 3}
+    assert (tmp_path / "version.out").read_text().startswith("scaletrain ")
+    usage = (tmp_path / "usage.err").read_text()
+    assert usage.count("\n") == 1 and "train.max_steps" in usage and "Traceback" not in usage, usage
+    assert (tmp_path / "other.out").read_text() == "plain\n"
+
+
+def test_a_forked_worker_starts_as_a_new_interpreter_would(tmp_path):
+    """Its environment is the worker's (not the launcher's), the launcher's signal handlers are gone, its streams
+    are unbuffered (-u), torch's threads come from OMP_NUM_THREADS and its generator from the default seed."""
+    torch.manual_seed(123)
+    torch.rand(3)
+    threads = torch.get_num_threads()
+    seen = tmp_path / "seen.json"
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                forked._as_a_new_interpreter({"ONLY": "this", "OMP_NUM_THREADS": "1"}, None, None)
+                seen.write_text(json.dumps({
+                    "env": dict(os.environ), "threads": torch.get_num_threads(), "seed": torch.initial_seed(),
+                    "rand": torch.rand(2).tolist(), "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                    "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                    "write_through": sys.stdout.write_through}))
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        torch.set_num_threads(threads)
+    got = json.loads(seen.read_text())
+    torch.manual_seed(67280421310721)  # a fresh process's generator
+    assert got["rand"] == torch.rand(2).tolist() and got["seed"] == 67280421310721
+    assert got["env"] == {"ONLY": "this", "OMP_NUM_THREADS": "1"} and got["threads"] == 1
+    assert got["sigterm"] and got["sigint"] and got["write_through"]
+
+
+def _digits(tmp_path: Path, name: str, start: str) -> list[tuple[int, float]]:
+    env = {**ENV, forked.START_ENV: start}
+    proc = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--nproc", "2",
+                           "--train.max_steps=6", "--log.every=1", "--model.dropout=0.1", "--train.progress=false",
+                           f"--run.dir={name}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+
+
+def test_forked_workers_train_bit_identically_to_new_interpreters(tmp_path):
+    """The same 2-rank job (dropout: each rank's generator matters) with forked workers and with new ones."""
+    assert forked.can_fork()  # this machine has no CUDA device: the default run below forks
+    assert _digits(tmp_path, "forked", "auto") == _digits(tmp_path, "exec", "exec") != []
+
+
+def test_a_bad_worker_start_is_one_line():
+    env = {**ENV, forked.START_ENV: "spawn"}
+    proc = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--nproc", "2"], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "SCALETRAIN_WORKER_START" in proc.stderr and "exec" in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["exec", "auto"])
+def test_can_fork_reads_the_switch(monkeypatch, value):
+    monkeypatch.setenv(forked.START_ENV, value)
+    assert forked.can_fork() is (value == "auto" and not torch.cuda.is_available())
