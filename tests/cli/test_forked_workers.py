@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from scaletrain.cluster import forked
@@ -84,21 +83,42 @@ def test_a_forked_worker_starts_as_a_new_interpreter_would(tmp_path):
     assert got["sigterm"] and got["sigint"] and got["write_through"]
 
 
-def _digits(tmp_path: Path, name: str, start: str) -> list[tuple[int, float]]:
-    env = {**ENV, forked.START_ENV: start}
-    proc = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--nproc", "2",
+# The launcher, with a note of each worker it forked (cluster/forked.start), so the test knows which way ran.
+LAUNCHER = """
+import os, sys
+from scaletrain.cluster import forked
+from scaletrain.cli import main
+
+started = forked.start
+def start(*args, **kwargs):
+    with open(os.environ["FORK_NOTES"], "a") as notes:
+        notes.write("forked\\n")
+    return started(*args, **kwargs)
+forked.start = start
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _digits(tmp_path: Path, name: str, start: str) -> tuple[list[tuple[int, float]], int]:
+    """(step, loss) of each step of a 2-rank digits job, and how many workers the launcher forked."""
+    notes = tmp_path / f"{name}.forks"
+    env = {**ENV, forked.START_ENV: start, "FORK_NOTES": str(notes)}
+    proc = subprocess.run([sys.executable, "-c", LAUNCHER, "train", "digits", "--nproc", "2",
                            "--train.max_steps=6", "--log.every=1", "--model.dropout=0.1", "--train.progress=false",
                            f"--run.dir={name}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+    forks = len(notes.read_text().splitlines()) if notes.exists() else 0
+    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"], forks
 
 
 def test_forked_workers_train_bit_identically_to_new_interpreters(tmp_path):
-    """The same 2-rank job (dropout: each rank's generator matters) with forked workers and with new ones."""
-    assert forked.can_fork()  # this machine has no CUDA device: the default run below forks
-    assert _digits(tmp_path, "forked", "auto") == _digits(tmp_path, "exec", "exec") != []
+    """The same 2-rank job (dropout: each rank's generator matters) with forked workers (this machine has no
+    CUDA device) and with new interpreters."""
+    (fork_losses, forks), (exec_losses, none) = _digits(tmp_path, "forked", "auto"), _digits(tmp_path, "exec", "exec")
+    assert (forks, none) == (2, 0)
+    assert fork_losses == exec_losses and len(fork_losses) == 6
 
 
 def test_a_bad_worker_start_is_one_line():
@@ -109,7 +129,19 @@ def test_a_bad_worker_start_is_one_line():
     assert proc.stderr.count("\n") == 1 and "SCALETRAIN_WORKER_START" in proc.stderr and "exec" in proc.stderr
 
 
-@pytest.mark.parametrize("value", ["exec", "auto"])
-def test_can_fork_reads_the_switch(monkeypatch, value):
-    monkeypatch.setenv(forked.START_ENV, value)
-    assert forked.can_fork() is (value == "auto" and not torch.cuda.is_available())
+def test_only_a_serial_launcher_forks(monkeypatch):
+    """A process that may have run an OpenMP parallel region does not fork (its children would hang at their
+    first one), nor one told not to; serial_launcher() keeps this process on one thread."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(forked, "_serial", False)
+    try:
+        assert not forked.can_fork()
+        forked.serial_launcher()
+        assert torch.get_num_threads() == 1 and forked.can_fork() is (not torch.cuda.is_available())
+        monkeypatch.setenv(forked.START_ENV, "exec")
+        assert not forked.can_fork()
+        monkeypatch.delenv(forked.START_ENV)
+        torch.set_num_threads(2)
+        assert not forked.can_fork()
+    finally:
+        torch.set_num_threads(threads)

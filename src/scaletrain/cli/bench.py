@@ -132,6 +132,7 @@ def _recipe(text: str) -> str:
 
 def _allreduce(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.bench.collectives import OPS, check_backend, check_sizes
+    from scaletrain.cluster.forked import serial_launcher
     from scaletrain.cluster.torchrun import launch
     from scaletrain.config import DistConfig
     from scaletrain.env import under_launcher
@@ -148,6 +149,7 @@ def _allreduce(args: argparse.Namespace, leftovers: list[str], argv: list[str]) 
     nproc = parse_int(args.nproc, "--nproc", minimum=1, example="2")
     check_sizes(sizes, nproc)
     check_backend(backend, nproc)
+    serial_launcher()  # so that the workers can be forks of this process
     worker_argv = ["scaletrain", *argv[argv.index("bench"):]]
     return launch(DistConfig(nproc=nproc), worker_argv, module=True, run_id="scaletrain-bench-allreduce")
 

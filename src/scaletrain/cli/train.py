@@ -69,9 +69,11 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
             # A worker exits 0: its agent must not take a stop for a failure and restart the group.
             return 0 if under_launcher() else 128 + signal.SIGINT
         return 0
+    from scaletrain.cluster.forked import serial_launcher
     from scaletrain.cluster.torchrun import launch  # torch: imported once the config is known to be good
     from scaletrain.train.rundir import choose_run_dir
 
+    serial_launcher()  # so that the workers can be forks of this process
     preflight(cfg, cfg.dist.nproc * cfg.dist.nnodes)
     # Chosen once here so all workers write where this process said; the last --run.dir wins in their argv.
     run_dir = choose_run_dir(cfg).run_dir

@@ -10,7 +10,9 @@ worker's environment, SIGKILLed with the launcher, signal handlers, standard str
 torch's thread count (OMP_NUM_THREADS) and default random seed. It is the same child of the agent, waited for,
 signalled and restarted the same way.
 
-Never with CUDA devices: the launcher's own checks (torch.cuda.is_available) may have initialized the driver,
+Only from a launcher that has computed on one thread since it started (serial_launcher): GNU OpenMP cannot
+run in a child forked from a process that ran a parallel region, the child hangs at its first one (pytorch
+issue 17199; so does MKL's matrix product on its threads). Never with CUDA devices: the launcher's own checks (torch.cuda.is_available) may have initialized the driver,
 which a forked process cannot use. Never for a user's script (`scaletrain launch script.py`): it runs as
 torchrun runs it. SCALETRAIN_WORKER_START=exec starts every worker as a new interpreter.
 """
@@ -48,14 +50,30 @@ def check_start() -> None:
                           "worker)", f"unset {START_ENV}, or {START_ENV}=exec")
 
 
+_serial = False  # serial_launcher() was called: this process has computed on one thread only since
+
+
+def serial_launcher() -> None:
+    """Called by a command that starts workers, before it computes anything (its checks build the datasets):
+    from here on this process computes on one thread, so that it may fork its workers (can_fork). The workers
+    get their own thread count back (OMP_NUM_THREADS)."""
+    global _serial
+    if sys.platform.startswith("linux") and os.environ.get(START_ENV, "auto") != "exec":
+        import torch
+
+        torch.set_num_threads(1)
+        _serial = True
+
+
 def can_fork() -> bool:
-    """Whether this launcher may fork its workers: Linux, not turned off, and no CUDA device here (asked without
-    initializing CUDA: a CPU build of torch has none to count, and a CUDA build counts them through NVML)."""
-    if not sys.platform.startswith("linux") or os.environ.get(START_ENV, "auto") == "exec":
+    """Whether this launcher may fork its workers: Linux, not turned off, on one thread since serial_launcher(),
+    and no CUDA device here (asked without initializing CUDA: a CPU build of torch has none to count, and a
+    CUDA build counts them through NVML)."""
+    if not (_serial and sys.platform.startswith("linux")) or os.environ.get(START_ENV, "auto") == "exec":
         return False
     import torch
 
-    if torch.cuda.is_initialized():
+    if torch.get_num_threads() != 1 or torch.cuda.is_initialized():
         return False
     return not (torch.backends.cuda.is_built() and torch.cuda.device_count() > 0)
 
