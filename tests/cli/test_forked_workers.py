@@ -59,7 +59,7 @@ def test_a_forked_worker_starts_as_a_new_interpreter_would(tmp_path):
     torch.rand(3)
     threads = torch.get_num_threads()
     seen = tmp_path / "seen.json"
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}  # the agent's
     try:
         pid = os.fork()
         if pid == 0:
@@ -74,7 +74,8 @@ def test_a_forked_worker_starts_as_a_new_interpreter_would(tmp_path):
                 os._exit(0)
         os.waitpid(pid, 0)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         torch.set_num_threads(threads)
     got = json.loads(seen.read_text())
     torch.manual_seed(67280421310721)  # a fresh process's generator
