@@ -53,12 +53,22 @@ def check_start() -> None:
 _serial = False  # serial_launcher() was called: this process has computed on one thread only since
 
 
+def _allowed() -> bool:
+    """Linux, not turned off, and no CUDA device here (asked without initializing CUDA: a CPU build of torch has
+    none to count, and a CUDA build counts them through NVML)."""
+    if not sys.platform.startswith("linux") or os.environ.get(START_ENV, "auto") == "exec":
+        return False
+    import torch
+
+    return not (torch.backends.cuda.is_built() and torch.cuda.device_count() > 0)
+
+
 def serial_launcher() -> None:
     """Called by a command that starts workers, before it computes anything (its checks build the datasets):
-    from here on this process computes on one thread, so that it may fork its workers (can_fork). The workers
-    get their own thread count back (OMP_NUM_THREADS)."""
+    where its workers can be forks of it, this process computes on one thread from here on (can_fork). The
+    workers get their own thread count back (OMP_NUM_THREADS)."""
     global _serial
-    if sys.platform.startswith("linux") and os.environ.get(START_ENV, "auto") != "exec":
+    if _allowed():
         import torch
 
         torch.set_num_threads(1)
@@ -66,16 +76,10 @@ def serial_launcher() -> None:
 
 
 def can_fork() -> bool:
-    """Whether this launcher may fork its workers: Linux, not turned off, on one thread since serial_launcher(),
-    and no CUDA device here (asked without initializing CUDA: a CPU build of torch has none to count, and a
-    CUDA build counts them through NVML)."""
-    if not (_serial and sys.platform.startswith("linux")) or os.environ.get(START_ENV, "auto") == "exec":
-        return False
+    """Whether this launcher may fork its workers: allowed here, and on one thread since serial_launcher()."""
     import torch
 
-    if torch.get_num_threads() != 1 or torch.cuda.is_initialized():
-        return False
-    return not (torch.backends.cuda.is_built() and torch.cuda.device_count() > 0)
+    return _serial and torch.get_num_threads() == 1 and not torch.cuda.is_initialized() and _allowed()
 
 
 def module_argv(args: Sequence[str]) -> list[str] | None:
