@@ -267,7 +267,8 @@ class Batch:
     def target_given(self) -> bool:
         """Whether the model is given the target too (by name: nanoGPT's ``targets``, transformers' ``labels``),
         so it can compute its own loss."""
-        return self.target is not None and any(v is self.target for v in self.kwargs.values())
+        given = [*self.kwargs.values(), *(v for a in self.args if isinstance(a, Mapping) for v in a.values())]
+        return self.target is not None and any(v is self.target for v in given)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor of the batch, inputs then target (for fingerprints)."""
@@ -296,7 +297,8 @@ class Batch:
     def tokens_per_sample(self) -> int:
         """Tokens per sample when the model reads token ids (an integer tensor of shape (B, T, ...): the first
         positional input, or ``input_ids``), else 0."""
-        return _tokens(self.kwargs.get("input_ids", self.args[0] if self.args else None))
+        ids = self.kwargs.get("input_ids", self.args[0] if self.args else None)
+        return _tokens(ids.get("input_ids") if isinstance(ids, Mapping) else ids)
 
 
 def _tokens(ids: Any) -> int:
@@ -315,6 +317,24 @@ def tokens_per_sample(batch: Any) -> int:
     if isinstance(batch, (tuple, list)):
         return _tokens(batch[0]) if batch else 0
     return _tokens(batch)
+
+
+def _takes_the_batch(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes a whole batch dict as its one argument: one parameter without a default
+    (others may have defaults, none is *args or **kwargs), named ``batch`` or annotated as a dict or Mapping."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return False
+    required = [p for p in params if p.default is p.empty]
+    if len(required) != 1 or required[0].kind == required[0].KEYWORD_ONLY:
+        return False
+    one = required[0]
+    hint = one.annotation if isinstance(one.annotation, str) else getattr(one.annotation, "__name__", "") or str(
+        one.annotation)
+    return one.name == "batch" or any(word in hint for word in ("dict", "Dict", "Mapping"))
 
 
 def _accepted(module: nn.Module) -> tuple[frozenset[str], bool, dict[str, int]]:
@@ -345,14 +365,20 @@ class Batcher:
         self.batch_fn = batch_fn
         self.target_kwarg = target_kwarg
         self.names, self.any_name, self.target_params = _accepted(module)
+        self.whole = _takes_the_batch(module)
         self.model_name, self.said_left_out = type(module).__name__.removeprefix("FSDP"), False
 
     def _inputs(self, inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if isinstance(inputs, Mapping):
-            return (), self._keep(inputs)
+            return ((inputs,), {}) if self._as_one(inputs) else ((), self._keep(inputs))
         if isinstance(inputs, (tuple, list)):
             return tuple(inputs), {}
         return (inputs,), {}
+
+    def _as_one(self, batch: Mapping[str, Any]) -> bool:
+        """Whether the whole dict goes to forward as its one argument: a forward(batch) (Lightning's way, or one
+        annotated as taking a dict) that names none of its keys."""
+        return self.whole and not any(k in self.names for k in batch)
 
     def _keep(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         if self.any_name:
@@ -371,7 +397,8 @@ class Batcher:
         if not kept:
             raise UserError(f"data: a batch with keys {sorted(batch)} has none that the model's forward takes "
                             f"({', '.join(sorted(self.names)) or 'no named arguments'}); fix: name the keys after "
-                            "forward's arguments, or pass batch_fn=lambda b: (inputs, target)")
+                            "forward's arguments, or pass batch_fn=lambda b: (inputs, target) (a forward that "
+                            "takes the whole dict: batch_fn=lambda b: ((b,), None), or name its argument batch)")
         return kept
 
     def __call__(self, batch: Any) -> Batch:
@@ -392,7 +419,8 @@ class Batcher:
             return Batch((batch,), {}, None)
         if isinstance(batch, Mapping):
             key = next((k for k in TARGET_KEYS if k in batch), None)
-            return Batch((), self._keep(batch), batch[key] if key is not None else None)
+            target = batch[key] if key is not None else None
+            return Batch((batch,), {}, target) if self._as_one(batch) else Batch((), self._keep(batch), target)
         if isinstance(batch, (tuple, list)) and batch:
             if len(batch) == 1:
                 return Batch((batch[0],), {}, None)

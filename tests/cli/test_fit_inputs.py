@@ -107,6 +107,25 @@ def test_dict_batches_train_a_model_that_computes_its_own_loss(tmp_path: Path) -
     assert record["predicted"]["model_state_bytes"] + 2 * 4 == record["actual"]["model_state_bytes"], record
 
 
+class WholeBatch(nn.Module):
+    """Lightning's way: forward(batch) takes the whole dict and returns its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, batch):  # noqa: ANN001, ANN201 -- as users write it
+        logits = self.head(batch["features"])
+        return {"loss": F.cross_entropy(logits, batch["labels"]), "logits": logits}
+
+
+def test_a_forward_taking_the_whole_batch_dict_trains(tmp_path: Path) -> None:
+    """It stopped before step one ("a batch with keys [...] has none that the model's forward takes (batch)")."""
+    summary = scaletrain.fit(WholeBatch, DictSet(2048, 0), eval_data=DictSet(512, 1), config=_config(tmp_path, "w"))
+    assert summary["steps"] == 4 * 2048 // 32 and summary["eval"]["count"] == 512.0
+    assert summary["eval"]["accuracy"] >= MIN_ACCURACY, summary["eval"]
+
+
 def test_unformatted_hugging_face_rows_of_python_lists_train(tmp_path: Path) -> None:
     """What a datasets.Dataset gives without set_format("torch"): lists and ints, not tensors."""
     rows = [{"features": x.tolist(), "labels": int(y)} for x, y in zip(*_points(2048, 0))]

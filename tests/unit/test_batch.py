@@ -188,8 +188,44 @@ def test_fields_that_are_no_tensor_reach_a_kwargs_forward_only_by_name(caplog) -
 
 
 def test_dict_keys_that_forward_cannot_take_are_one_clear_error() -> None:
-    with pytest.raises(UserError, match=r"keys \['a', 'b'\] has none that the model's forward takes.*batch_fn"):
+    with pytest.raises(UserError, match=r"keys \['a', 'b'\] has none that the model's forward takes.*batch_fn.*"
+                       r"the whole dict: batch_fn=lambda b: \(\(b,\), None\)"):
         Batcher(Plain())({"a": X, "b": Y})
+
+
+class WholeBatch(nn.Module):
+    """Lightning's way: forward(batch) reads the dict itself and returns its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, batch, scale: float = 1.0) -> dict:  # noqa: ANN001 -- as users write it
+        logits = self.lin(batch["features"]) * scale
+        return {"loss": F.cross_entropy(logits, batch["label"]), "logits": logits}
+
+
+class Annotated(Plain):
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return self.lin(inputs["x"])
+
+
+def test_a_forward_of_the_whole_batch_dict_is_given_it() -> None:
+    """forward(batch), or one argument annotated as a dict, gets the dict whole (it names none of its keys);
+    the target is still read from it, and the model is known to be given it (it computes its own loss)."""
+    ids = torch.randint(0, 9, (5, 7))
+    batch = Batcher(WholeBatch())({"features": X, "label": Y, "input_ids": ids})
+    assert batch.args[0].keys() == {"features", "label", "input_ids"} and batch.kwargs == {}
+    assert batch.target is Y and batch.target_given() and batch.tokens_per_sample() == 7
+    out = batch.to(torch.device("cpu"))(WholeBatch())
+    assert out["loss"].shape == () and out["logits"].shape == (5, 3)
+    assert Batcher(Annotated())({"x": X}).args[0].keys() == {"x"}
+    # a key the forward names goes by name, as before; a forward of a tensor stays a one-line error
+    assert Batcher(Annotated())({"inputs": X}).kwargs.keys() == {"inputs"}
+    with pytest.raises(UserError, match="has none that the model's forward takes"):
+        Batcher(Plain())({"features": X})
+    split = Batcher(WholeBatch(), batch_fn=lambda b: (b, b["label"]))({"features": X, "label": Y})
+    assert split.args[0].keys() == {"features", "label"} and split.target is Y
 
 
 def test_batch_fn_maps_any_layout_to_inputs_and_target() -> None:
