@@ -114,7 +114,7 @@ class WholeBatch(nn.Module):
         super().__init__()
         self.head = nn.Linear(8, 4)
 
-    def forward(self, batch):  # noqa: ANN001, ANN201 -- as users write it
+    def forward(self, batch):
         logits = self.head(batch["features"])
         return {"loss": F.cross_entropy(logits, batch["labels"]), "logits": logits}
 

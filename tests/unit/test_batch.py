@@ -200,7 +200,7 @@ class WholeBatch(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 3)
 
-    def forward(self, batch, scale: float = 1.0) -> dict:  # noqa: ANN001 -- as users write it
+    def forward(self, batch, scale: float = 1.0) -> dict:
         logits = self.lin(batch["features"]) * scale
         return {"loss": F.cross_entropy(logits, batch["label"]), "logits": logits}
 
