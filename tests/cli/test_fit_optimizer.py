@@ -117,6 +117,19 @@ def test_a_scheduler_given_drives_the_lr_and_resumes_bit_for_bit(tmp_path: Path,
     assert _lrs(tmp_path / "cut") == _lrs(tmp_path / "whole")[:7] + _lrs(tmp_path / "whole")[7:]
 
 
+def test_a_scheduler_built_but_not_given_is_not_said_to_be_checkpointed(tmp_path: Path, capsys) -> None:
+    """fit() steps the schedules it is given or configures; one the script built on the optimizer and kept
+    (fit never steps it) was said to be "checkpointed with the run ... a resume goes on from its state", as a
+    loop's own would be (the heap scan that finds those is for loops of one's own)."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = torch.optim.lr_scheduler.StepLR(opt, 5)
+    scaletrain.fit(model, _data(), optimizer=opt, config={**QUICK, "run.dir": str(tmp_path / "r"), "train.max_steps": 3})
+    said = capsys.readouterr()
+    assert "checkpointed with the run" not in said.out + said.err
+    assert kept.last_epoch == 0  # never stepped: fit's own schedule set the lr
+
+
 def _sharded(rank: int, world: int, run_dir: str, strategy: str) -> tuple[list[torch.Tensor], bool]:
     """nanoGPT's configure_optimizers and a OneCycleLR, built on the model before fit() shards it. fit() starts
     the process group; under FSDP it leaves it open for the sharded model the script holds, which can then

@@ -1196,7 +1196,8 @@ class Session:
     def _start_training(self) -> None:
         if self._training:
             return
-        self._adopt_untracked()
+        if self._opened is None:  # a loop of the user's own; the trainer and fit() track what they step themselves
+            self._adopt_untracked()
         self._training = True
         if self._rank_state is not None and "rng" in self._rank_state and "rng" not in self.skip:
             rng.restore(self._rank_state["rng"], self.device)
@@ -1284,8 +1285,7 @@ class Session:
                         f"average_of_{m.name}", m.name if m.name.startswith("model") else f"model {m.name}",
                         "ema = st.track(ema)")
         self._adopt(scalers, "grad_scaler", "the loop", "scaler = st.track(scaler)")
-        if self._opened is None:  # a loop of the user's own: the trainer's and fit()'s draw from capture()'s only
-            self._adopt_generators()
+        self._adopt_generators()
 
     def _adopt_generators(self) -> None:
         """The random number generators of the loop's own (its variables and their attributes, one deep:
