@@ -1,5 +1,6 @@
 """How long scaletrain takes to start: `scaletrain --help`, and a 1-step digits run on one process and on 2
-local ranks (torchrun), start to exit. Most of a short run, and of the test suite, is this.
+local ranks (torchrun), start to exit, in seconds of wall time and of CPU (the command and every process it
+waited for: the workers too). Most of a short run, and of the test suite, is this.
 
     python benchmarks/startup.py [--repeats 5] [--checkout LABEL=DIR ...] [--json out.json]
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -25,16 +27,22 @@ RUN = ["train", "digits", "--train.max_steps=1", "--train.progress=false"]
 COMMANDS = {"--help": ["--help"], "1 process, 1 step": RUN, "2 ranks, 1 step": [*RUN, "--nproc", "2"]}
 
 
-def timed(src: Path, args: list[str], run_dir: Path) -> float:
+def _children_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def timed(src: Path, args: list[str], run_dir: Path) -> tuple[float, float]:
+    """(wall, CPU) seconds of one command, start to exit."""
     env = {**os.environ, "PYTHONPATH": str(src / "src"), "OMP_NUM_THREADS": "1"}
     extra = [f"--run.dir={run_dir}"] if args and args[0] == "train" else []
-    started = time.perf_counter()
+    cpu, started = _children_cpu(), time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "scaletrain", *args, *extra], check=False, env=env,
                           capture_output=True, text=True)
-    took = time.perf_counter() - started
+    took, cpu = time.perf_counter() - started, _children_cpu() - cpu
     if done.returncode != 0:
         raise SystemExit(f"{src}: scaletrain {' '.join(args)} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return took
+    return took, cpu
 
 
 def main() -> None:
@@ -46,26 +54,32 @@ def main() -> None:
     args = p.parse_args()
     trees = dict(c.split("=", 1) for c in args.checkout) or {"this": str(Path(__file__).resolve().parents[1])}
     seconds: dict[str, dict[str, list[float]]] = {t: {c: [] for c in COMMANDS} for t in trees}
+    cpu: dict[str, dict[str, list[float]]] = {t: {c: [] for c in COMMANDS} for t in trees}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.repeats):
             for label, tree in trees.items():
                 for i, (name, command) in enumerate(COMMANDS.items()):
                     run_dir = Path(tmp) / f"{label}-{round_}-{i}"
-                    seconds[label][name].append(timed(Path(tree), command, run_dir))
+                    wall, used = timed(Path(tree), command, run_dir)
+                    seconds[label][name].append(wall)
+                    cpu[label][name].append(used)
     medians = {t: {c: statistics.median(v) for c, v in per.items()} for t, per in seconds.items()}
+    cpu_medians = {t: {c: statistics.median(v) for c, v in per.items()} for t, per in cpu.items()}
     first = next(iter(trees))
-    print(f"median of {args.repeats} interleaved rounds, seconds from start to exit")
-    print(f"{'':20s}" + "".join(f"{t:>14s}" for t in trees) + (f"{'ratio':>10s}" if len(trees) == 2 else ""))
-    for name in COMMANDS:
-        row = f"{name:20s}" + "".join(f"{medians[t][name]:14.2f}" for t in trees)
-        if len(trees) == 2:
-            last = list(trees)[-1]
-            row += f"{medians[last][name] / medians[first][name]:10.2f}"
-        print(row)
+    for what, table in (("seconds from start to exit", medians), ("CPU seconds, workers included", cpu_medians)):
+        print(f"median of {args.repeats} interleaved rounds, {what}")
+        print(f"{'':20s}" + "".join(f"{t:>14s}" for t in trees) + (f"{'ratio':>10s}" if len(trees) == 2 else ""))
+        for name in COMMANDS:
+            row = f"{name:20s}" + "".join(f"{table[t][name]:14.2f}" for t in trees)
+            if len(trees) == 2:
+                last = list(trees)[-1]
+                row += f"{table[last][name] / table[first][name]:10.2f}"
+            print(row)
     if args.json:
         Path(args.json).write_text(json.dumps({"environment": environment([sys.executable, *sys.argv]),
-                                               "checkouts": trees, "repeats": args.repeats,
-                                               "seconds": seconds, "medians": medians}, indent=1))
+                                               "checkouts": trees, "repeats": args.repeats, "seconds": seconds,
+                                               "medians": medians, "cpu_seconds": cpu, "cpu_medians": cpu_medians},
+                                              indent=1))
 
 
 if __name__ == "__main__":

@@ -87,7 +87,8 @@ def test_the_summary_measures_steady_state_and_accounts_for_the_wall_time(digits
     assert abs(good["wall_s"] - span) <= 0.03 * span + 0.3, (good, span)
     assert sum(good["fraction"].values()) == pytest.approx(1.0)
     assert parts["warmup"] + parts["compute"] + parts["data_wait"] == pytest.approx(summary["train_s"], rel=1e-6)
-    assert parts["startup"] > 0.5 and parts["eval"] > 0  # imports and process group; 21 evaluations
+    # the process group, the data and the model (its workers, forks of the launcher, import nothing); 21 evaluations
+    assert parts["startup"] > 0 and parts["eval"] > 0
     assert "steady state, steps 51-440" in proc.stdout and "time spent on" in proc.stdout
 
 
