@@ -319,31 +319,32 @@ def tokens_per_sample(batch: Any) -> int:
     return _tokens(batch)
 
 
+def _forward_params(module: nn.Module) -> list[inspect.Parameter] | None:
+    """The parameters of ``module.forward``; None for a builtin or C forward (no signature to read)."""
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
 def _takes_the_batch(module: nn.Module) -> bool:
     """Whether ``module.forward`` takes a whole batch dict as its one argument: one parameter without a default
     (others may have defaults, none is *args or **kwargs), named ``batch`` or annotated as a dict or Mapping."""
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-        return False
+    params = _forward_params(module) or []
     required = [p for p in params if p.default is p.empty]
-    if len(required) != 1 or required[0].kind == required[0].KEYWORD_ONLY:
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or len(required) != 1 \
+            or required[0].kind == required[0].KEYWORD_ONLY:
         return False
     one = required[0]
-    hint = one.annotation if isinstance(one.annotation, str) else getattr(one.annotation, "__name__", "") or str(
-        one.annotation)
-    return one.name == "batch" or any(word in hint for word in ("dict", "Dict", "Mapping"))
+    return one.name == "batch" or any(word in str(one.annotation) for word in ("dict", "Dict", "Mapping"))
 
 
 def _accepted(module: nn.Module) -> tuple[frozenset[str], bool, dict[str, int]]:
     """The keyword names ``module.forward`` accepts, whether it takes ``**kwargs``, and where each target
     name it has (TARGET_KEYS) sits among its positional parameters (a keyword-only one: never filled by
     position)."""
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):  # a builtin or C forward: no signature to read, pass everything
+    params = _forward_params(module)
+    if params is None:  # no signature to read: pass everything
         return frozenset(), True, {}
     named = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

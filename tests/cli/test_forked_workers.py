@@ -12,14 +12,11 @@ import sys
 from pathlib import Path
 
 import torch
+from spawn_ranks import script_env
 
 from scaletrain.cluster import forked
 
-ENV = {k: v for k, v in os.environ.items()
-       if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    forked.START_ENV)}
-ENV.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-           PYTHONPATH=os.pathsep.join(sys.path))
+ENV = {**{k: v for k, v in script_env().items() if k != forked.START_ENV}, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def test_the_routing_forks_scaletrains_module_only_and_a_fork_exits_with_its_code(tmp_path):

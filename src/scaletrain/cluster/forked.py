@@ -12,8 +12,8 @@ signalled and restarted the same way.
 
 Only from a launcher that has computed on one thread since it started (serial_launcher): GNU OpenMP cannot
 run in a child forked from a process that ran a parallel region, the child hangs at its first one (pytorch
-issue 17199; so does MKL's matrix product on its threads). Never with CUDA devices: the launcher's own checks (torch.cuda.is_available) may have initialized the driver,
-which a forked process cannot use. Never for a user's script (`scaletrain launch script.py`): it runs as
+issue 17199; so does MKL's matrix product on its threads). Never with CUDA devices: the launcher's own
+checks (torch.cuda.is_available) may have initialized the driver, which a forked process cannot use. Never for a user's script (`scaletrain launch script.py`): it runs as
 torchrun runs it. SCALETRAIN_WORKER_START=exec starts every worker as a new interpreter.
 """
 

@@ -172,8 +172,8 @@ def _worker_processes(fork: bool) -> Iterator[None]:
     SIGKILL it when this process dies (PR_SET_PDEATHSIG), so a launcher that is SIGKILLed (the OOM killer, a
     scheduler's kill -9) takes its workers: a plain torchrun script's workers otherwise trained on as orphans (a
     session's ask for it themselves, env.die_with_launcher, but only once they have imported scaletrain). A
-    worker forked after this process died exits at once. ``fork``: a worker running scaletrain's own module is
-    a fork of this process instead of a new interpreter (cluster/forked.py). Linux only; the agent's _popen is
+    worker forked after this process died exits at once. ``fork``: a worker running scaletrain's own module
+    (forked.module_argv; a user's script never) is a fork of this process instead of a new interpreter. Linux only; the agent's _popen is
     torch's private name (as of 2.13): where this torch has another, nothing changes."""
     import subprocess
 
@@ -390,8 +390,7 @@ def launch(cfg: DistConfig, target: list[str], *, module: bool = False, run_id: 
     notes, outer = tempfile.mkdtemp(prefix="scaletrain-launch-"), os.environ.get(LAUNCH_DIR_ENV)
     os.environ[LAUNCH_DIR_ENV] = notes  # the workers inherit it
     try:
-        with _stores_on_their_address(plain), _worker_processes(module and target[:1] == ["scaletrain"]
-                                                                   and forked.can_fork()):
+        with _stores_on_their_address(plain), _worker_processes(forked.can_fork()):
             torchrun.run(parsed)
     except ChildFailedError as err:
         rank, code = root_failure(err.failures)
