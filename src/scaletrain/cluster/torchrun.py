@@ -173,8 +173,9 @@ def _worker_processes(fork: bool) -> Iterator[None]:
     scheduler's kill -9) takes its workers: a plain torchrun script's workers otherwise trained on as orphans (a
     session's ask for it themselves, env.die_with_launcher, but only once they have imported scaletrain). A
     worker forked after this process died exits at once. ``fork``: a worker running scaletrain's own module
-    (forked.module_argv; a user's script never) is a fork of this process instead of a new interpreter. Linux only; the agent's _popen is
-    torch's private name (as of 2.13): where this torch has another, nothing changes."""
+    (forked.module_argv; a user's script never) is a fork of this process instead of a new interpreter. Linux
+    only; the agent's _popen is torch's private name (as of 2.13): where this torch has another, nothing
+    changes."""
     import subprocess
 
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as handler
