@@ -43,12 +43,13 @@ from scaletrain.parallel.activation_checkpoint import apply_activation_checkpoin
 from scaletrain.parallel.mesh import build_mesh, dp_mesh
 from scaletrain.parallel.pipeline import stage_parts
 from scaletrain.parallel.units import Units, find_units, unit_warnings, units_line
-from scaletrain.sharded import has_dtensors, is_fsdp
+from scaletrain.sharded import fsdp_class, has_dtensors, is_fsdp
 
 __all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp",
            "apply_tp", "build_mesh", "check_layout", "compile_mode", "find_units", "fsdp_units", "gradient_sync",
            "has_dtensors", "is_fsdp", "mixed_precision_policy", "parallelize", "resolve_degrees", "resolve_layout",
-           "resolve_strategy", "set_gradient_sync", "uncompiled", "units_line", "unused_parameters"]
+           "resolve_strategy", "set_gradient_sync", "sharded_parts", "uncompiled", "units_line",
+           "unused_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +306,60 @@ def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, 
     return decision[0], decision[1]
 
 
+def _sharding_keys(layout: Layout, cfg: ParallelConfig, precision: str, memory: MemoryConfig) -> dict[str, Any]:
+    """What a model's FSDP sharding was made with and cannot change once made: the keys that set it."""
+    return {"parallel.dp_replicate": layout.dp_replicate, "parallel.dp_shard": layout.dp_shard,
+            "train.precision": precision, "parallel.reshard_after_forward": cfg.reshard_after_forward,
+            "memory.cpu_offload": memory.cpu_offload, "parallel.fsdp_units": cfg.fsdp_units}
+
+
+_SHARDED_WHERE = "an earlier fit() or session in this process, or the script's own fully_shard"
+
+
+def sharded_parts(model: nn.Module) -> list[str]:
+    """The names of ``model``'s modules sharded by FSDP already ('' for the model itself); one line when some are
+    and the model holding them is not (a new model around parts of one an earlier run sharded): FSDP shards a
+    module once and runs its sharded parts from the model they were sharded in; outside it they failed with
+    torch's "got mixed torch.Tensor and DTensor" at the first forward, or its AssertionError at fully_shard."""
+    kind = fsdp_class()
+    found = [name for name, m in model.named_modules() if isinstance(m, kind)] if kind else []
+    if found and found[0] != "":
+        shown = ", ".join(repr(name) for name in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        its, them = (f"its submodule {shown} is", "it") if len(found) == 1 else (f"its submodules {shown} are", "them")
+        raise UserError(f"model: {its} sharded by FSDP already ({_SHARDED_WHERE}) and the model holding {them} is "
+                        "not; FSDP shards a module once, and runs its sharded parts from the model they were "
+                        "sharded in; fix: give the whole model that was sharded, or build this one of modules not "
+                        "sharded (an earlier run's whole weights are in RUN_DIR/model.safetensors)")
+    return found
+
+
+def _sharded_before(model: nn.Module, layout: Layout, cfg: ParallelConfig, precision: str,
+                    memory: MemoryConfig) -> bool:
+    """True when ``model`` comes sharded already, and its sharding is kept: an earlier fit() or session in this
+    process sharded it (the same model trained on, as Lightning's trainer.fit twice) with the keys this run
+    asks for, or the script called fully_shard on it itself. FSDP shards a module once (fully_shard again
+    was an AssertionError); anything else is one line: a layout that does not shard, other keys than those
+    it was sharded with, or sharded parts inside a model that is not (sharded_parts)."""
+    if not sharded_parts(model):
+        return False
+    if not layout.sharded or layout.tp > 1 or layout.pp > 1:
+        raise ConfigError("parallel.strategy", layout.strategy + (f" with tp={layout.tp}" if layout.tp > 1 else "")
+                          + (f" with pp={layout.pp}" if layout.pp > 1 else ""),
+                          f"fsdp: the model is sharded by FSDP already ({_SHARDED_WHERE})",
+                          "--parallel.strategy=fsdp, which keeps its sharding, or a model built anew")
+    made = getattr(model, "_scaletrain_sharding", None)
+    if made is None:
+        log.info("the model comes sharded by fully_shard: kept as given")
+        return True
+    for key, value in _sharding_keys(layout, cfg, precision, memory).items():
+        if made[key] != value:
+            shown = str(made[key]).lower() if isinstance(made[key], bool) else made[key]
+            raise ConfigError(key, value, f"{made[key]!r}, as the model was sharded by an earlier run in this "
+                              "process (FSDP shards a module once)", f"--{key}={shown}, or a model built anew")
+    log.info("the model comes sharded by an earlier run in this process: its sharding is kept")
+    return True
+
+
 def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: ParallelConfig, *,
                 compile: bool, compile_mode: str = "default", precision: str = "fp32", memory: MemoryConfig | None = None, nnodes: int = 1,
                 optimizer: str = "adamw", sample: torch.Tensor | None = None,
@@ -339,6 +394,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
         from scaletrain.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"], loss_parallel=loss_parallel)
+    kept = _sharded_before(model, layout, cfg, precision, memory)
     units = find_units(model, cfg.fsdp_units)
     sharded = mesh is not None and layout.sharded
     for line in unit_warnings(model, units, sharded=sharded, checkpointing=memory.activation_checkpointing):
@@ -352,6 +408,8 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
             log.warning("%s on one process without a process group: nothing to shard, the model runs "
                         "unwrapped%s", strategy, ignored)
             return model
+        if kept:
+            return model
         from scaletrain.parallel.fsdp import apply_fsdp, mixed_precision_policy
 
         policy = mixed_precision_policy(precision)
@@ -360,6 +418,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
             apply_fsdp(part, dp_mesh(mesh), param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
                        reshard_after_forward=cfg.reshard_after_forward, cpu_offload=memory.cpu_offload,
                        units=units if len(parts) == 1 else find_units(part, cfg.fsdp_units))
+            part._scaletrain_sharding = _sharding_keys(layout, cfg, precision, memory)
         return model
     if layout.tp > 1 or layout.pp > 1:  # TP: one data-parallel rank (DDP x TP is refused); PP: the runner averages
         return model

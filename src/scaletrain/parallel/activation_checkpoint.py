@@ -145,7 +145,17 @@ def _checkpointed(block: nn.Module, selective: bool) -> Callable[..., Any]:
         extra = {"context_fn": fn} if fn is not None else {}
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
+    run._scaletrain_checkpointed = True  # type: ignore[attr-defined]
     return run
+
+
+def _uncheckpointed(model: nn.Module) -> None:
+    """Give back the forward of every block an earlier run checkpointed: a model trained again in the same
+    process (fit() twice) was checkpointed inside its checkpoint, recomputing twice, or still checkpointed
+    under --memory.activation_checkpointing=none."""
+    for module in model.modules():
+        if getattr(module.__dict__.get("forward"), "_scaletrain_checkpointed", False):
+            del module.forward
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, units: Units | None = None) -> None:
@@ -153,6 +163,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, units: Units | N
     ``units``: find_units(model) unless given."""
     if mode not in AC_MODES:
         raise ValueError(f"activation checkpointing mode {mode!r}: expected one of {AC_MODES}")
+    _uncheckpointed(model)
     if mode == "none":
         return
     blocks = list(units if units is not None else find_units(model))

@@ -43,6 +43,7 @@ from scaletrain.parallel import (
     is_fsdp,
     resolve_layout,
     resolve_strategy,
+    sharded_parts,
     uncompiled,
 )
 from scaletrain.parallel.pipeline import PipelineRunner
@@ -676,6 +677,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     else:
         build = None if isinstance(model, nn.Module) else builder(model)
         module, given_mode = uncompiled(model if build is None else build())
+        sharded_parts(module)  # parts of a model sharded before, in a model that is not: one line, before its forward
     if not deferred:
         refuse_unfilled(module)
         refuse_sync_batchnorm(module, rt.device, rt.world_size)

@@ -130,6 +130,7 @@ from scaletrain.parallel import (
     parallelize,
     resolve_layout,
     set_gradient_sync,
+    sharded_parts,
     uncompiled,
     units_line,
     unused_parameters,
@@ -611,6 +612,7 @@ class Session:
             raise UserError(f"session.setup(name={name!r}): names must be unique and without dots; fix: name="
                             f"'model{len(self._models)}'")
         refuse_sync_batchnorm(model, self.device, self.world_size)
+        sharded_parts(model)
         if not is_meta(model):  # a built-in model built on the meta device gets its memory once split, below
             model.to(self.device)
             if self.world_size > 1 and not has_dtensors(model):
