@@ -115,6 +115,9 @@ def _hf_plan(model: nn.Module) -> tuple[nn.Module, dict[str, str]] | None:
     return base, dict(plan)
 
 
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")  # transformers' names
+
+
 def _check_hf(model: nn.Module, plan: dict[str, str], tp: int) -> None:
     """A transformers model's plan in styles HF_STYLES knows, and its heads and MLP width divided whole."""
     name = type(model).__name__
@@ -126,6 +129,14 @@ def _check_hf(model: nn.Module, plan: dict[str, str], tp: int) -> None:
                           f"{', '.join(HF_STYLES)})", "--parallel.tp=1, and --parallel.strategy=fsdp for a "
                           "model that does not fit one device")
     config = model.config  # type: ignore[union-attr]
+    experts = next((n for key in _EXPERT_COUNTS if isinstance(n := getattr(config, key, None), int) and n > 1), 0)
+    if experts and not any("expert" in pattern for pattern in plan):
+        # transformers 5 plans a Mixtral's attention only: its experts stayed replicated DTensors, whose routing
+        # (nonzero, grouped_mm) DTensor cannot run, a traceback at the first forward
+        raise ConfigError("parallel.tp", tp, f"1 for a {name}: its config's base_model_tp_plan splits none of its "
+                          f"{experts} experts, and a mixture of experts left whole routes its tokens by value, which "
+                          "a tensor-parallel model cannot", "--parallel.tp=1, and --parallel.strategy=fsdp for a "
+                          "model that does not fit one device")
     heads = getattr(config, "num_attention_heads", None)
     counts = (("num_attention_heads", heads), ("num_key_value_heads", getattr(config, "num_key_value_heads", heads)))
     width = getattr(config, "intermediate_size", None)
