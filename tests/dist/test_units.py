@@ -413,6 +413,16 @@ def test_a_model_in_one_sequential_or_wrapped_has_its_layers_as_units():
     assert _described(lone) == ("none", "")
 
 
+def test_parametrized_layers_are_units_not_their_parametrizations():
+    """A spectral-norm discriminator: each parametrized Linear keeps its weight in a ParametrizationList of one
+    _SpectralNorm, which holds no parameter; those lists were taken for lists of blocks, and FSDP's units were
+    the _SpectralNorm modules, sharding nothing (everything in the root)."""
+    sn = nn.utils.parametrizations.spectral_norm
+    disc = nn.Sequential(sn(nn.Linear(2, 32)), nn.LeakyReLU(0.2), sn(nn.Linear(32, 32)), nn.LeakyReLU(0.2),
+                         nn.utils.parametrizations.weight_norm(nn.Linear(32, 1)))
+    assert _described(disc) == ("children", "0, 2, 4")
+
+
 def _fit_ranks(rank: int, world: int, root: str) -> dict:
     runtime.init(DistConfig(device="cpu"))  # fit() joins this group and leaves it open
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))

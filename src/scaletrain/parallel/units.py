@@ -128,10 +128,11 @@ def _no_split(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tupl
 
 def _same_class_lists(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, type]]:
     """(name, container, class) of every ModuleList/Sequential whose children are all of one class and
-    hold parameters."""
+    hold parameters (the children: a parametrized layer's ParametrizationList holds its weight itself, and its
+    _SpectralNorm or _WeightNorm, none, were the units of a spectral-norm discriminator, sharding nothing)."""
     out = []
     for name, m in named:
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) and _has_params(m):
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) and any(_has_params(c) for c in m):
             classes = {class_of(c) for c in m}
             if len(classes) == 1:
                 out.append((name, m, classes.pop()))
