@@ -131,3 +131,50 @@ def test_the_same_samples_drawn_otherwise_are_batch_values_not_data_order():
     assert said.startswith("diverged at step 6 on rank 0: batch values differs; the same samples came out otherwise")
     resumed[0][2]["indices"] = "others"
     assert "came out otherwise" not in compare(straight, first, resumed, steps=10, at=4).text()
+
+
+def test_gradients_a_step_began_with_in_one_run_only_are_named_with_their_models():
+    """A GAN loop whose generator loss reaches the discriminator after its zero_grad(): the straight run's next
+    step adds those gradients in, the resumed one starts without them (no checkpoint holds gradients)."""
+    straight, first, resumed = _runs()
+    for run in (straight, first, resumed):
+        for records in run.values():
+            for record in records:
+                record["held"] = ["D"] if record["step"] > 1 else []
+    resumed[1][1]["held"] = []  # step 5, the first after the resume of step 4
+    resumed[1][1]["weights"] = "other"
+    verdict = compare(straight, first, resumed, steps=10, at=4)
+    assert (verdict.phase, verdict.step, verdict.rank, verdict.held) == ("after resume", 5, 1, ["D"])
+    assert verdict.text() == (
+        "diverged at step 5 on rank 1: weights differs; the likely cause: D held gradients no optimizer step used "
+        "as step 5 began in the uninterrupted run only, left by a backward after its last zero_grad() (a generator's "
+        "loss reaching the discriminator), which no checkpoint holds and which the next optimizer step adds in "
+        "unless zeroed first; fix: zero the gradients before each backward (opt.zero_grad() first), or after the "
+        "last backward reaching the model")
+    resumed[1][1]["weights"] = straight[1][4]["weights"]  # zeroed before use (examples/gan.py): no divergence
+    assert compare(straight, first, resumed, steps=10, at=4).identical
+
+
+def test_a_traced_session_records_the_models_holding_gradients_as_each_step_begins(tmp_path):
+    """debug.trace's "held": none at the first step; the discriminator from then on, when the loop zeroes its
+    gradients before the generator's backward reaches it."""
+    import torch
+    from torch import nn
+
+    import scaletrain
+
+    config = {"train.max_steps": 3, "run.dir": str(tmp_path / "run"), "train.progress": False, "debug.trace": True}
+    with scaletrain.session(config, argv=[]) as st:
+        G, opt_g = st.setup(nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), name="G")
+        D, opt_d = st.setup(nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), name="D")
+        while not st.done:
+            with st.step():
+                fake = G(torch.randn(4, 2))
+                st.backward(D(fake.detach()).mean())
+                opt_d.step()
+                opt_d.zero_grad()
+                st.backward(-D(fake).mean())
+                opt_g.step()
+                opt_g.zero_grad()
+    records = [json.loads(line) for line in (tmp_path / "run" / "trace" / "rank-00000.jsonl").read_text().splitlines()]
+    assert [r["held"] for r in records if "event" not in r] == [[], ["D"], ["D"]]

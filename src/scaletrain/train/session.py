@@ -1097,9 +1097,11 @@ class Session:
                             "resumes only the steps taken inside one; fix: put each step's forward, backward and "
                             "optimizer.step() inside `with st.step():`")
 
-    def _optimizer_done(self, *_: Any) -> None:
+    def _optimizer_done(self, optimizer: Optimizer, *_: Any) -> None:
         if self._in_step:
             self.timer.optimizer_done()
+        if self._trace is not None:
+            self._trace.applied(optimizer)
 
     def _through_ddp(self, entry: _Model) -> None:
         """A step pre-hook of a DDP model's optimizers: the model setup() returned must have run since the last
@@ -1859,6 +1861,10 @@ class _Trace(TraceFile):
     """debug.trace for a session: per step, digests of the batches drawn and of the state after the step
     (every model and optimizer, RNG, every loader), in train/trace.py's format, which verify-resume compares."""
 
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        super().__init__(run_dir, rank)
+        self.used: dict[int, tuple[weakref.ref, int]] = {}  # id(param) -> its gradient an optimizer step used
+
     def batch(self, batch: Any, indices: list[int]) -> None:
         from scaletrain.batch import leaves
 
@@ -1901,14 +1907,33 @@ class _Trace(TraceFile):
                 "loader": digest([loader.inner.state_dict() for loader in st._loaders])}
 
     lr = 0.0  # the lr the step runs at (the first param group's), read as it starts
+    held: tuple[str, ...] = ()  # the models holding gradients no optimizer step used, as the step starts
+
+    def applied(self, optimizer: Optimizer) -> None:
+        """After ``optimizer``'s step: the gradients it used, as weak references (no memory kept) with their
+        version counters (an in-place add bumps it)."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.used[id(p)] = (weakref.ref(p.grad), p.grad._version)
+
+    def _unused(self, p: torch.Tensor) -> bool:
+        seen = self.used.get(id(p))
+        return p.grad is not None and (seen is None or seen[0]() is not p.grad or seen[1] != p.grad._version)
 
     def started(self, st: Session) -> None:
         self.lr = next((g["lr"] for m in st._models for o in m.optimizers for g in o.param_groups), 0.0)
+        # Gradients a step starts with that no optimizer step used are state no checkpoint holds: a GAN loop
+        # whose generator loss reaches the discriminator after its zero_grad() hands them to the next step's
+        # update, and a resumed run starts without them. (A loop's own backward before `with st.step():`
+        # holds fresh ones in every run alike; the last step's, used, are left to a zero_grad() first.)
+        self.held = tuple(m.name for m in st._models if any(self._unused(p) for p in m.module.parameters()))
 
     def step(self, st: Session) -> None:
         lr = self.lr
         logged = {k: float(v.item()) for k, v in st._sums.items()}  # host sync: debug.trace only
-        self.write({"step": st.steps, "lr": lr, "loss": digest(logged), **self.drawn(), **self._state(st)})
+        self.write({"step": st.steps, "lr": lr, "held": list(self.held), "loss": digest(logged), **self.drawn(),
+                    **self._state(st)})
 
     def resumed(self, st: Session) -> None:
         self.write({"step": st.steps, "event": "resume", **self._state(st)})

@@ -49,6 +49,7 @@ class Verdict:
     parts: list[str] = field(default_factory=list)
     fields: list[str] = field(default_factory=list)
     unread: bool = False  # no batch came through st.loader: the data order was neither traced nor restored
+    held: list[str] = field(default_factory=list)  # models holding unused gradients then, in the straight run only
 
     def text(self) -> str:
         if self.identical:
@@ -76,6 +77,14 @@ class Verdict:
                      "of its own (random augmentation), which no checkpoint holds; fix: draw from torch's, "
                      "Python's or NumPy's global RNG, which scaletrain restores (and seeds per sample in "
                      "DataLoader workers)")
+        if self.held and self.phase == "after resume" and self.step == self.at + 1:
+            models = " and ".join(self.held)
+            said += (f"; the likely cause: {models} held gradients no optimizer step used as step {self.step} began "
+                     f"in the uninterrupted run only, left by a backward after {'its' if len(self.held) == 1 else 'their'} "
+                     "last zero_grad() (a generator's loss reaching the discriminator), which no checkpoint holds and "
+                     "which the next optimizer step adds in unless zeroed first; fix: zero the gradients before each "
+                     "backward (opt.zero_grad() first), or after the last backward reaching the model")
+            return said
         own = self.phase == "after resume" and not {"data order", "batch values", "LR schedule", "RNG"} & set(self.parts)
         if own and not self.unread and self.step == self.at + 1:  # all restored alike, yet the next step differs
             said += ("; the likely cause: state of the loop's own that no checkpoint holds, which it used anew after "
@@ -147,6 +156,10 @@ def compare(straight: dict[int, list[dict[str, Any]]], first: dict[int, list[dic
         verdict.phase = ("before the interruption", "at resume", "after resume")[order]
         verdict.step, verdict.rank, verdict.fields = step, rank, fields
         verdict.parts = _parts(fields)
+        if order == 2:  # the gradients a step began with, where only the uninterrupted run held them: a cause
+            held = [next((r.get("held") or [] for r in run.get(rank, []) if r.get("step") == step and "event" not in r),
+                         []) for run in (straight, resumed)]
+            verdict.held = held[0] if held[0] != held[1] else []
     return verdict
 
 
