@@ -468,6 +468,9 @@ class NeedsWidth(nn.Module):
     ("loss of one argument", r"loss_fn: scaletrain calls loss_fn\(output, target\), and <lambda> cannot take that"),
     ("loss per sample", r"loss_fn: <lambda> returned a tensor of shape \(32,\), not one number; fix: reduce it"),
     ("loss as a float", r"loss_fn: <lambda> returned a float, not a tensor; .* fix: return the loss as a tensor"),
+    ("loss with logs", r"loss_fn: <lambda> returned a tuple, not a tensor; .* fix: return the loss tensor alone"),
+    ("loss without a gradient", (r"loss_fn: <lambda> returned a loss without a gradient \(int64\): nothing "
+                                 r"differentiable leads from the model's output to it .* not the accuracy\)$")),
     ("integer features", (r"data: the model's first forward failed \(mat1 and mat2 must have the same dtype.*the "
                          r"inputs hold int64 tensors and the model's parameters are float32; fix: make the features")),
     ("multi-hot targets", r"loss: the float targets are not class probabilities .*binary_cross_entropy_with_logits"),
@@ -492,6 +495,10 @@ def test_first_mistakes_with_fit_are_one_line(tmp_path: Path, mistake: str, said
         loss_fn = lambda out, t: F.cross_entropy(out, t, reduction="none")
     elif mistake == "loss as a float":
         loss_fn = lambda out, t: float(F.cross_entropy(out, t))
+    elif mistake == "loss with logs":
+        loss_fn = lambda out, t: (F.cross_entropy(out, t), {"accuracy": (out.argmax(-1) == t).float().mean()})
+    elif mistake == "loss without a gradient":
+        loss_fn = lambda out, t: (out.argmax(-1) != t).sum()
     elif mistake == "integer features":
         data = ((x * 10).long(), y)
     elif mistake == "multi-hot targets":

@@ -616,11 +616,19 @@ def _checked(loss_fn: LossFn) -> LossFn:
     def checked(output: Any, target: Any) -> torch.Tensor:
         loss = loss_fn(output, target)
         if not isinstance(loss, torch.Tensor):
+            fix = ("return the loss tensor alone (held-out measures of the output go to fit(metrics={...}))"
+                   if isinstance(loss, (tuple, list, dict)) else
+                   "return the loss as a tensor (no float(), .item() or .tolist())")
             raise UserError(f"loss_fn: {name} returned a {type(loss).__name__}, not a tensor; the step backpropagates "
-                            "from it; fix: return the loss as a tensor (no float(), .item() or .tolist())")
+                            f"from it; fix: {fix}")
         if loss.numel() != 1:
             raise UserError(f"loss_fn: {name} returned a tensor of shape {tuple(loss.shape)}, not one number; fix: "
                             "reduce it to its mean (reduction='mean', the default, or .mean())")
+        if torch.is_grad_enabled() and not loss.requires_grad:  # training (evaluation runs without gradients)
+            raise UserError(f"loss_fn: {name} returned a loss without a gradient ({str(loss.dtype).removeprefix('torch.')}"
+                            "): nothing differentiable leads from the model's output to it (an argmax, a "
+                            "comparison or a count, .detach() or torch.no_grad() cut the way); fix: compute it from "
+                            "the output's floating-point values (the cross-entropy of the logits, not the accuracy)")
         return loss
 
     return checked
