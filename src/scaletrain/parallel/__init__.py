@@ -385,6 +385,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
                     "replicate", shard)
     # DDP alone runs over the default group; sharding needs a mesh (HSDP its two axes), tensor parallelism its
     # "tp" axis. torchtitan's order: TP, then checkpointing, compile, and FSDP over the data-parallel axes.
+    kept = _sharded_before(model, layout, cfg, precision, memory)  # before a stage or a split is cut from it
     mesh = build_mesh(device.type, layout) if layout.sharded or layout.tp > 1 or layout.pp > 1 else None
     if layout.pp > 1:
         assert mesh is not None
@@ -394,7 +395,6 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
         from scaletrain.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"], loss_parallel=loss_parallel)
-    kept = _sharded_before(model, layout, cfg, precision, memory)
     units = find_units(model, cfg.fsdp_units)
     sharded = mesh is not None and layout.sharded
     for line in unit_warnings(model, units, sharded=sharded, checkpointing=memory.activation_checkpointing):
