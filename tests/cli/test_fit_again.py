@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from spawn_ranks import run_ranks
+from test_fit_optimizer import Net  # repeated blocks: FSDP units, each checkpointed
 from torch import nn
 
 import scaletrain
@@ -23,28 +24,6 @@ QUICK = {"train.epochs": 1, "data.batch_size": 16, "optim.lr": 1e-2, "train.prog
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
     return x, (x[:, 0] - x[:, 2] > 0).long()
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + torch.tanh(self.fc(h))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(3)
-        self.inp, self.blocks, self.out = nn.Linear(8, 16), nn.ModuleList([Block(), Block()]), nn.Linear(16, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h)
 
 
 def _evals(run_dir: str) -> list[float]:
