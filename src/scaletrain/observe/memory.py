@@ -99,6 +99,9 @@ def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     """
     total = 0
     for t in tensors:
+        if t.is_sparse:  # a sparse gradient (nn.Embedding(sparse=True)) or SGD's buffer of one: its two parts
+            total += _unique_bytes((t._indices(), t._values()), seen)
+            continue
         key = _storage_key(t)
         if key not in seen:
             seen.add(key)

@@ -105,9 +105,7 @@ class GradProbe:
             p.register_hook(self._param_grad)
 
     def _param_grad(self, grad: Any) -> None:
-        import torch
-
-        self.add_small(torch.linalg.vector_norm(grad.float()).square())
+        self.add_small(squared_norm(grad))
 
     def reduce_scatter(self) -> Any:
         """FSDP2's reduce-scatter (FSDPModule.set_custom_reduce_scatter) reading each unit's input first: this
@@ -130,6 +128,16 @@ class GradProbe:
             return None
         small = sum(r.get(SMALL, 0.0) for r in rows) / n_small
         return small, rows[0][BIG] / n_big, b_small, b_big
+
+
+def squared_norm(grad: Any) -> Any:
+    """|grad|^2 in fp32; a sparse gradient's (an nn.Embedding(sparse=True)'s, or DDP's bucket of one) from its
+    coalesced values, as the dense gradient's."""
+    import torch
+
+    if grad.is_sparse:
+        grad = grad.coalesce().values()
+    return torch.linalg.vector_norm(grad.float()).square()
 
 
 class _ProbedReduceScatter:

@@ -263,6 +263,8 @@ def attach_comm_hook(model: torch.nn.Module, timer: StepTimer | None, *, overlap
     change or measure."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from scaletrain.observe.noise_scale import squared_norm
+
     if not isinstance(model, DistributedDataParallel) or (timer is None and overlap and probe is None):
         return False
     held: list[tuple[Any, torch.futures.Future]] = []
@@ -271,7 +273,7 @@ def attach_comm_hook(model: torch.nn.Module, timer: StepTimer | None, *, overlap
         if timer is not None:
             timer.bucket_ready()
         if probe is not None:
-            probe.add_small(torch.linalg.vector_norm(bucket.buffer().float()).square())
+            probe.add_small(squared_norm(bucket.buffer()))
         if overlap:
             return _allreduce(group, bucket)
         mine: torch.futures.Future = torch.futures.Future()

@@ -410,6 +410,13 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
             return model
         if kept:
             return model
+        from scaletrain.train.guard import sparse_gradient_modules
+
+        sparse = sparse_gradient_modules(model)
+        if sparse:
+            raise ConfigError("parallel.strategy", strategy, f"a model without sparse gradients to shard ({', '.join(sparse)} "
+                              "gives them, which FSDP cannot shard)", "--parallel.strategy=ddp, or sparse=False on "
+                              "the embedding")
         from scaletrain.parallel.fsdp import apply_fsdp, mixed_precision_policy
 
         policy = mixed_precision_policy(precision)

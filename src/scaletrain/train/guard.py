@@ -33,12 +33,43 @@ def clipped_norm(params: list[torch.Tensor], clip: float, scaler: torch.amp.Grad
     returned, the same on every rank."""
     if clip > 0:
         scaler.unscale_(optimizer)  # a no-op unless the scaler is enabled (fp16)
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
+            return _clipped_sparse(params, clip)
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
     elif scaler.is_enabled():
         return None
+    elif any(p.grad is not None and p.grad.is_sparse for p in params):
+        return _clipped_sparse(params, 0.0)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     return plain(norm)
+
+
+def sparse_gradient_modules(model: torch.nn.Module) -> list[str]:
+    """The modules of ``model`` whose weight gets a sparse gradient (an nn.Embedding or nn.EmbeddingBag made
+    with sparse=True, as word2vec-style and recommender models are): torch's clip_grad_norm_ has no kernel for
+    them, AdamW and the fused optimizers refuse them, and FSDP cannot shard them."""
+    return [f"{name or 'the model'} ({type(m).__name__}(sparse=True))" for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse and m.weight.requires_grad]
+
+
+def _clipped_sparse(params: list[torch.Tensor], clip: float) -> torch.Tensor:
+    """clip_grad_norm_ over gradients some of which are sparse (torch's has no sparse kernel): the norm of a
+    sparse gradient is that of its coalesced values; each gradient, sparse or dense, is scaled in place."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    for p in params:  # coalesced: a row drawn twice in a batch is one value, its norm counted once
+        if p.grad is not None and p.grad.is_sparse:
+            p.grad = p.grad.coalesce()
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([
+        torch.linalg.vector_norm(g.values() if g.is_sparse else g, dtype=torch.float32) for g in grads]))
+    if clip > 0:
+        coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return norm
 
 
 def nonfinite_where(first_skips: list[float], first_bad_losses: list[float]) -> str:

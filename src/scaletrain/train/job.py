@@ -50,6 +50,7 @@ from scaletrain.parallel.pipeline import PipelineRunner
 from scaletrain.runtime import Runtime, seed_all, set_deterministic
 from scaletrain.sharded import is_dtensor, loss_context, plain
 from scaletrain.train.batching import BatchPlan, plan_batches
+from scaletrain.train.guard import sparse_gradient_modules
 from scaletrain.train.lr import build_scheduler
 from scaletrain.train.precision import check_precision, set_attention, set_tf32
 from scaletrain.train.state import load_scheduler_tree, scheduler_tree
@@ -160,8 +161,9 @@ class Job:
                             "of one step: this run has one of each (one data-parallel rank, no accumulation); fix: "
                             "--nproc 2, or --train.accum_steps=2")
         # the user's (an instance FSDP or TP rebinds to their parameters, or the function, called again), else ours
+        sparse = bool(sparse_gradient_modules(self.module))
         optimizer = self.own_optimizer if self.own_optimizer is not None else \
-            lambda params: build_optimizer(params, cfg.optim, plan.peak_lr)
+            lambda params: build_optimizer(params, cfg.optim, plan.peak_lr, sparse=sparse)
         _, self.optimizer = st.setup(self.module, optimizer, name="model")
         if st._stage is not None:  # pp > 1: this rank's stage is the model it trains, evaluates and saves
             self.module = st._stage
@@ -475,8 +477,10 @@ def batches_of(job: Job) -> Iterator[Any]:
         yield from job.loader
 
 
-def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig, lr: float) -> Optimizer:
-    """Weight decay on matrices and embeddings only, never on biases and norm gains (GPT-2's rule)."""
+def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig, lr: float, *,
+                    sparse: bool = False) -> Optimizer:
+    """Weight decay on matrices and embeddings only, never on biases and norm gains (GPT-2's rule). ``sparse``:
+    some gradients are sparse (guard.sparse_gradient_modules), which the fused kernels do not take."""
     params = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -484,7 +488,7 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig, lr: float)
     # Fused kernels: faster, and they skip a non-finite step on the device (train/guard.py) without a sync.
     # torch has no sharding rule for fused SGD on DTensors (FSDP): there the guard falls back to a host check.
     fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) and not (
-        cfg.name == "sgd" and any(is_dtensor(p) for p in params))
+        cfg.name == "sgd" and any(is_dtensor(p) for p in params)) and not sparse
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, fused=fused)
     return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
@@ -699,7 +703,16 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         check_targets, target=one.target, own_in_tuple=own_in_tuple, targets=_targets_in_memory(splits.train))
     flops = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device), seen)
     if optimizer is None:
-        opt, peaks = build_optimizer(module.parameters(), cfg.optim, plan.peak_lr), []
+        sparse = sparse_gradient_modules(module)
+        if sparse and cfg.optim.name == "adamw":
+            raise ConfigError("optim.name", "adamw", f"an optimizer that takes sparse gradients, which "
+                              f"{', '.join(sparse)} gives", "--optim.name=sgd, sparse=False on the embedding, or "
+                              "fit(optimizer=...) with torch.optim.SparseAdam for its parameters")
+        if sparse and cfg.optim.weight_decay > 0:  # torch's SGD: "add(sparse, dense) is not supported"
+            raise ConfigError("optim.weight_decay", cfg.optim.weight_decay, f"0 with sparse gradients, which "
+                              f"{', '.join(sparse)} gives (SGD cannot decay them)", "--optim.weight_decay=0, or "
+                              "sparse=False on the embedding")
+        opt, peaks = build_optimizer(module.parameters(), cfg.optim, plan.peak_lr, sparse=bool(sparse)), []
     else:  # its lr per group as given (a scheduler built on it already moved "lr" and kept it as "initial_lr")
         opt = own_optimizer(optimizer, module, built=build is not None)
         peaks = [float(g.get("initial_lr", g["lr"])) for g in opt.param_groups]
