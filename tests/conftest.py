@@ -86,7 +86,9 @@ def documented(tmp_path_factory: pytest.TempPathFactory):
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The docs tour's file first, then the other CLI tests, then the files of tests that read what documented
     commands made (the `documented` fixture), then the multi-rank and unit tests: under `make test`'s 2 workers
-    (--dist loadfile hands out whole files in this order) the tour runs from the start on one worker, its
+    (--dist loadfile hands out whole files in this order; --no-loadscope-reorder, as pytest-xdist 3.8 otherwise
+    hands out the files with the most tests first, which started the tour 250 s in and its readers before it
+    was done: 897 s for the suite where this order took 878 s) the tour runs from the start on one worker, its
     readers come once its record is there (scheduled before it was, each ran its commands again itself: make
     demo, two verify-resumes, a rehearsal, a scaling bench, the byo example three ways), and the many short
     files last keep the two workers' ends level."""
