@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,54 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 # worker's ranks oversubscribes them; OpenMP's spinning threads then made those commands 3-5x slower than alone
 # (a lab of 11.9 s alone took 39 s in the tour). Set before torch is imported, so the workers' own torch too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+_warm: dict[str, object] = {}  # the warm interpreter of this pytest process (tests/warm.py): its server, its dir
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Where this pytest process's warm interpreter listens (tests/warm.py), set before the test files are
+    imported (some build their environment then), and a directory whose `scaletrain` is its client, for commands
+    typed through PATH (the docs tour). SCALETRAIN_TEST_WARM=0 runs every command as a new interpreter."""
+    import tempfile
+
+    import warm
+
+    if os.environ.get(warm.SOCKET_ENV) == "0":
+        return
+    where = Path(tempfile.mkdtemp(prefix="scaletrain-warm-"))
+    shim = where / "bin" / "scaletrain"
+    shim.parent.mkdir()
+    shim.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[1:1] = ['run']\n"
+                    f"runpy.run_path({str(Path(warm.__file__))!r}, run_name='__main__')\n")
+    shim.chmod(0o755)
+    os.environ[warm.SOCKET_ENV] = str(where / "socket")
+    _warm["dir"] = where
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the warm interpreter if a test that runs commands was collected (a unit test file alone does not
+    pay for one)."""
+    import subprocess
+
+    import warm
+
+    if "dir" not in _warm or not any(item.path.parent.name == "cli" for item in session.items):
+        return
+    _warm["server"] = subprocess.Popen([sys.executable, warm.__file__, "serve", os.environ[warm.SOCKET_ENV]],
+                                       stdin=subprocess.DEVNULL)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    server = _warm.pop("server", None)
+    if server is not None:
+        server.terminate()  # type: ignore[attr-defined]
+        server.wait()  # type: ignore[attr-defined]
+    where = _warm.pop("dir", None)
+    if where is not None:
+        shutil.rmtree(where, ignore_errors=True)  # type: ignore[arg-type]
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,9 @@ How the docs tell the tour what to expect: an HTML comment (invisible on GitHub)
 
 Blocks fenced as bash, sh or console are commands; one logical line (continuations joined) is one command,
 run with bash from the workspace, with the virtual environment's bin first on PATH as after
-`. .venv/bin/activate` (what the README tells users to do).
+`. .venv/bin/activate` (what the README tells users to do). Under the suite, the `scaletrain` bash finds first
+is tests/warm.py's client: the same console script, run in a fork of an interpreter that has imported torch
+already, set up as a new one would start (SCALETRAIN_TEST_WARM=0: the venv's own, a new interpreter each).
 """
 
 from __future__ import annotations
@@ -227,6 +229,9 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"  # as after `. .venv/bin/activate`
+    warm = env.get("SCALETRAIN_TEST_WARM", "0")
+    if warm != "0":  # `scaletrain` forked from the suite's warm interpreter (tests/warm.py), as it would start
+        env["PATH"] = f"{Path(warm).parent / 'bin'}{os.pathsep}{env['PATH']}"
     env.update(PYTHONUNBUFFERED="1", COLUMNS="80", TERM="dumb")
     return env
 

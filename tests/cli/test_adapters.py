@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from spawn_ranks import script_env
+from warm import SCALETRAIN
 
 pytest.importorskip("transformers")
 
 BIN = Path(sys.executable).parent
-SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
 
 SCRIPT = """import sys, torch, scaletrain
 from torch import nn

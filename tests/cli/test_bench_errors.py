@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from warm import SCALETRAIN_M
 
 from scaletrain.cli import main
 
@@ -77,7 +78,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAM
 ])
 def test_mistakes_found_by_the_device_process_are_one_line(extra, words, tmp_path):
     """Found only in the per-device process (with the data loaded): still one line, no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "scaletrain", "bench", "throughput", "--recipe", "digits",
+    proc = subprocess.run([*SCALETRAIN_M, "bench", "throughput", "--recipe", "digits",
                            "--devices", "cpu", "--steps", "1", "--warmup", "0", "--repeats", "1", *extra],
                           capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=180, check=False)
     assert proc.returncode == 2, proc.stderr

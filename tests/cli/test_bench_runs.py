@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from warm import SCALETRAIN_M
 
 from scaletrain.bench.units import OPS, bus_factor
 
@@ -18,7 +19,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def scaletrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([*SCALETRAIN_M, *args], capture_output=True, text=True, cwd=cwd,
                           env=ENV, timeout=300, check=False)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from noisy import noisy_labels, wide_net
 from torch import nn
 from torch.utils.data import IterableDataset
+from warm import SCALETRAIN_M
 
 import scaletrain
 from scaletrain.checkpoint import commit
@@ -59,7 +59,7 @@ def test_the_best_checkpoint_outlives_keep_and_holds_the_best_weights(tmp_path: 
     assert best == {"step": step, "eval_loss": loss}
     assert summary["best_checkpoint"] == {"step": step, "eval_loss": loss, "path": str(root / commit.step_name(step))}
     out = tmp_path / "best.safetensors"
-    done = subprocess.run([sys.executable, "-m", "scaletrain", "checkpoint", "export", str(run), str(out), "--best"],
+    done = subprocess.run([*SCALETRAIN_M, "checkpoint", "export", str(run), str(out), "--best"],
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"exported step {step} of {root / commit.step_name(step)}:")
@@ -69,7 +69,7 @@ def test_the_best_checkpoint_outlives_keep_and_holds_the_best_weights(tmp_path: 
     with torch.no_grad():
         again = nn.functional.cross_entropy(net(x), y).item()
     assert again == pytest.approx(loss, rel=1e-5)  # the weights of the best evaluation give its loss back
-    shown = subprocess.run([sys.executable, "-m", "scaletrain", "checkpoint", "inspect", str(run), "--json"],
+    shown = subprocess.run([*SCALETRAIN_M, "checkpoint", "inspect", str(run), "--json"],
                            capture_output=True, text=True, check=False)
     assert [i["best"] for i in json.loads(shown.stdout)] == [True, False]
 
@@ -124,7 +124,7 @@ def test_without_held_out_data_it_is_one_line(tmp_path: Path) -> None:
 def test_export_best_of_a_run_without_one_is_one_line(tmp_path: Path) -> None:
     run = tmp_path / "r"
     _fit(run, **{"checkpoint.best": False, "train.epochs": 1})
-    done = subprocess.run([sys.executable, "-m", "scaletrain", "checkpoint", "export", str(run),
+    done = subprocess.run([*SCALETRAIN_M, "checkpoint", "export", str(run),
                            str(tmp_path / "o.safetensors"), "--best"], capture_output=True, text=True, check=False)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "names no best checkpoint" in done.stderr and "fix: " in done.stderr
@@ -188,7 +188,7 @@ def test_load_best_under_fsdp_reads_the_sharded_best_back(tmp_path: Path) -> Non
     run = tmp_path / "r"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--nproc", "2",
+    done = subprocess.run([*SCALETRAIN_M, "train", "digits", "--nproc", "2",
                            "--parallel.strategy=fsdp", "--checkpoint.best", "--checkpoint.load_best",
                            "--train.eval_every=10", "--train.max_steps=60", "--optim.lr=0.5", f"--run.dir={run}",
                            "--train.progress=false"], capture_output=True, text=True, env=env, timeout=240,
@@ -200,12 +200,12 @@ def test_load_best_under_fsdp_reads_the_sharded_best_back(tmp_path: Path) -> Non
     assert best["loaded"] and f"loaded the weights of the best checkpoint (step {best['step']})" in done.stdout
     assert "its weights loaded into the model" in done.stdout
     out = tmp_path / "best.safetensors"
-    exported = subprocess.run([sys.executable, "-m", "scaletrain", "checkpoint", "export", str(run), str(out),
+    exported = subprocess.run([*SCALETRAIN_M, "checkpoint", "export", str(run), str(out),
                                "--best"], capture_output=True, text=True, check=False)
     assert exported.returncode == 0, exported.stderr
     a, b = safetensors.torch.load_file(out), safetensors.torch.load_file(run / "model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-    report = subprocess.run([sys.executable, "-m", "scaletrain", "report", str(run)], capture_output=True, text=True,
+    report = subprocess.run([*SCALETRAIN_M, "report", str(run)], capture_output=True, text=True,
                             env={**env, "COLUMNS": "200"}, check=False)
     assert f"step {best['step']}, its weights loaded into the model" in report.stdout, report.stdout
 

@@ -101,6 +101,7 @@ def test_help_lists_every_option(capsys):
 
 def test_a_real_process_prints_no_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # a new interpreter on purpose (not tests/warm.py's fork): what a user's shell starts
     proc = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--optim.momentum=1.5"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120, check=False)
     assert proc.returncode == 2

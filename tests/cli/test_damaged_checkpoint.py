@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from warm import SCALETRAIN_M
 
 from scaletrain.checkpoint import commit
 from scaletrain.cli import main
@@ -36,7 +37,7 @@ FSDP = ["--nproc", "2", "--parallel.strategy=fsdp"]
 
 
 def scaletrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "scaletrain", *args], cwd=cwd, env=ENV, capture_output=True,
+    return subprocess.run([*SCALETRAIN_M, *args], cwd=cwd, env=ENV, capture_output=True,
                           text=True, timeout=240, check=False)
 
 

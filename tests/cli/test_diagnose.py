@@ -7,15 +7,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from warm import SCALETRAIN_M
 
 ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 
 def _scaletrain(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True, text=True, env=ENV,
+    return subprocess.run([*SCALETRAIN_M, *args], capture_output=True, text=True, env=ENV,
                           timeout=timeout, check=False)
 
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from spawn_ranks import free_port
+from warm import SCALETRAIN
 
 from scaletrain.cli import main
 from scaletrain.cluster.doctor import _expected
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
 TORCHRUN = [str(BIN / "torchrun")] if (BIN / "torchrun").exists() else [sys.executable, "-m", "torch.distributed.run"]
 TIMEOUT_S = 180
 _CLEAR = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",

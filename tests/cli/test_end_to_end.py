@@ -22,6 +22,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAM
 
 
 def scaletrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A new interpreter on purpose (not tests/warm.py's fork), as the user's shell starts it."""
     return subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True, text=True, cwd=cwd,
                           env=ENV, timeout=300, check=False)
 

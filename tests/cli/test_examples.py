@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from warm import SCALETRAIN
 
 from scaletrain.parallel.units import find_units
 
@@ -24,8 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 NANOGPT = REPO / "examples" / "nanogpt_lm.py"
 HF_MODEL = REPO / "examples" / "hf_model.py"
 BIN = Path(sys.executable).parent
-SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else \
-    [sys.executable, "-m", "scaletrain"]
 # 16 steps logged every 4, warmup 2 (the examples' 20 would be all of it), a checkpoint mid-run.
 SHORT = ["--train.max_steps=16", "--log.every=4", "--schedule.warmup_steps=2", "--checkpoint.every=8"]
 UNIFORM = math.log(256)  # nats per byte of a model that has learnt nothing: where both start

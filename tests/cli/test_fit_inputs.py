@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from spawn_ranks import free_port, run_ranks
 from torch import nn
 from torch.utils.data import Dataset
+from warm import SCALETRAIN
 
 import scaletrain
 from scaletrain.errors import ConfigError, UserError
 
 BIN = Path(sys.executable).parent
-SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
 TORCHRUN = [str(BIN / "torchrun")] if (BIN / "torchrun").exists() else [sys.executable, "-m", "torch.distributed.run"]
 DIRECTIONS = torch.randn(4, 8, generator=torch.Generator().manual_seed(1234))
 QUICK = {"train.epochs": 4, "data.batch_size": 32, "optim.lr": 1e-2, "train.progress": False, "log.every": 20}

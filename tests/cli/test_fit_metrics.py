@@ -15,13 +15,13 @@ import safetensors.torch
 import torch
 from noisy import noisy_labels, wide_net
 from torch import nn
+from warm import SCALETRAIN
 
 import scaletrain
 from scaletrain.errors import ConfigError, UserError
 
 CONFIG = {"train.epochs": 12, "data.batch_size": 16, "optim.lr": 1e-2, "train.progress": False, "log.every": 100}
 BIN = Path(sys.executable).parent
-SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
 
 
 def _data() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from spawn_ranks import script_env
+from warm import SCALETRAIN
 
 from scaletrain.batch import Batch
 from scaletrain.errors import ConfigError, UserError
@@ -21,7 +22,6 @@ from scaletrain.errors import ConfigError, UserError
 transformers = pytest.importorskip("transformers")
 
 BIN = Path(sys.executable).parent
-SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
 
 SCRIPT = """import sys, torch, scaletrain
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from warm import SCALETRAIN_M
 
 from scaletrain.cli import main
 
@@ -123,7 +123,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, words, tmp_path, capsys, monkeyp
 
 def test_an_unknown_recipe_from_the_shell(tmp_path):
     """The real command line: exit 2, one line, no traceback."""
-    argv = [sys.executable, "-m", "scaletrain", "lab", "batch-size", "digitz", "--batches", "32,64"]
+    argv = [*SCALETRAIN_M, "lab", "batch-size", "digitz", "--batches", "32,64"]
     done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, check=False)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

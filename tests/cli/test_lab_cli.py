@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from warm import SCALETRAIN
 
 BIN = Path(sys.executable).parent
-SCALETRAIN = ([str(BIN / "scaletrain")] if (BIN / "scaletrain").exists()
-              else [sys.executable, "-m", "scaletrain"])
 TIMEOUT_S = 120
 
 

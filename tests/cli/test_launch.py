@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 from spawn_ranks import free_port
+from warm import SCALETRAIN
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "byo_model.py"
 BIN = Path(sys.executable).parent
-SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
 TORCHRUN = [str(BIN / "torchrun")] if (BIN / "torchrun").exists() else [sys.executable, "-m", "torch.distributed.run"]
 TIMEOUT_S = 180
 

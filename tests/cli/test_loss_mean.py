@@ -15,6 +15,7 @@ import pytest
 import safetensors.torch
 import torch
 from torch import nn
+from warm import SCALETRAIN
 
 import scaletrain
 from scaletrain.errors import ConfigError
@@ -25,7 +26,6 @@ CONFIG = {"train.epochs": 1, "train.global_batch": 16, "optim.name": "sgd", "opt
           "train.progress": False, "log.every": 1, "schedule.warmup_steps": 0,
           "schedule.decay": "constant"}
 BIN = Path(sys.executable).parent
-SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
 
 
 def samples() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -78,7 +78,7 @@ def test_tokens_is_the_global_batchs_loss_however_it_is_split(tmp_path: Path) ->
 
 SCRIPT = """
 import sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {root!r}]  # this file's directory, and tests/ (warm.py)
 import scaletrain
 from test_loss_mean import CONFIG, Tokens, samples
 scaletrain.fit(Tokens(), samples(), eval_data=samples()[:8], argv=sys.argv[1:],
@@ -89,7 +89,7 @@ scaletrain.fit(Tokens(), samples(), eval_data=samples()[:8], argv=sys.argv[1:],
 def test_on_two_ranks_accumulating_it_is_the_one_process_batch(tmp_path: Path) -> None:
     _fit(tmp_path / "whole", **{"data.batch_size": 16, "train.loss_mean": "tokens"})
     script = tmp_path / "two.py"
-    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), root=str(Path(__file__).parents[1])))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     done = subprocess.run([*SCALETRAIN, "launch", "--nproc", "2", str(script), f"--run.dir={tmp_path / 'two'}"],

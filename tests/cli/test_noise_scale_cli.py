@@ -9,8 +9,9 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from warm import SCALETRAIN_M
 
 ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 RUN = ["--nproc", "2", "--log.grad_noise_scale", "--train.max_steps=20", "--log.every=5", "--train.progress=false",
@@ -18,7 +19,7 @@ RUN = ["--nproc", "2", "--log.grad_noise_scale", "--train.max_steps=20", "--log.
 
 
 def _train(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", *args], capture_output=True,
+    return subprocess.run([*SCALETRAIN_M, "train", "digits", *args], capture_output=True,
                           text=True, env=ENV, timeout=300, check=False)
 
 
@@ -39,7 +40,7 @@ def test_the_noise_scale_is_logged_summarized_and_resumed_exactly(tmp_path: Path
     assert summary["b_simple"] == logged[20]["b_simple"] and summary["updates"] == 4
     assert summary["global_batch"] == 64 and "doubling the world size to 4 (batch 128)" in summary["reading"]
     assert "noise scale" in straight.stdout and "B_noise" in straight.stdout
-    report = subprocess.run([sys.executable, "-m", "scaletrain", "report", str(tmp_path / "a")], capture_output=True,
+    report = subprocess.run([*SCALETRAIN_M, "report", str(tmp_path / "a")], capture_output=True,
                             text=True, env=ENV, timeout=120, check=False)
     assert report.returncode == 0, report.stderr[-2000:]
     assert "gradient noise scale" in report.stdout and (tmp_path / "a" / "report" / "noise_scale.png").is_file()
@@ -68,7 +69,7 @@ def test_what_it_cannot_measure_is_one_line(tmp_path: Path) -> None:
                    "--train.progress=false", f"--run.dir={tmp_path / 'accum'}")
     assert accum.returncode == 0, accum.stderr[-2000:]
     assert all(r["b_small"] == 32 and r["b_big"] == 64 for r in _noise(tmp_path / "accum").values())
-    tp = subprocess.run([sys.executable, "-m", "scaletrain", "train", "llama-tiny", "--nproc", "2",
+    tp = subprocess.run([*SCALETRAIN_M, "train", "llama-tiny", "--nproc", "2",
                          "--parallel.tp=2", "--log.grad_noise_scale", "--train.max_steps=2",
                          f"--run.dir={tmp_path / 'tp'}"], capture_output=True, text=True, env=ENV, timeout=300,
                         check=False)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from warm import SCALETRAIN_M
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 for _key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -21,7 +22,7 @@ OWN = ("data", "h2d", "compute", "comm", "optim", "ckpt")
 def train(tmp_path: Path, *args: str) -> tuple[list[dict], dict, str]:
     run_dir = tmp_path / "run"
     tmp_path.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, "-m", "scaletrain", "train", *args, f"--run.dir={run_dir}",
+    proc = subprocess.run([*SCALETRAIN_M, "train", *args, f"--run.dir={run_dir}",
                            "--train.progress=false"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                           timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

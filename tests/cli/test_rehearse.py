@@ -16,6 +16,7 @@ import pytest
 import safetensors.torch
 import torch
 from test_sockets import _watch
+from warm import SCALETRAIN_M
 
 from scaletrain.cluster import netns
 
@@ -24,7 +25,7 @@ RUN = ["--train.progress=false", "--train.eval_batches=1", "--log.every=4"]
 
 
 def _scaletrain(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True, text=True, env=ENV,
+    return subprocess.run([*SCALETRAIN_M, *args], capture_output=True, text=True, env=ENV,
                           timeout=600, check=False)
 
 
@@ -64,6 +65,8 @@ WHY_NOT = netns.unavailable(shaped=True)
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"network namespaces: {WHY_NOT}")
 def test_nodes_in_network_namespaces_on_a_shaped_link(tmp_path: Path) -> None:
     out = tmp_path / "ns"
+    # A new interpreter, not a fork of the warm one (tests/warm.py): _watch finds the rehearsal's processes as
+    # the descendants of the one it starts.
     rehearse = [sys.executable, "-m", "scaletrain", "cluster", "rehearse", "--nodes", "2", "--nproc", "1", "digits",
                 "--steps", "4", "--link-gbps", "0.5", "--out", str(out), *RUN]
     seen = _watch([rehearse], tmp_path)  # every listener of the rehearsal's processes, in their own namespaces

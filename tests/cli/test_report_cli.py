@@ -11,12 +11,12 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+from warm import SCALETRAIN
 
 from scaletrain.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
 TIMEOUT_S = 180
 STEPS = 8  # per run: a few log intervals, seconds of training
 

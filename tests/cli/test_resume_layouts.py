@@ -18,7 +18,6 @@ import json
 import runpy
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from test_resume import ENV, losses, train, weights_digest
+from warm import SCALETRAIN_M
 
 from scaletrain.checkpoint import commit
 from scaletrain.train.checkpointing import OPTIMIZER, Resume, read_tree
@@ -193,7 +193,7 @@ def test_a_batchnorm_model_resumes_bit_identically_under_fsdp(tmp_path):
     """FSDP does not synchronize buffers: each rank's running statistics are its own, and each must get its
     own back (DCP alone would save one copy of each, from whichever rank balances its writes)."""
     (tmp_path / "bn.py").write_text(BATCHNORM)
-    scaletrain = [sys.executable, "-m", "scaletrain"]
+    scaletrain = [*SCALETRAIN_M]
     ref, run = tmp_path / "ref", tmp_path / "run"
     for args in (["ref", "checkpoint.every=3"], ["run"]):  # run: from ref's step 3, as a run stopped there
         if args == ["run"]:

@@ -20,6 +20,7 @@ import torch
 from spawn_ranks import run_ranks
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from warm import SCALETRAIN
 
 import scaletrain
 from scaletrain.errors import CheckpointError, ConfigError, TrainingFailed, UserError
@@ -28,7 +29,6 @@ REPO = Path(__file__).resolve().parents[2]
 GAN = REPO / "examples" / "gan.py"
 NANOGPT = REPO / "examples" / "nanogpt_lm.py"
 BIN = Path(sys.executable).parent
-SCALETRAIN = [str(BIN / "scaletrain")] if (BIN / "scaletrain").exists() else [sys.executable, "-m", "scaletrain"]
 # 30 steps, logged every 5: the straggler detector's window (5 intervals) is full at step 25.
 RUN = ["--train.max_steps=30", "--log.every=5", "--checkpoint.every=5", "--chaos.delay_rank=1",
        "--chaos.delay_ms=30", "--chaos.delay_phase=data"]

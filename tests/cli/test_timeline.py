@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from warm import SCALETRAIN_M
 
 ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 
 def test_every_rank_is_a_row_with_each_step_and_its_phases_inside_it(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--nproc", "2", "--log.trace",
+    done = subprocess.run([*SCALETRAIN_M, "train", "digits", "--nproc", "2", "--log.trace",
                            "--train.max_steps=12", "--log.every=4", "--checkpoint.every=8", "--train.progress=false",
                            "--train.eval_batches=1", f"--run.dir={tmp_path}"], capture_output=True, text=True,
                           env=ENV, timeout=300, check=False)
@@ -40,7 +41,7 @@ def test_every_rank_is_a_row_with_each_step_and_its_phases_inside_it(tmp_path: P
 
 
 def test_the_profiler_records_exactly_the_steps_of_its_window(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--debug.profile=2-4",
+    done = subprocess.run([*SCALETRAIN_M, "train", "digits", "--debug.profile=2-4",
                            "--train.max_steps=6", "--log.every=2", "--train.progress=false", "--train.eval_batches=1",
                            f"--run.dir={tmp_path}"], capture_output=True, text=True, env=ENV, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -48,7 +49,7 @@ def test_the_profiler_records_exactly_the_steps_of_its_window(tmp_path: Path) ->
     assert sum(str(e.get("name", "")).startswith("Optimizer.step#") for e in trace) == 3  # steps 2, 3 and 4
     table = (tmp_path / "profile" / "rank-00000.txt").read_text()
     assert "aten::" in table and "Self CPU" in table
-    bad = subprocess.run([sys.executable, "-m", "scaletrain", "train", "digits", "--debug.profile=5-3",
+    bad = subprocess.run([*SCALETRAIN_M, "train", "digits", "--debug.profile=5-3",
                           f"--run.dir={tmp_path / 'bad'}"], capture_output=True, text=True, env=ENV, timeout=120,
                          check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--debug.profile=10-12" in bad.stderr

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from warm import SCALETRAIN_M
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 for _key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -16,7 +17,7 @@ JOB = ["digits", "--steps", "12", "--at", "5", "--model.dropout=0.2", "--train.l
 
 
 def verify(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "scaletrain", "verify-resume", *args], cwd=cwd, env=ENV,
+    return subprocess.run([*SCALETRAIN_M, "verify-resume", *args], cwd=cwd, env=ENV,
                           capture_output=True, text=True, timeout=300, check=False)
 
 
