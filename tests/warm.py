@@ -256,8 +256,10 @@ def _become(request: dict, fds: list[int], conn: socket.socket, base: dict[str, 
     head = os.getcwd() if request["module"] else os.path.dirname(sys.executable)
     sys.path[:] = [head, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p], *installed]
     import importlib
+    import tempfile
 
     importlib.invalidate_caches()
+    tempfile.tempdir = None  # found again from this environment's TMPDIR when first asked, as a new interpreter does
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
     for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
         old = getattr(sys, name)

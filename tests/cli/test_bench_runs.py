@@ -44,10 +44,14 @@ def test_allreduce_on_two_ranks_checks_every_op(tmp_path):
 
 
 def test_throughput_on_cpu_reports_each_batch_size(tmp_path):
-    proc = scaletrain("bench", "throughput", "--recipe", "digits", "--devices", "cpu", "--batch-sizes", "8,2",
-                      "--steps", "2", "--warmup", "1", "--repeats", "2", "--json", "tp.json", "--plot", "tp.png",
-                      cwd=tmp_path)
+    temp = tmp_path / "tmp"  # the bench's TMPDIR: it leaves nothing there (each batch size's run dir was left)
+    temp.mkdir()
+    proc = subprocess.run([*SCALETRAIN_M, "bench", "throughput", "--recipe", "digits", "--devices", "cpu",
+                           "--batch-sizes", "8,2", "--steps", "2", "--warmup", "1", "--repeats", "2", "--json", "tp.json",
+                           "--plot", "tp.png"], capture_output=True, text=True, cwd=tmp_path,
+                          env={**ENV, "TMPDIR": str(temp)}, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(temp.iterdir()) == []
     data = json.loads((tmp_path / "tp.json").read_text())
     [cpu] = data["devices"]
     assert cpu["name"] == "cpu" and cpu["device"] == "cpu"

@@ -39,13 +39,16 @@ class Stepper:
     step: Callable[[], Any]  # one optimizer step; returns without waiting for the device
     samples_per_step: int
     tokens_per_sample: int  # 0 for models that do not read token sequences
+    close: Callable[[], None]  # the session closed, its temporary run directory removed
 
 
 def build_stepper(cfg: Config, device: torch.device) -> Stepper:
     """The one place this module reaches into the trainer: a world-size-1 job built from the config, on its
     session (run dir: a temporary directory; no checkpoints), and a function running one of its steps as
-    scaletrain train does (train/run.py step)."""
+    scaletrain train does (train/run.py step). Close it when done: each batch size's run directory was left
+    in /tmp, config.toml and metrics.jsonl, by every `scaletrain bench throughput`."""
     import dataclasses
+    import shutil
     import tempfile
 
     from scaletrain.data import build_splits
@@ -54,11 +57,24 @@ def build_stepper(cfg: Config, device: torch.device) -> Stepper:
 
     rt = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device, backend="none")
     splits = build_splits(cfg.data, cfg.model)
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=tempfile.mkdtemp(prefix="scaletrain-bench-")),
+    run_dir = tempfile.mkdtemp(prefix="scaletrain-bench-")
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir),
                               checkpoint=dataclasses.replace(cfg.checkpoint, every=0))
-    job, batches = open_stepper(cfg, rt, splits)
+    try:
+        job, batches = open_stepper(cfg, rt, splits)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+    def close() -> None:
+        try:
+            assert job.st is not None
+            job.st.close(finished=False)
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
     tokens = int(splits.info["seq_len"]) if splits.task == "lm" else 0
-    return Stepper(lambda: step(job, batches), job.plan.global_batch, tokens)
+    return Stepper(lambda: step(job, batches), job.plan.global_batch, tokens, close)
 
 
 def _sync(device: torch.device) -> None:
@@ -84,16 +100,19 @@ def measure_batch(cfg: Config, device: torch.device, *, steps: int, warmup: int,
     gc.collect()
     reset = reset_peak_memory(device)
     stepper = build_stepper(cfg, device)
-    for _ in range(warmup):
-        stepper.step()
-    _sync(device)
-    rates = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for _ in range(steps):
+    try:
+        for _ in range(warmup):
             stepper.step()
         _sync(device)
-        rates.append(steps * stepper.samples_per_step / (time.perf_counter() - started))
+        rates = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for _ in range(steps):
+                stepper.step()
+            _sync(device)
+            rates.append(steps * stepper.samples_per_step / (time.perf_counter() - started))
+    finally:
+        stepper.close()
     samples_per_s = statistics.median(rates)
     result = {"batch_size": cfg.data.batch_size, "samples_per_step": stepper.samples_per_step,
               "samples_per_s": samples_per_s, "samples_per_s_repeats": rates,
