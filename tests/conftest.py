@@ -13,17 +13,21 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-_warm: dict[str, object] = {}  # the warm interpreter of this pytest process (tests/warm.py): its server, its dir
+_warm: dict[str, object] = {}  # this pytest process's warm interpreter (tests/warm.py): server, dir; its scratch dir
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Where this pytest process's warm interpreter listens (tests/warm.py), set before the test files are
     imported (some build their environment then), and a directory whose `scaletrain` is its client, for commands
-    typed through PATH (the docs tour). SCALETRAIN_TEST_WARM=0 runs every command as a new interpreter."""
+    typed through PATH (the docs tour). SCALETRAIN_TEST_WARM=0 runs every command as a new interpreter. And
+    the session's scratch directory (tests/scratch.py), removed when it ends."""
     import tempfile
 
     import warm
+    from scratch import SCRATCH_ENV
 
+    if SCRATCH_ENV not in os.environ:  # the session's (the xdist controller's): its workers and ranks inherit it
+        os.environ[SCRATCH_ENV] = _warm["scratch"] = tempfile.mkdtemp(prefix="scaletrain-tests-")
     if os.environ.get(warm.SOCKET_ENV) == "0":
         return
     where = Path(tempfile.mkdtemp(prefix="scaletrain-warm-"))
@@ -56,9 +60,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if server is not None:
         server.terminate()  # type: ignore[attr-defined]
         server.wait()  # type: ignore[attr-defined]
-    where = _warm.pop("dir", None)
-    if where is not None:
-        shutil.rmtree(where, ignore_errors=True)  # type: ignore[arg-type]
+    for key in ("dir", "scratch"):
+        where = _warm.pop(key, None)
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)  # type: ignore[arg-type]
 
 
 @pytest.fixture(autouse=True)

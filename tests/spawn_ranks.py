@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from scratch import scratch_dir
 
 # What every rank imports anyway (DDP's constructor imports torch._dynamo and DTensor itself).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
@@ -98,14 +99,12 @@ def trained_digits_job(settings: dict[str, Any], steps: int) -> Any:
     """Inside a rank: the Job that ``settings`` build on digits (this rank's process group, if any, from the
     launcher's variables), on its session (run dir: a new temporary directory unless given), after ``steps``
     training steps taken as scaletrain train takes them."""
-    import tempfile
-
     from scaletrain import runtime
     from scaletrain.config import load
     from scaletrain.data import digits
     from scaletrain.train.run import open_stepper, step
 
-    cfg = load(None, {"run.dir": tempfile.mkdtemp(prefix="scaletrain-test-"), **settings})
+    cfg = load(None, {"run.dir": scratch_dir(), **settings})
     job, batches = open_stepper(cfg, runtime.init(cfg.dist), digits(0.2))
     for _ in range(steps):
         step(job, batches)

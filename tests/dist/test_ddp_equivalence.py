@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from scratch import scratch_dir
 from spawn_ranks import run_ranks, trained_digits_job
 
 from scaletrain import runtime
@@ -62,10 +63,8 @@ def test_two_ranks_equal_one_process_with_twice_the_batch():
 
 
 def _count_collectives(rank: int, world: int) -> dict:
-    import tempfile
-
     cfg = load(None, {**BASE, "data.batch_size": 16, "train.max_steps": 12, "log.every": 4,
-                      "run.dir": tempfile.mkdtemp(prefix="scaletrain-test-")})
+                      "run.dir": scratch_dir()})
     rt = runtime.init(cfg.dist)
     splits = digits(0.2)
     splits.eval = None

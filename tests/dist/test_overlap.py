@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from scratch import scratch_dir
 from spawn_ranks import run_ranks
 
 STEPS = 3  # DDP's first step runs with one 1 MB first bucket; it rebuilds buckets of bucket_mb after it
 
 
 def _events(rank: int, world: int, overlap: bool) -> dict:
-    import tempfile
-
     from scaletrain import runtime
     from scaletrain.config import load
     from scaletrain.data import digits
@@ -28,7 +27,7 @@ def _events(rank: int, world: int, overlap: bool) -> dict:
     cfg = load(None, {"model.name": "cnn", "model.dropout": 0.0, "optim.name": "sgd", "optim.lr": 0.1,
                       "dist.device": "cpu", "run.seed": 7, "data.batch_size": 16,
                       "parallel.bucket_mb": 0.01, "parallel.overlap": overlap,
-                      "run.dir": tempfile.mkdtemp(prefix="scaletrain-test-")})
+                      "run.dir": scratch_dir()})
     job, batches = open_stepper(cfg, runtime.init(cfg.dist), digits(0.2))
     events: list[str] = []
     timer = job.st.timer

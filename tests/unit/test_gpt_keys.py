@@ -3,10 +3,9 @@ they are exactly the model as it was; on, they compute the same training within 
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
+from scratch import scratch_dir
 
 from scaletrain import runtime
 from scaletrain.config import load
@@ -21,7 +20,7 @@ STEPS = 5
 
 
 def _train(**overrides):
-    cfg = load(None, {**TINY, **overrides, "run.dir": tempfile.mkdtemp(prefix="scaletrain-test-")})
+    cfg = load(None, {**TINY, **overrides, "run.dir": scratch_dir()})
     job, batches = open_stepper(cfg, runtime.init(cfg.dist), build_splits(cfg.data, cfg.model))
     losses = [step(job, batches).item() for _ in range(STEPS)]
     job.st.close(finished=False)

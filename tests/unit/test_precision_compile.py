@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
+from scratch import scratch_dir
 
 from scaletrain import runtime
 from scaletrain.config import load
@@ -18,7 +17,7 @@ STEPS = 20
 
 def _train(**overrides):
     cfg = load(None, {"model.name": "mlp", "optim.name": "sgd", "optim.lr": 0.1, "dist.device": "cpu",
-                      "run.dir": tempfile.mkdtemp(prefix="scaletrain-test-"), **overrides})
+                      "run.dir": scratch_dir(), **overrides})
     job, batches = open_stepper(cfg, runtime.init(cfg.dist), digits(0.2))
     losses = [step(job, batches).item() for _ in range(STEPS)]
     job.st.close(finished=False)
