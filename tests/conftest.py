@@ -31,12 +31,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get(warm.SOCKET_ENV) == "0":
         return
     where = Path(tempfile.mkdtemp(prefix="scaletrain-warm-"))
-    shim = where / "bin" / "scaletrain"
+    os.environ[warm.SOCKET_ENV] = str(where / "socket")
+    shim = warm.commands_dir(os.environ[warm.SOCKET_ENV]) / "scaletrain"
     shim.parent.mkdir()
     shim.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[1:1] = ['run']\n"
                     f"runpy.run_path({str(Path(warm.__file__))!r}, run_name='__main__')\n")
     shim.chmod(0o755)
-    os.environ[warm.SOCKET_ENV] = str(where / "socket")
     _warm["dir"] = where
 
 

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import warm
 from markdown_it import MarkdownIt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -229,9 +230,9 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"  # as after `. .venv/bin/activate`
-    warm = env.get("SCALETRAIN_TEST_WARM", "0")
-    if warm != "0":  # `scaletrain` forked from the suite's warm interpreter (tests/warm.py), as it would start
-        env["PATH"] = f"{Path(warm).parent / 'bin'}{os.pathsep}{env['PATH']}"
+    socket_path = env.get(warm.SOCKET_ENV, "0")
+    if socket_path != "0":  # `scaletrain` forked from the suite's warm interpreter (tests/warm.py), as it would start
+        env["PATH"] = f"{warm.commands_dir(socket_path)}{os.pathsep}{env['PATH']}"
     env.update(PYTHONUNBUFFERED="1", COLUMNS="80", TERM="dumb")
     return env
 

@@ -29,12 +29,14 @@ import signal
 import socket
 import struct
 import sys
+from pathlib import Path
 
-SOCKET_ENV = "SCALETRAIN_TEST_WARM"
-LOG_ENV = "SCALETRAIN_TEST_WARM_LOG"  # a file: one line per command the server was asked for (warm or not)  # the server's socket path; unset or "0": every command a new interpreter
+SOCKET_ENV = "SCALETRAIN_TEST_WARM"  # the server's socket path; unset or "0": every command a new interpreter
+LOG_ENV = "SCALETRAIN_TEST_WARM_LOG"  # a file: one line per command the server was asked for (warm or not)
 # What an interpreter (or torch, OpenMP, MKL) reads as it starts: a command whose environment differs from the
-# server's in one of these runs as a new interpreter. PYTHONPATH, PYTHONUNBUFFERED and OMP_NUM_THREADS are
-# applied in the fork instead.
+# server's in one of these runs as a new interpreter, but for APPLIED: PYTHONPATH, PYTHONUNBUFFERED,
+# OMP_NUM_THREADS and TORCHINDUCTOR_CACHE_DIR take the command's values in the fork, PYTHONDONTWRITEBYTECODE and
+# PYTHONHASHSEED keep the server's.
 COLD_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA", "LD_", "MALLOC", "NCCL")
 APPLIED = ("PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED",
            "TORCHINDUCTOR_CACHE_DIR")  # inductor reads (and sets) it when it first compiles
@@ -45,6 +47,11 @@ PRELOAD = ("torch", "torch._dynamo", "torch.nn.parallel", "torch.distributed.fsd
 SCALETRAIN = [sys.executable, os.path.abspath(__file__), "run"]
 SCALETRAIN_M = [*SCALETRAIN, "-m"]
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+def commands_dir(socket_path: str) -> Path:
+    """The directory (beside the server's socket) whose `scaletrain` is this client (conftest.py writes it)."""
+    return Path(socket_path).parent / "bin"
 
 
 def _send(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
@@ -258,6 +265,8 @@ def _become(request: dict, fds: list[int], conn: socket.socket, base: dict[str, 
     import importlib
     import tempfile
 
+    from scaletrain.cluster.forked import reseed_as_new
+
     importlib.invalidate_caches()
     tempfile.tempdir = None  # found again from this environment's TMPDIR when first asked, as a new interpreter does
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
@@ -277,8 +286,7 @@ def _become(request: dict, fds: list[int], conn: socket.socket, base: dict[str, 
 
     threads = env.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else (os.cpu_count() or 1))
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()  # a new interpreter's numpy draws its seed from the OS
+    reseed_as_new()
 
 
 def run(request: dict) -> None:
@@ -289,6 +297,8 @@ def run(request: dict) -> None:
     import runpy
     import threading
     import traceback
+
+    from scaletrain.cluster.forked import leave
 
     code = 0
     try:
@@ -315,12 +325,7 @@ def run(request: dict) -> None:
         threading._shutdown()  # type: ignore[attr-defined] -- as the interpreter's exit joins them
         atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code & 0xFF)
+        leave(code & 0xFF)
 
 
 if __name__ == "__main__":

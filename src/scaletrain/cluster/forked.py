@@ -29,7 +29,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 START_ENV = "SCALETRAIN_WORKER_START"  # "exec": every worker a new interpreter; default "auto"
 # What every worker of scaletrain's imports (an optimizer's first step imports torch._dynamo), imported once by
@@ -166,12 +166,27 @@ def start(args: Sequence[str], argv: list[str], env: dict[str, str], stdout: IO[
     except BaseException:  # noqa: BLE001 -- what a new interpreter prints for an uncaught exception
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    """A forked child's exit: its standard streams flushed, then os._exit, without the interpreter's teardown
+    (which in a fork writes to the parent's pages, and may run the parent's atexit handlers)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def reseed_as_new() -> None:
+    """The random generators a new interpreter starts with: torch's default seed, numpy's drawn from the OS."""
+    import torch
+
+    torch.manual_seed(_TORCH_DEFAULT_SEED)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
 
 
 def _as_a_new_interpreter(env: dict[str, str], stdout: IO[Any] | None, stderr: IO[Any] | None) -> None:
@@ -198,6 +213,4 @@ def _as_a_new_interpreter(env: dict[str, str], stdout: IO[Any] | None, stderr: I
     threads = env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # read by OpenMP when torch loaded, in the launcher's environment
         torch.set_num_threads(int(threads))
-    torch.manual_seed(_TORCH_DEFAULT_SEED)
-    if "numpy" in sys.modules:  # a new interpreter seeds numpy's global generator afresh
-        sys.modules["numpy"].random.seed()
+    reseed_as_new()
