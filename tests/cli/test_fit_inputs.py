@@ -477,6 +477,12 @@ class NeedsWidth(nn.Module):
     ("a label too many", r"loss: class target 4 for logits of 4 classes .* \(5 here\)"),
     ("a bfloat16 model", (r"model: its first forward failed \(.*\): its parameters are bfloat16 and the inputs "
                           r"float32; fix: keep the model in float32 and train with --train.precision=bf16-mixed")),
+    ("a float64 model", (r"model: its first forward failed \(.*\): its parameters are float64 and the inputs "
+                         r"float32; fix: keep the model in float32 \(drop its .double\(\)")),
+    # held-out features of another width: a traceback at the evaluation before step 1
+    ("held-out data of another layout", (r"eval_data: the model's forward failed on the first held-out batch "
+                                         r"\(mat1 and mat2 shapes cannot be multiplied .*\): its inputs are float32 "
+                                         r"\(5,\) per sample, and the training samples' float32 \(8,\); fix: ")),
     # (x, weight, y): torch's 'Linear.forward() takes 2 positional arguments but 3 were given', traceback and all
     ("a sample weight", (r"model: Linear.forward\(input\) cannot take what each sample gives it: 2 positional inputs "
                          r"\(a sample's items but the last, which is the target\): too many positional arguments; "
@@ -486,7 +492,7 @@ def test_first_mistakes_with_fit_are_one_line(tmp_path: Path, mistake: str, said
     """What users get wrong in the first minutes, before or at the first step: one line naming it, with the fix
     (a script exits 2 with it), not a traceback from inside scaletrain or torch."""
     x, y = _points(256, 0)
-    model, data, loss_fn = (lambda: nn.Linear(8, 4)), (x, y), None
+    model, data, loss_fn, eval_data = (lambda: nn.Linear(8, 4)), (x, y), None, None
     if mistake == "class needs arguments":
         model = NeedsWidth
     elif mistake == "loss of one argument":
@@ -505,12 +511,16 @@ def test_first_mistakes_with_fit_are_one_line(tmp_path: Path, mistake: str, said
         data = (x, (x[:, :4] > 0).float())
     elif mistake == "a bfloat16 model":
         model = lambda: nn.Linear(8, 4).to(torch.bfloat16)
+    elif mistake == "a float64 model":
+        model = lambda: nn.Linear(8, 4).double()
+    elif mistake == "held-out data of another layout":
+        eval_data = (torch.randn(32, 5), y[:32])
     elif mistake == "a sample weight":
         data = list(zip(x, torch.rand(256), y))
     elif mistake == "a label too many":
         data = (x, torch.where(torch.arange(256) == 200, 4, y))  # one sample of 256, not the first
     with pytest.raises(UserError, match=said) as err:
-        scaletrain.fit(model, data, loss_fn=loss_fn, config=_config(tmp_path, "m"))
+        scaletrain.fit(model, data, eval_data=eval_data, loss_fn=loss_fn, config=_config(tmp_path, "m"))
     assert "\n" not in str(err.value)
 
 

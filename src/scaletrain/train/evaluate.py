@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from scaletrain import runtime
-from scaletrain.batch import IGNORE_INDEX, Batch, logits_of, loss_of
+from scaletrain.batch import IGNORE_INDEX, Batch, leaves, logits_of, loss_of
 from scaletrain.data import eval_indices, eval_loader
 from scaletrain.data.loader import StreamLoader
 from scaletrain.errors import UserError
@@ -111,14 +111,19 @@ def _evaluated(job: Job, batches: Iterator[Any]) -> torch.Tensor:
     cfg, rt, module = job.cfg, job.rt, job.module
     policy = job.model is not None and policy_casts(job.model)
     totals = torch.zeros(4 + 2 * len(job.metrics), dtype=torch.float64, device=rt.device)
-    for raw in batches:
+    for i, raw in enumerate(batches):
         if raw is None:
             assert job.first is not None
             batch = job.first.to(rt.device)
         else:
             batch = job.batcher(raw).to(rt.device)
         with autocast(cfg.train.precision, rt.device, policy=policy), loss_context(module):
-            out = batch(module) if job.pipeline is None else job.pipeline.forward(batch.pipeline_inputs())
+            try:
+                out = batch(module) if job.pipeline is None else job.pipeline.forward(batch.pipeline_inputs())
+            except RuntimeError as err:
+                if i == 0 and raw is not None:
+                    _check_layout(job.first, batch, err)
+                raise
             if raw is None or out is None:  # padding, or a pipeline stage before the last
                 continue
             loss = plain(job.loss_fn(out, batch.target))
@@ -126,6 +131,23 @@ def _evaluated(job: Job, batches: Iterator[Any]) -> torch.Tensor:
             if job.metrics:
                 totals[4:] += _metric_sums(job, out, batch.target, batch.size())
     return totals
+
+
+def _check_layout(first: Batch | None, batch: Batch, err: RuntimeError) -> None:
+    """A UserError where the model's forward failed on the first held-out batch, which training's first sample
+    passed, and the held-out inputs are laid out otherwise (another feature count, dtype or number of inputs):
+    eval_data built another way than train_data, found at the evaluation before step 1. Else the error is the
+    model's own, traceback and all."""
+    def layout(b: Batch) -> list[str]:
+        return [f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape[1:])}" for t in leaves((b.args, b.kwargs))]
+
+    if first is None or layout(first) == layout(batch):
+        return
+    said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    raise UserError(f"eval_data: the model's forward failed on the first held-out batch ({said}): its inputs are "
+                    f"{', '.join(layout(batch)) or 'none'} per sample, and the training samples' "
+                    f"{', '.join(layout(first)) or 'none'}; fix: give eval_data the training data's layout (the same "
+                    "features, inputs and dtypes)") from err
 
 
 def _metric_sums(job: Job, out: Any, target: Any, samples: int) -> torch.Tensor:

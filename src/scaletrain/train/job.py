@@ -522,7 +522,7 @@ def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any], None] | 
     """flops_per_sample(): the model's first forward and backward, on a batch of one training sample (its output
     shown to ``seen``). Data in float64 (numpy's default) meeting float32 parameters fails there with torch's
     dtype error from deep inside the model, as do integer features meeting a first Linear: said in one line as
-    what it is, a property of the data, with the fix. Any other error is the user's code's own, traceback and
+    what it is, a property of the data, with the fix; so is a model made bf16, fp16 or float64 meeting float32 data. Any other error is the user's code's own, traceback and
     all. Samples whose items the model's forward cannot take (a third item, a sample weight, passed as a second
     input to a forward of one) are one line too, before the call: it was torch's TypeError at the first step."""
     _check_arity(module, one)
@@ -542,6 +542,10 @@ def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any], None] | 
                             f"float32; fix: keep the model in float32 and train with --train.precision="
                             f"{'bf16' if half == 'bfloat16' else 'fp16'}-mixed ({half} compute, float32 weights "
                             f"and optimizer state: the updates too small for {half} are not lost)") from err
+        if mismatch and torch.float64 in params and any(t.dtype == torch.float32 for t in inputs):  # .double()
+            raise UserError(f"model: its first forward failed ({said}): its parameters are float64 and the inputs "
+                            "float32; fix: keep the model in float32 (drop its .double() or .to(torch.float64)), or "
+                            "make the data float64 too (x.double(), numpy's default)") from err
         if not params or not (doubles or (ints is not None and mismatch)):
             raise
         dtype = str(min(params, key=str)).removeprefix("torch.")
