@@ -163,3 +163,28 @@ def test_half_precision_outputs_come_back_fp32_in_a_dataclass_too():
     nested = _to_fp32({"inner": Frozen(half), "ids": torch.ones(2, dtype=torch.long)})
     assert type(nested["inner"]) is Frozen and nested["inner"].logits.dtype == torch.float32
     assert nested["ids"].dtype == torch.long
+
+
+def test_a_set_up_models_cpu_autocast_does_not_break_a_graph_the_user_compiles():
+    """A session's model under bf16-mixed runs its forward in the run's autocast (precision.autocast_forward); on a
+    CPU that context also turns torch's fused attention fast path off and back on, which is no tensor op: a loop
+    compiling the model after set-up broke its graph there. Traced, the switch is left alone; eager, it is turned
+    off inside and restored after."""
+    import torch
+    from torch import nn
+    from torch._dynamo.utils import counters
+
+    from scaletrain.train.precision import autocast, autocast_forward
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    autocast_forward(model, lambda: autocast("bf16-mixed", torch.device("cpu")))
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(model)(torch.randn(3, 4))
+    assert out.dtype == torch.float32
+    assert not counters["graph_break"] and counters["frames"]["total"] == 1
+    seen = []
+    model[0].register_forward_hook(lambda *_: seen.append(torch.backends.mha.get_fastpath_enabled()))
+    was = torch.backends.mha.get_fastpath_enabled()
+    model(torch.randn(3, 4))
+    assert seen == [False] and torch.backends.mha.get_fastpath_enabled() == was

@@ -127,3 +127,30 @@ def test_the_timer_has_no_lead_on_a_cpu():
     timer.end()
     out = timer.collect()
     assert len(out) == len(PHASES) and timer.lead_s == 0.0
+
+
+def test_the_forward_mark_of_a_sharded_model_does_not_break_a_graph_the_user_compiles(monkeypatch):
+    """FSDP's root gets a pre-hook that tells the timer the step's first collective begins. A loop that compiles
+    the model after set-up (`model = torch.compile(st.setup(model)[0])`) traces that hook: it read the host's
+    clock there, a graph break at the root (Dynamo's "does not know how to trace time.perf_counter" warning).
+    Compiled, the hook adds nothing to the graph; eager, it still marks the step."""
+    import torch
+    from torch import nn
+
+    import scaletrain.parallel
+    from scaletrain.observe.timing import StepTimer, attach_forward_mark
+
+    monkeypatch.setattr(scaletrain.parallel, "has_dtensors", lambda model: True)  # as FSDP's sharded parameters
+    timer = StepTimer(torch.device("cpu"))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert attach_forward_mark(model, timer)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(model)(torch.randn(3, 4))
+    assert not counters["graph_break"] and counters["frames"]["total"] == 1  # before: 3 breaks, 5 frames
+    timer.start()
+    assert timer._entered is None
+    model(torch.randn(3, 4))
+    assert timer._entered is not None

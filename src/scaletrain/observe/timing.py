@@ -327,5 +327,12 @@ def attach_forward_mark(model: torch.nn.Module, timer: StepTimer | None) -> bool
 
     if timer is None or not has_dtensors(model):
         return False
-    model.register_forward_pre_hook(lambda module, args: timer.collective_entered(), prepend=True)
+    def entered(module: torch.nn.Module, args: Any) -> None:
+        # a model the user compiles after set-up (torch.compile(st.setup(model)[0])) traces its hooks: the
+        # host's clock is no tensor op, and reading it there broke the graph at the root (a warning, and a
+        # step cut in two); compiled, the step's collectives are timed with its compute
+        if not torch.compiler.is_compiling():
+            timer.collective_entered()
+
+    model.register_forward_pre_hook(entered, prepend=True)
     return True

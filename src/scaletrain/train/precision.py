@@ -71,8 +71,9 @@ def _cpu_autocast(dtype: torch.dtype) -> Any:
     nn.TransformerEncoderLayer in eval under no_grad) turned off inside it: the path asks only whether CUDA's
     autocast is on, takes CPU autocast's bf16 for fp32 and stops ("expected scalar type Float but found BFloat16":
     an nn.TransformerEncoder's evaluation with a key padding mask, at step 0). Off, the layers run their ordinary
-    modules, which autocast casts."""
-    mha = getattr(torch.backends, "mha", None)
+    modules, which autocast casts. Traced (a model the user compiled after set-up), the switch is left alone: it
+    is no tensor op, and the graph would break there."""
+    mha = None if torch.compiler.is_compiling() else getattr(torch.backends, "mha", None)
     was = mha.get_fastpath_enabled() if mha is not None else False
     if mha is not None:
         mha.set_fastpath_enabled(False)
