@@ -170,7 +170,6 @@ def test_a_set_up_models_cpu_autocast_does_not_break_a_graph_the_user_compiles()
     CPU that context also turns torch's fused attention fast path off and back on, which is no tensor op: a loop
     compiling the model after set-up broke its graph there. Traced, the switch is left alone; eager, it is turned
     off inside and restored after."""
-    import torch
     from torch import nn
     from torch._dynamo.utils import counters
 
