@@ -193,36 +193,71 @@ def test_token_ids_give_tokens_per_second(tmp_path: Path) -> None:
 
 
 class ShiftedLM(nn.Module):
-    """A causal LM as transformers writes one: labels are the input ids, and the loss inside shifts them."""
+    """A causal LM as transformers writes one: labels are the input ids, and the loss inside shifts them (or, with
+    ``how``, scores them in place as a token classifier does, or smooths them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, how: str = "shift") -> None:
         super().__init__()
-        self.table = nn.Embedding(16, 16)
+        self.table, self.how = nn.Embedding(16, 16), how
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
         logits = self.table(input_ids)
         if labels is None:
             return {"logits": logits}
-        return {"logits": logits, "loss": F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())}
+        if self.how == "shift":
+            return {"logits": logits, "loss": F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())}
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                                          label_smoothing=0.1 if self.how == "smooth" else 0.0)}
 
 
-def test_a_model_that_shifts_its_own_sequence_labels_gets_no_accuracy(tmp_path: Path) -> None:
-    ids = torch.arange(64 * 8).remainder(16).reshape(64, 8)
+def _evals(run: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("kind") == "eval"]
+
+
+def test_a_loss_that_shifts_sequence_labels_is_scored_on_the_next_token(tmp_path: Path) -> None:
+    """Labels (B, T) beside logits (B, T, V) from a loss computed elsewhere: scaletrain's argmax at t against label t
+    said ~0% for a model that predicts every next token, and 93% for an untrained GPT-2 (its tied embedding
+    predicts the current token), so such runs got no accuracy. The first training sample's output now tells which
+    alignment the loss is (batch.label_shift): a shifted one is scored at t against t + 1, over the positions it
+    counts (7 of 8 per sequence); one matching neither (label smoothing) still gets none."""
+    ids = torch.arange(64 * 8).remainder(16).reshape(64, 8)  # next token = id + 1
     samples = [{"input_ids": row, "labels": row} for row in ids]
-    summary = scaletrain.fit(ShiftedLM, samples[:48], eval_data=samples[48:],
-                             config={**_config(tmp_path, "shift"), "train.epochs": 20, "data.batch_size": 8,
-                                     "optim.lr": 0.1})
-    # Labels (B, T) beside logits (B, T, V), but the model compares position t+1 with t: scaletrain's argmax at t
-    # against label t would say ~0% on a model that predicts every next token. No accuracy rather than a wrong one.
-    assert "accuracy" not in summary["eval"], summary["eval"]
-    assert summary["eval"]["loss"] < 0.5, summary["eval"]  # it learnt next token = id + 1
-    # The same shift in a loss_fn of one's own (the ids as the target of their own logits): no accuracy either.
-    # It said 93% for an untrained GPT-2, whose tied embedding predicts the current token, and fell as it learnt.
+    config = {"train.epochs": 20, "data.batch_size": 8, "optim.lr": 0.1}
+    summary = scaletrain.fit(ShiftedLM, samples[:48], eval_data=samples[48:], config={**_config(tmp_path, "shift"),
+                                                                                       **config})
+    assert summary["eval"]["count"] == 16 * 7 and summary["eval"]["accuracy"] == 1.0, summary["eval"]
+    assert _evals(tmp_path / "shift")[0]["eval_accuracy"] < 0.5  # untrained
+    # The same shift in a loss_fn of one's own (the ids as the target of their own logits).
     shifted = lambda out, ids: F.cross_entropy(out[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     summary = scaletrain.fit(Bigram, (ids[:48], ids[:48]), eval_data=(ids[48:], ids[48:]), loss_fn=shifted,
-                             config={**_config(tmp_path, "own"), "train.epochs": 20, "data.batch_size": 8,
-                                     "optim.lr": 0.1})
-    assert "accuracy" not in summary["eval"] and summary["eval"]["loss"] < 0.5, summary["eval"]
+                             config={**_config(tmp_path, "own"), **config})
+    assert summary["eval"]["count"] == 16 * 7 and summary["eval"]["accuracy"] == 1.0, summary["eval"]
+    # A token classifier's own loss scores each position in place: every position counted.
+    tagged = [{"input_ids": row, "labels": (row + 3) % 16} for row in ids]
+    summary = scaletrain.fit(lambda: ShiftedLM("tag"), tagged[:48], eval_data=tagged[48:],
+                             config={**_config(tmp_path, "tag"), **config})
+    assert summary["eval"]["count"] == 16 * 8 and summary["eval"]["accuracy"] == 1.0, summary["eval"]
+    summary = scaletrain.fit(lambda: ShiftedLM("smooth"), tagged[:48], eval_data=tagged[48:],
+                             config={**_config(tmp_path, "smooth"), **config})
+    assert "accuracy" not in summary["eval"] and summary["eval"]["count"] == 16 * 8, summary["eval"]
+
+
+def test_label_shift_tells_the_alignments_apart_and_admits_what_it_cannot() -> None:
+    from scaletrain.batch import label_shift
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 6, 10) * 0.01, torch.randint(0, 10, (2, 6))  # near-uniform: both CEs ~log 10
+    ce = lambda lo, y: F.cross_entropy(lo.flatten(0, 1), y.flatten())
+    assert label_shift(logits, labels, ce(logits, labels)) == 0
+    assert label_shift(logits, labels, ce(logits[:, :-1], labels[:, 1:])) == 1
+    assert label_shift(logits, labels[:1], ce(logits, labels[:1].repeat(2, 1))) == 0  # a probe's two copies of one
+    assert label_shift(logits, labels, ce(logits, labels) * 1.01) is None  # neither
+    flat = torch.zeros(2, 6, 10)  # both alignments score log 10 exactly: no telling
+    assert label_shift(flat, labels, ce(flat, labels)) is None
+    assert label_shift(logits, labels.float(), ce(logits, labels)) is None
+    one_each = logits[:, 0], labels[:, 0]  # one class per sample: nothing to shift (accuracy needs no shift)
+    assert label_shift(*one_each, F.cross_entropy(*one_each)) is None
 
 
 def test_a_refused_run_dir_is_one_line_and_exit_2_on_one_process(tmp_path: Path) -> None:

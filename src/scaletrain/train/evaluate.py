@@ -127,7 +127,7 @@ def _evaluated(job: Job, batches: Iterator[Any]) -> torch.Tensor:
             if raw is None or out is None:  # padding, or a pipeline stage before the last
                 continue
             loss = plain(job.loss_fn(out, batch.target))
-            totals[:4] += _sums(out, batch, loss, aligned=not job.user_loss and not job.shifted)
+            totals[:4] += _sums(out, batch, loss, shift=_shift(job, out))
             if job.metrics:
                 totals[4:] += _metric_sums(job, out, batch.target, batch.size())
     return totals
@@ -171,20 +171,35 @@ def _metric_sums(job: Job, out: Any, target: Any, samples: int) -> torch.Tensor:
     return torch.stack(sums).to(job.rt.device)
 
 
-def _sums(out: Any, batch: Batch, loss: torch.Tensor, *, aligned: bool = True) -> torch.Tensor:
+def _shift(job: Job, out: Any) -> int | None:
+    """How the loss lines sequence logits up with their targets (batch.label_shift): scaletrain's own
+    cross-entropy position for position (0), a pipeline's shifted one (1), else what the first training
+    sample's output showed of the model's own loss or the user's loss_fn (None: unknown)."""
+    if job.shifted:
+        return 1
+    if not job.user_loss and loss_of(out) is None:
+        return 0
+    return job.label_shift
+
+
+def _sums(out: Any, batch: Batch, loss: torch.Tensor, *, shift: int | None = 0) -> torch.Tensor:
     """(loss x count, correct, count, 1 if accuracy cannot be counted) of one batch, on the device.
 
-    count: the targets the loss averages over (class targets other than -100, as cross-entropy counts them),
-    else the batch's samples. Accuracy needs integer class targets of the logits' shape, and either logits the
-    loss was computed from here, position for position (scaletrain's cross-entropy: ``aligned``), or one class
-    per sample (a model that computes its own loss over a sequence, a causal LM, may shift its labels, and so
-    may a loss_fn of the user's; a sequence classifier's one label per sample has nothing to shift).
+    count: the targets the loss averages over (class targets other than -100, as cross-entropy counts them;
+    with ``shift`` 1, those from the second position on, as a causal LM's own loss counts them), else the
+    batch's samples. Accuracy needs integer class targets of the logits' shape, and either one class per sample
+    or a known ``shift`` between the logits and the targets (_shift): argmax at position t against target t +
+    shift. A loss over a sequence that matched neither alignment (label smoothing, weights) gets none: ~0%
+    for a model that predicts every next token would be wrong, and so was 93% for an untrained GPT-2 whose
+    tied embedding predicts the current one.
     """
     y, logits = batch.target, logits_of(out)
     if is_dtensor(logits):  # split by vocabulary (loss parallel): whole for the argmax, at evaluation only
         logits = logits.full_tensor()
     classes = isinstance(y, torch.Tensor) and not y.is_floating_point() and logits is not None \
-        and logits.shape[:-1] == y.shape and ((aligned and loss_of(out) is None) or y.dim() == 1)
+        and logits.shape[:-1] == y.shape and (shift is not None or y.dim() == 1)
+    if classes and shift == 1 and y.dim() >= 2:  # position t predicts target t + 1
+        logits, y = logits[:, :-1], y[:, 1:]
     if isinstance(y, torch.Tensor) and not y.is_floating_point():
         valid = y != IGNORE_INDEX
         n = valid.sum().double()

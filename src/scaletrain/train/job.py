@@ -23,7 +23,9 @@ from scaletrain.batch import (
     BatchFn,
     check_targets,
     collate_one,
+    copies_for,
     default_loss,
+    label_shift,
     leaves,
     loss_of,
     shifted_loss,
@@ -86,6 +88,7 @@ class Job:
     params: int = 0  # the whole model's parameters (counted before a pipeline keeps one stage per rank)
     trainable: int = 0  # of those, the ones with requires_grad (fewer where the user froze some: adapters)
     shifted: bool = False  # pp > 1 on a transformers causal LM: the loss takes logits[:, :-1] against labels[:, 1:]
+    label_shift: int | None = None  # batch.label_shift of the model's own loss or the user's loss_fn, read before step 1
     model_name: str = ""  # its class
     given_mode: str | None = None  # the model came as torch.compile(model, mode=...) returned it: that mode
     collate_fn: Callable[[list[Any]], Any] | None = None  # the user's (fit's collate_fn), else scaletrain's
@@ -642,6 +645,22 @@ def _checked(loss_fn: LossFn) -> LossFn:
     return checked
 
 
+def _probe_shift(output: Any, target: Any, loss_fn: LossFn | None, own_in_tuple: bool,
+                 device: torch.device) -> int | None:
+    """batch.label_shift of the loss the run will train on, read on the first forward's output: the model's own
+    (a transformers model given labels, nanoGPT's tuple) or the user's loss_fn, called once more here (no
+    gradient, its random numbers put back). None where scaletrain's own cross-entropy scores the logits (it
+    aligns them itself) or nothing can be told."""
+    if loss_fn is None:
+        return label_shift(output, target, loss_of(output, in_tuple=own_in_tuple))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            given = loss_fn(output, copies_for(target, output))
+    except Exception:  # noqa: BLE001 -- the first step calls it again, and says what is wrong in its own words
+        return None
+    return label_shift(output, target, given) if isinstance(given, torch.Tensor) else None
+
+
 def _targets_in_memory(data: Any) -> torch.Tensor | None:
     """Every target of training data given as tensors ((inputs, targets) to fit(), held-out split or not)."""
     while isinstance(data, torch.utils.data.Subset):
@@ -703,8 +722,15 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     one = batcher(collate_one(splits.train, splits.collate_fn))  # a batch of one sample, as the loader collates it
     # counted once, before any wrapping (on the meta device for a model built there: shapes are all it needs)
     own_in_tuple = one.target_given() and batcher.target_kwarg is None  # a user's model given its targets
-    seen = None if loss_fn is not None else functools.partial(  # the default loss: are these its kind of targets?
+    check = None if loss_fn is not None else functools.partial(  # the default loss: are these its kind of targets?
         check_targets, target=one.target, own_in_tuple=own_in_tuple, targets=_targets_in_memory(splits.train))
+    shifts: list[int | None] = []
+
+    def seen(output: Any) -> None:
+        if check is not None:
+            check(output)
+        shifts.append(_probe_shift(output, one.target, loss_fn, own_in_tuple, rt.device))
+
     flops = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device), seen)
     if optimizer is None:
         sparse = sparse_gradient_modules(module)
@@ -745,4 +771,5 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
                model_name=type(module).__name__, given_mode=given_mode, collate_fn=splits.collate_fn,
                worker_init_fn=splits.worker_init_fn,
                user_loss=loss_fn is not None, first=one, build=build, own_optimizer=optimizer,
-               own_scheduler=scheduler, peak_lrs=peaks, metrics=metrics, token_loss=token_loss)
+               own_scheduler=scheduler, peak_lrs=peaks, metrics=metrics, token_loss=token_loss,
+               label_shift=shifts[0] if shifts else None)
