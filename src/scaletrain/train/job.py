@@ -525,8 +525,8 @@ def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any], None] | 
     """flops_per_sample(): the model's first forward and backward, on a batch of one training sample (its output
     shown to ``seen``). Data in float64 (numpy's default) meeting float32 parameters fails there with torch's
     dtype error from deep inside the model, as do integer features meeting a first Linear: said in one line as
-    what it is, a property of the data, with the fix; so is a model made bf16, fp16 or float64 meeting float32 data. Any other error is the user's code's own, traceback and
-    all. Samples whose items the model's forward cannot take (a third item, a sample weight, passed as a second
+    what it is, a property of the data, with the fix; so is a model made bf16, fp16 or float64 meeting float32
+    data. Any other error is the user's code's own, traceback and all. Samples whose items the model's forward cannot take (a third item, a sample weight, passed as a second
     input to a forward of one) are one line too, before the call: it was torch's TypeError at the first step."""
     _check_arity(module, one)
     try:
@@ -724,14 +724,15 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     own_in_tuple = one.target_given() and batcher.target_kwarg is None  # a user's model given its targets
     check = None if loss_fn is not None else functools.partial(  # the default loss: are these its kind of targets?
         check_targets, target=one.target, own_in_tuple=own_in_tuple, targets=_targets_in_memory(splits.train))
+    probe = one.to(torch.device("meta") if deferred else rt.device)
     shifts: list[int | None] = []
 
     def seen(output: Any) -> None:
         if check is not None:
             check(output)
-        shifts.append(_probe_shift(output, one.target, loss_fn, own_in_tuple, rt.device))
+        shifts.append(_probe_shift(output, probe.target, loss_fn, own_in_tuple, rt.device))
 
-    flops = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device), seen)
+    flops = _first_forward(module, probe, seen)
     if optimizer is None:
         sparse = sparse_gradient_modules(module)
         if sparse and cfg.optim.name == "adamw":
