@@ -61,3 +61,59 @@ def test_a_model_of_ones_own_trains_in_bf16_under_fsdp_as_under_ddp(tmp_path):
     assert fsdp[0]["dtypes"] == ddp[0]["dtypes"] == ["torch.float32"]  # its own loss in fp32 under both
     # bf16 compute on both: the same 6 steps agree to bf16's rounding, not bit for bit
     assert fsdp[0]["loss"] == pytest.approx(ddp[0]["loss"], rel=0.02, abs=0.02)
+
+
+class Spectral(nn.Module):
+    """A Fourier layer as neural operators write it (the FNO paper's SpectralConv1d): complex weights on the low
+    modes of an rFFT, beside real ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lift = nn.Linear(1, 4)
+        self.spectral = nn.ModuleList([_Modes() for _ in range(2)])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:  # (B, 16, 1) -> (B, 16, 1)
+        h = self.lift(u).transpose(1, 2)
+        for layer in self.spectral:
+            h = F.gelu(h + layer(h))
+        return self.head(h.transpose(1, 2))
+
+
+class _Modes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.Parameter(0.1 * torch.rand(4, 4, 3, dtype=torch.cfloat))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        ft = torch.fft.rfft(h.float())
+        out = torch.zeros_like(ft)
+        out[:, :, :3] = torch.einsum("bix,iox->box", ft[:, :, :3], self.weights)
+        return torch.fft.irfft(out, n=h.shape[-1])
+
+
+def _fit_spectral(rank: int, world: int, where: str, strategy: str) -> dict:
+    import scaletrain
+
+    torch.manual_seed(0)
+    model = Spectral()
+    g = torch.Generator().manual_seed(1)
+    u = torch.randn(64, 16, 1, generator=g)
+    summary = scaletrain.fit(model, (u, u.roll(1, dims=1)), loss_fn=F.mse_loss, config={
+        "run.dir": str(Path(where) / f"s-{strategy}"), "train.max_steps": 4, "data.batch_size": 8,
+        "optim.lr": 1e-2, "train.precision": "bf16-mixed", "parallel.strategy": strategy, "train.progress": False,
+        "train.eval_every": 0, "dist.device": "cpu"})
+    weights = {n: p for n, p in model.named_parameters() if p.is_complex()}
+    return {"loss": summary["train_loss"], "complex": sorted(weights),
+            "dtypes": sorted({str(p.dtype) for p in weights.values()})}
+
+
+def test_complex_parameters_keep_their_dtype_under_fsdp_in_bf16(tmp_path):
+    """The policy cast a unit's complex weights to bf16 (their imaginary part dropped) and reduced their complex
+    gradients as fp32: the first backward stopped ("input types can't be cast to the desired output type
+    Float"). A unit holding complex parameters keeps its dtypes under FSDP; autocast computes the rest in bf16."""
+    fsdp = run_ranks(_fit_spectral, 2, str(tmp_path), "fsdp")
+    ddp = run_ranks(_fit_spectral, 2, str(tmp_path), "ddp")
+    assert fsdp[0]["complex"] == ["spectral.0.weights", "spectral.1.weights"]
+    assert fsdp[0]["dtypes"] == ddp[0]["dtypes"] == ["torch.complex64"]
+    assert fsdp[0]["loss"] == pytest.approx(ddp[0]["loss"], rel=0.02, abs=0.02)

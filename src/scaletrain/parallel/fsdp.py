@@ -74,12 +74,22 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
         fully_shard(norm, mesh=mesh, offload_policy=offload, reshard_after_forward=reshard_after_forward,
                     mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype,
                                                    output_dtype=param_dtype))
+    # Complex parameters (a Fourier neural operator's spectral weights): the policy would cast them to the real
+    # compute dtype, dropping their imaginary part, and reduce their complex gradients as fp32, which stopped the
+    # first backward ("torch.cat(): input types can't be cast to the desired output type Float"). A unit holding
+    # one keeps its dtypes; autocast, on top for models of one's own (precision.policy_casts), still computes in
+    # the compute dtype.
+    whole = MixedPrecisionPolicy()
+    in_units = {id(p) for part in [*norms, *units] for p in part.parameters()}  # before fully_shard replaces them
+    complex_root = any(p.is_complex() for p in model.parameters() if id(p) not in in_units)
     for unit in units:
         if any(unit is norm for norm in norms):  # a BatchNorm found as a unit: its own already, in fp32
             continue
-        fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward, shard_placement_fn=fsdp_placement)
-    root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        fully_shard(unit, mesh=mesh, mp_policy=whole if any(p.is_complex() for p in unit.parameters()) else mp,
+                    offload_policy=offload, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=fsdp_placement)
+    root_mp = MixedPrecisionPolicy(param_dtype=None if complex_root else param_dtype,
+                                   reduce_dtype=None if complex_root else reduce_dtype,
                                    output_dtype=torch.float32 if param_dtype is not None else None)
     fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload, shard_placement_fn=fsdp_placement)
     dims = "x".join(str(s) for s in mesh.shape)
