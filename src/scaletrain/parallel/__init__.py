@@ -43,13 +43,13 @@ from scaletrain.parallel.activation_checkpoint import apply_activation_checkpoin
 from scaletrain.parallel.mesh import build_mesh, dp_mesh
 from scaletrain.parallel.pipeline import stage_parts
 from scaletrain.parallel.units import Units, find_units, unit_warnings, units_line
-from scaletrain.sharded import fsdp_class, has_dtensors, is_fsdp
+from scaletrain.sharded import fsdp_class, has_dtensors, is_dtensor, is_fsdp
 
 __all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp",
            "apply_tp", "build_mesh", "check_layout", "compile_mode", "find_units", "fsdp_units", "gradient_sync",
-           "has_dtensors", "is_fsdp", "mixed_precision_policy", "parallelize", "resolve_degrees", "resolve_layout",
+           "gradient_twice", "has_dtensors", "is_fsdp", "mixed_precision_policy", "parallelize", "resolve_degrees", "resolve_layout",
            "resolve_strategy", "set_gradient_sync", "sharded_parts", "uncompiled", "units_line",
-           "unused_parameters"]
+           "unsharded_gradients", "unused_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,41 @@ def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> 
                      f"{which}, and DDP averages every parameter's gradient each step; fix: "
                      "--parallel.find_unused=true (DDP then looks for them every step, at a cost), or freeze them "
                      "(requires_grad_(False)) or take them out of the model")
+
+
+REENTRANT_FIX = ("fix: use_reentrant=False in your torch.utils.checkpoint calls (torch's advice; transformers: "
+                 "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or "
+                 "leave checkpointing to --memory.activation_checkpointing=full")
+
+
+def gradient_twice(err: RuntimeError) -> UserError | None:
+    """DDP's error for a parameter whose gradient arrived twice in one backward (a page of text), as one line,
+    or None for any other error. A module run more than once a step inside torch.utils.checkpoint with
+    use_reentrant=True does it: each reentrant backward hands DDP that module's gradients again."""
+    if "Expected to mark a variable ready only once" not in str(err):
+        return None
+    return UserError("DDP: a parameter's gradient arrived twice in one backward, as it does for a module run more "
+                     "than once a step (shared weights, a loop over one layer) inside torch.utils.checkpoint with "
+                     f"use_reentrant=True; {REENTRANT_FIX}")
+
+
+def unsharded_gradients(model: nn.Module) -> UserError | None:
+    """Under FSDP, at an optimizer step: a UserError naming the sharded parameters whose gradient is a plain
+    tensor, or None. FSDP2 reduce-scatters a unit's gradients into sharded ones (DTensors) after its backward; a
+    unit run more than once a step inside torch.utils.checkpoint with use_reentrant=True gets its later runs'
+    gradients outside that (torch 2.13: the unit left unsharded, its gradients plain and partial; the step would
+    apply wrong ones). Read once,
+    at the first step: host-side types, no sync."""
+    plain = [name for name, p in model.named_parameters()  # (such a unit is left unsharded too: plain parameters)
+             if p.grad is not None and not (is_dtensor(p) and is_dtensor(p.grad))]
+    if not plain:
+        return None
+    owners = sorted({name.rsplit(".", 1)[0] if "." in name else "(root)" for name in plain})
+    return UserError(f"parallel.strategy = fsdp: the gradients of {', '.join(owners[:4])}"
+                     f"{f' and {len(owners) - 4} more' if len(owners) > 4 else ''} reached them outside FSDP's "
+                     "reduce-scatter, as for a module run more than once a step (shared weights, a loop over one "
+                     "layer) inside torch.utils.checkpoint with use_reentrant=True, which FSDP2 does not support: "
+                     f"the step would apply wrong gradients; {REENTRANT_FIX}")
 
 
 @contextlib.contextmanager

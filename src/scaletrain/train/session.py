@@ -125,6 +125,7 @@ from scaletrain.observe.timeline import merge as merge_timeline
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_forward_mark
 from scaletrain.parallel import (
     Layout,
+    gradient_twice,
     has_dtensors,
     is_fsdp,
     parallelize,
@@ -133,6 +134,7 @@ from scaletrain.parallel import (
     sharded_parts,
     uncompiled,
     units_line,
+    unsharded_gradients,
     unused_parameters,
 )
 from scaletrain.parallel.pipeline import PipelineRunner, clip_with_norm, is_stage, stage_grad_norm
@@ -191,6 +193,7 @@ class _Model:
     forwards: int = 0  # DDP: calls of ``wrapped`` since the last step ended (Session._through_ddp)
     unsynced: bool = False  # its last forward with gradients skipped their all-reduce (an accumulation's micro-batch)
     ends: list[nn.Parameter] = dataclasses.field(default_factory=list)  # its first and last trainable parameters
+    first_step_hooks: list[Any] = dataclasses.field(default_factory=list)  # FSDP: Session._sharded_grads, once
 
     def __post_init__(self) -> None:  # a backward reaches one of them: the step's look for gradients costs two
         trainable = [p for p in self.module.parameters() if p.requires_grad]
@@ -675,6 +678,9 @@ class Session:
             _ddp_sync_switches(wrapped)
         if self._opened is None and (isinstance(wrapped, DDP) or is_fsdp(wrapped)):  # the trainer holds its own
             wrapped.register_forward_pre_hook(lambda *_, entry=entry: self._sync_or_not(entry))
+        if is_fsdp(wrapped):  # the first step's gradients are FSDP's sharded ones (not after a reentrant checkpoint)
+            for opt in built:
+                entry.first_step_hooks.append(opt.register_step_pre_hook(lambda *_, e=entry: self._sharded_grads(e)))
         if isinstance(wrapped, DDP):
             wrapped.register_forward_pre_hook(lambda *_: setattr(entry, "forwards", entry.forwards + 1))
             for opt in built:
@@ -945,7 +951,8 @@ class Session:
             # DDP says so at the forward after the backward that left parameters without a gradient: this step's
             # if the model ran more than once in it (a GAN's critic), else the step before
             again = any(m.forwards > 1 for m in self._models) or step == 1
-            unused = unused_parameters(err, [m.wrapped for m in self._models], step if again else step - 1)
+            unused = unused_parameters(err, [m.wrapped for m in self._models], step if again else step - 1) \
+                or gradient_twice(err)
             if unused is not None:
                 raise unused from err
             failure = runtime.collective_failure(err, self.rt, step, self.cfg.dist.timeout_s, self.cfg.run_dir)
@@ -1102,6 +1109,18 @@ class Session:
             self.timer.optimizer_done()
         if self._trace is not None:
             self._trace.applied(optimizer)
+
+    def _sharded_grads(self, entry: _Model) -> None:
+        """A step pre-hook of an FSDP model's optimizers at the first step in a step (removed after it):
+        parallel.unsharded_gradients."""
+        if not self._in_step:  # DCP initializing optimizer state on resume
+            return
+        for handle in entry.first_step_hooks:
+            handle.remove()
+        entry.first_step_hooks.clear()
+        wrong = unsharded_gradients(entry.wrapped)
+        if wrong is not None:
+            raise wrong
 
     def _through_ddp(self, entry: _Model) -> None:
         """A step pre-hook of a DDP model's optimizers: the model setup() returned must have run since the last
