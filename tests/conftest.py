@@ -137,6 +137,12 @@ def documented(tmp_path_factory: pytest.TempPathFactory):
     return tour_for
 
 
+# Files of the multi-rank and unit group that take over a minute: first in their group, not last on a worker
+# while the other has finished (test_plan_parallel.py, ~85 s of fake-tensor planning, ended one worker 35 s
+# after the other when it came last in alphabetical order).
+LONG_IN_PROCESS = {"test_plan_parallel.py"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The docs tour's file first, then the other CLI tests, then the files of tests that read what documented
     commands made (the `documented` fixture), then the multi-rank and unit tests: under `make test`'s 2 workers
@@ -145,12 +151,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     was done: 897 s for the suite where this order took 878 s) the tour runs from the start on one worker, its
     readers come once its record is there (scheduled before it was, each ran its commands again itself: make
     demo, two verify-resumes, a rehearsal, a scaling bench, the byo example three ways), and the many short
-    files last keep the two workers' ends level."""
+    files last keep the two workers' ends level (LONG_IN_PROCESS first among them)."""
     readers = {item.path for item in items if "documented" in getattr(item, "fixturenames", ())}
 
     def rank(item: pytest.Item) -> int:
         if item.path.name == "test_docs.py":
             return 0
-        return 2 if item.path in readers else 1 if item.path.parent.name == "cli" else 3
+        if item.path.name in LONG_IN_PROCESS:
+            return 3
+        return 2 if item.path in readers else 1 if item.path.parent.name == "cli" else 4
 
     items.sort(key=rank)  # stable: each file's tests, and the files within a rank, keep their order
