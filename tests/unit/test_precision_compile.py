@@ -179,7 +179,7 @@ def test_a_set_up_models_cpu_autocast_does_not_break_a_graph_the_user_compiles()
     autocast_forward(model, lambda: autocast("bf16-mixed", torch.device("cpu")))
     torch._dynamo.reset()
     counters.clear()
-    out = torch.compile(model)(torch.randn(3, 4))
+    out = torch.compile(model, backend="eager")(torch.randn(3, 4))  # the breaks are Dynamo's
     assert out.dtype == torch.float32
     assert not counters["graph_break"] and counters["frames"]["total"] == 1
     seen = []
