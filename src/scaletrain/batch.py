@@ -153,50 +153,40 @@ def default_loss(output: Any, target: Any, *, own_in_tuple: bool = False, reduct
                         f"0..{classes - 1}") from None
 
 
+def aligned(logits: torch.Tensor, target: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence logits (B, T, V) and targets (B, T) as a loss pairs them: position t against target t + ``shift``
+    (1: a causal LM's next token, as transformers shifts the labels it is given)."""
+    return logits[:, :logits.shape[1] - shift], target[:, shift:]
+
+
 def shifted_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``loss_fn`` on logits (B, T, V) predicting the next position: logits[:, :-1] against labels[:, 1:], as a
-    transformers causal LM's own loss shifts the labels it is given (a pipeline's last stage returns logits)."""
+    """``loss_fn`` on logits (B, T, V) predicting the next position (aligned, shift 1), as a transformers causal
+    LM's own loss shifts the labels it is given (a pipeline's last stage returns logits)."""
     def shifted(logits: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        return loss_fn(logits[:, :-1], labels[:, 1:], **kwargs)
+        return loss_fn(*aligned(logits, labels, 1), **kwargs)
     return shifted
-
-
-def copies_for(target: Any, output: Any) -> Any:
-    """A target of a batch of one as the output of k copies of it (throughput.flops_per_sample's probe runs two)
-    needs it: repeated k times; else as given."""
-    logits = logits_of(output)
-    if not isinstance(target, torch.Tensor) or logits is None or target.dim() == 0 or logits.dim() == 0:
-        return target
-    n, k = target.shape[0], logits.shape[0]
-    return target.repeat(k // n, *[1] * (target.dim() - 1)) if n and k != n and k % n == 0 else target
 
 
 def label_shift(output: Any, target: Any, loss: torch.Tensor | None) -> int | None:
     """How a loss computed elsewhere (a model's own, a loss_fn of the user's) lines up sequence logits (B, T, V)
-    with class targets (B, T): 0 when it scores position t against target t (token classification, nanoGPT's
-    pre-shifted targets), 1 when against target t + 1 (a transformers causal LM shifts the labels it is given),
-    None when neither cross-entropy is that loss (label smoothing, a weighted loss: no accuracy can be said to
-    match it). Read once, on the first training sample's output: the loss found must equal one alignment's
-    cross-entropy to 1e-4 and lie ten times nearer it than the other's (an untrained model's near-uniform
-    logits score both alike)."""
+    with class targets (B, T) (``aligned``): 0 when it scores position t against target t (token classification,
+    nanoGPT's pre-shifted targets), 1 when against target t + 1 (a transformers causal LM), None when neither
+    cross-entropy is that loss (label smoothing, a weighted loss: no accuracy can be said to match it). Read once,
+    on the first training sample's output: the loss found must equal one alignment's cross-entropy to 1e-4 and lie
+    ten times nearer it than the other's (an untrained model's near-uniform logits score both alike)."""
     logits = logits_of(output)
-    if loss is None or logits is None or not isinstance(target, torch.Tensor) or target.is_floating_point() \
-            or target.dtype == torch.bool or target.dim() < 2 or target.shape[1] < 2 or logits.dim() != target.dim() + 1 \
-            or logits.device.type == "meta" or loss.numel() != 1:
+    if loss is None or loss.numel() != 1 or logits is None or logits.device.type == "meta" \
+            or not isinstance(target, torch.Tensor) or target.is_floating_point() or target.dtype == torch.bool \
+            or target.dim() < 2 or target.shape[1] < 2 or logits.shape[:-1] != target.shape:
         return None
+    said, scores = float(loss.detach().float()), []
     with torch.no_grad():
-        logits, target = logits.detach().float(), copies_for(target, logits)
-        if logits.shape[:-1] != target.shape:
-            return None
-        said = float(loss.detach().float())
-        scores = []
         for shift in (0, 1):
-            kept = target[:, shift:]
+            scored, kept = aligned(logits.detach().float(), target, shift)
             if not (kept != IGNORE_INDEX).any():
                 return None
-            scored = logits[:, :logits.shape[1] - shift]
-            scores.append(abs(float(F.cross_entropy(scored.flatten(0, -2), kept.flatten(),
-                                                    ignore_index=IGNORE_INDEX)) - said))
+            ce = F.cross_entropy(scored.flatten(0, -2), kept.flatten(), ignore_index=IGNORE_INDEX)
+            scores.append(abs(float(ce) - said))
     best = min((0, 1), key=lambda k: scores[k])
     near, other = scores[best], scores[1 - best]
     return best if near <= 1e-4 * max(1.0, abs(said)) and other > 10 * near else None

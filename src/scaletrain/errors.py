@@ -164,6 +164,12 @@ def one_line(err: BaseException) -> str:
     return f"scaletrain: {what}: {err}"
 
 
+def said_of(err: BaseException) -> str:
+    """The first line of ``err``'s message (its type's name when it has none): torch's words inside one of ours."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def first_line(err: BaseException) -> str:
     """``err`` in one line for a record or a warning: scaletrain's own message (one line already), another's
     type and the first line of its message."""

@@ -35,12 +35,13 @@ def device_peak(device: torch.device, precision: str, *, tf32: bool) -> tuple[st
 
 
 def flops_per_sample(model: nn.Module, one: Batch | torch.Tensor,
-                     seen: Callable[[Any], None] | None = None) -> float:
+                     seen: Callable[[Any, Batch], None] | None = None) -> float:
     """Training FLOPs (forward + backward) of one sample: the model's own count if it states one, else
     counted once with torch.utils.flop_counter on ``one``, a batch of one sample (or one input tensor without
     its batch dimension), run as two. The model may return a tensor, a tuple, a dict or a ModelOutput: backward runs from
     its own loss if it computed one, else from the sum of every differentiable tensor it returned. ``seen``: shown
-    the output of that forward (a check of the targets against it, before training), when there is one."""
+    the output of that forward and the batch it ran on (the two copies: a check of the targets against it, before
+    training), when there is one."""
     stated = getattr(model, "flops_per_sample", None)
     if callable(stated):
         return float(stated())
@@ -61,7 +62,7 @@ def flops_per_sample(model: nn.Module, one: Batch | torch.Tensor,
         for b, saved in zip(model.buffers(), buffers):
             b.copy_(saved)
     if seen is not None:
-        seen(output)
+        seen(output, batch)
     return counter.get_total_flops() / 2
 
 

@@ -327,6 +327,7 @@ def attach_forward_mark(model: torch.nn.Module, timer: StepTimer | None) -> bool
 
     if timer is None or not has_dtensors(model):
         return False
+
     def entered(module: torch.nn.Module, args: Any) -> None:
         # a model the user compiles after set-up (torch.compile(st.setup(model)[0])) traces its hooks: the
         # host's clock is no tensor op, and reading it there broke the graph at the root (a warning, and a

@@ -47,8 +47,8 @@ from scaletrain.sharded import fsdp_class, has_dtensors, is_dtensor, is_fsdp
 
 __all__ = ["Layout", "Units", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp",
            "apply_tp", "build_mesh", "check_layout", "compile_mode", "find_units", "fsdp_units", "gradient_sync",
-           "gradient_twice", "has_dtensors", "is_fsdp", "mixed_precision_policy", "parallelize", "resolve_degrees", "resolve_layout",
-           "resolve_strategy", "set_gradient_sync", "sharded_parts", "uncompiled", "units_line",
+           "gradient_twice", "has_dtensors", "is_fsdp", "mixed_precision_policy", "parallelize", "resolve_degrees",
+           "resolve_layout", "resolve_strategy", "set_gradient_sync", "sharded_parts", "uncompiled", "units_line",
            "unsharded_gradients", "unused_parameters"]
 
 log = logging.getLogger(__name__)
@@ -208,8 +208,7 @@ def unsharded_gradients(model: nn.Module) -> UserError | None:
     tensor, or None. FSDP2 reduce-scatters a unit's gradients into sharded ones (DTensors) after its backward; a
     unit run more than once a step inside torch.utils.checkpoint with use_reentrant=True gets its later runs'
     gradients outside that (torch 2.13: the unit left unsharded, its gradients plain and partial; the step would
-    apply wrong ones). Read once,
-    at the first step: host-side types, no sync."""
+    apply wrong ones). Read once, at the first step: host-side types, no sync."""
     plain = [name for name, p in model.named_parameters()  # (such a unit is left unsharded too: plain parameters)
              if p.grad is not None and not (is_dtensor(p) and is_dtensor(p.grad))]
     if not plain:

@@ -14,10 +14,10 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from scaletrain import runtime
-from scaletrain.batch import IGNORE_INDEX, Batch, leaves, logits_of, loss_of
+from scaletrain.batch import IGNORE_INDEX, Batch, aligned, leaves, logits_of, loss_of
 from scaletrain.data import eval_indices, eval_loader
 from scaletrain.data.loader import StreamLoader
-from scaletrain.errors import UserError
+from scaletrain.errors import UserError, said_of
 from scaletrain.sharded import is_dtensor, loss_context, plain
 from scaletrain.train.job import Job
 from scaletrain.train.precision import autocast, policy_casts
@@ -143,9 +143,8 @@ def _check_layout(first: Batch | None, batch: Batch, err: RuntimeError) -> None:
 
     if first is None or layout(first) == layout(batch):
         return
-    said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    raise UserError(f"eval_data: the model's forward failed on the first held-out batch ({said}): its inputs are "
-                    f"{', '.join(layout(batch)) or 'none'} per sample, and the training samples' "
+    raise UserError(f"eval_data: the model's forward failed on the first held-out batch ({said_of(err)}): its "
+                    f"inputs are {', '.join(layout(batch)) or 'none'} per sample, and the training samples' "
                     f"{', '.join(layout(first)) or 'none'}; fix: give eval_data the training data's layout (the same "
                     "features, inputs and dtypes)") from err
 
@@ -198,8 +197,8 @@ def _sums(out: Any, batch: Batch, loss: torch.Tensor, *, shift: int | None = 0) 
         logits = logits.full_tensor()
     classes = isinstance(y, torch.Tensor) and not y.is_floating_point() and logits is not None \
         and logits.shape[:-1] == y.shape and (shift is not None or y.dim() == 1)
-    if classes and shift == 1 and y.dim() >= 2:  # position t predicts target t + 1
-        logits, y = logits[:, :-1], y[:, 1:]
+    if classes and shift and y.dim() >= 2:  # position t predicts target t + shift
+        logits, y = aligned(logits, y, shift)
     if isinstance(y, torch.Tensor) and not y.is_floating_point():
         valid = y != IGNORE_INDEX
         n = valid.sum().double()

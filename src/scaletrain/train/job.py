@@ -23,7 +23,6 @@ from scaletrain.batch import (
     BatchFn,
     check_targets,
     collate_one,
-    copies_for,
     default_loss,
     label_shift,
     leaves,
@@ -32,7 +31,7 @@ from scaletrain.batch import (
 )
 from scaletrain.config import Config, OptimConfig, TrainConfig
 from scaletrain.data import Splits, TensorPairs, train_size
-from scaletrain.errors import CheckpointError, ConfigError, UserError
+from scaletrain.errors import CheckpointError, ConfigError, UserError, said_of
 from scaletrain.layout import check_pipeline
 from scaletrain.models import GPT, build_model
 from scaletrain.models.init import refuse_sync_batchnorm, refuse_unfilled
@@ -521,13 +520,14 @@ def _split_before_filled(cfg: Config, world_size: int, nnodes: int) -> bool:
     return layout.sharded or layout.tp > 1 or layout.pp > 1
 
 
-def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any], None] | None = None) -> float:
+def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any, Batch], None] | None = None) -> float:
     """flops_per_sample(): the model's first forward and backward, on a batch of one training sample (its output
     shown to ``seen``). Data in float64 (numpy's default) meeting float32 parameters fails there with torch's
     dtype error from deep inside the model, as do integer features meeting a first Linear: said in one line as
     what it is, a property of the data, with the fix; so is a model made bf16, fp16 or float64 meeting float32
-    data. Any other error is the user's code's own, traceback and all. Samples whose items the model's forward cannot take (a third item, a sample weight, passed as a second
-    input to a forward of one) are one line too, before the call: it was torch's TypeError at the first step."""
+    data. Any other error is the user's code's own, traceback and all. Samples whose items the model's forward
+    cannot take (a third item, a sample weight, passed as a second input to a forward of one) are one line too,
+    before the call: it was torch's TypeError at the first step."""
     _check_arity(module, one)
     try:
         return flops_per_sample(module, one, seen)
@@ -536,7 +536,7 @@ def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any], None] | 
         inputs = list(leaves((one.args, one.kwargs)))
         doubles = any(t.dtype == torch.float64 for t in inputs) and torch.float64 not in params
         ints = next((t.dtype for t in inputs if not t.is_floating_point() and t.dtype != torch.bool), None)
-        said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        said = said_of(err)
         mismatch = "dtype" in said.lower() or "scalar type" in said
         halves = params & {torch.bfloat16, torch.float16}
         if halves and mismatch and any(t.dtype == torch.float32 for t in inputs):  # model.to(torch.bfloat16)
@@ -655,7 +655,7 @@ def _probe_shift(output: Any, target: Any, loss_fn: LossFn | None, own_in_tuple:
         return label_shift(output, target, loss_of(output, in_tuple=own_in_tuple))
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            given = loss_fn(output, copies_for(target, output))
+            given = loss_fn(output, target)
     except Exception:  # noqa: BLE001 -- the first step calls it again, and says what is wrong in its own words
         return None
     return label_shift(output, target, given) if isinstance(given, torch.Tensor) else None
@@ -724,15 +724,14 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     own_in_tuple = one.target_given() and batcher.target_kwarg is None  # a user's model given its targets
     check = None if loss_fn is not None else functools.partial(  # the default loss: are these its kind of targets?
         check_targets, target=one.target, own_in_tuple=own_in_tuple, targets=_targets_in_memory(splits.train))
-    probe = one.to(torch.device("meta") if deferred else rt.device)
     shifts: list[int | None] = []
 
-    def seen(output: Any) -> None:
+    def seen(output: Any, ran: Batch) -> None:
         if check is not None:
             check(output)
-        shifts.append(_probe_shift(output, probe.target, loss_fn, own_in_tuple, rt.device))
+        shifts.append(_probe_shift(output, ran.target, loss_fn, own_in_tuple, rt.device))
 
-    flops = _first_forward(module, probe, seen)
+    flops = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device), seen)
     if optimizer is None:
         sparse = sparse_gradient_modules(module)
         if sparse and cfg.optim.name == "adamw":
