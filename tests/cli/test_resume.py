@@ -299,19 +299,6 @@ def test_a_nan_on_one_rank_is_skipped_on_every_rank_or_stops_the_job(tmp_path):
     assert saved == [4]  # the checkpoint due at step 8 was never written
 
 
-def test_a_hung_rank_is_named_within_the_timeout(tmp_path):
-    started = time.monotonic()
-    code, _, err = train(*JOB, "--run.dir=run", "--chaos.hang_rank=1", "--chaos.hang_step=3",
-                           "--dist.timeout_s=5", "--chaos.hang_s=120", cwd=tmp_path)
-    assert code == 1
-    assert "a collective failed during step 3" in err and "not answering: rank 1 (host" in err, err[-2000:]
-    assert "--dist.timeout_s=5" in err
-    assert time.monotonic() - started < 90  # far below the 120 s hang: the timeout ended it
-    # the launcher adds no line of its own: it named 'worker rank 0 failed with exit code 1', the first rank to
-    # exit, after the workers' line had named rank 1 as the one not answering
-    assert "scaletrain: worker rank" not in err, err[-1500:]
-
-
 def _trace(run_dir: Path) -> dict[int, list[dict]]:
     from scaletrain.train.verify import read_trace
 

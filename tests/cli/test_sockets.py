@@ -103,7 +103,7 @@ def _watch(commands: list[list[str]], tmp: Path) -> set[tuple[int, str, int]]:
 
 
 def test_a_two_rank_job_listens_on_loopback_only(tmp_path: Path) -> None:
-    seen = _watch([[*ME, "train", "digits", "--nproc", "2", "--train.max_steps=600", f"--run.dir={tmp_path / 'run'}",
+    seen = _watch([[*ME, "train", "digits", "--nproc", "2", "--train.max_steps=120", f"--run.dir={tmp_path / 'run'}",
                     *RUN]], tmp_path)
     # The agent's rendezvous store and workers' store, and each worker's Gloo listener: 4 (3 at least, so
     # that seeing nothing cannot pass).
@@ -116,7 +116,7 @@ def test_two_agents_on_loopback_listen_on_loopback_only(tmp_path: Path) -> None:
     the endpoint is theirs; the first to bind hosts the rendezvous store, the other joins it as a client."""
     port = free_port()
     agent = [*ME, "train", "digits", "--nproc", "1", "--nnodes", "2", f"--rdzv-endpoint=127.0.0.1:{port}",
-             f"--dist.rdzv_id=sockets-{os.getpid()}", "--train.max_steps=300", f"--run.dir={tmp_path / 'run'}", *RUN]
+             f"--dist.rdzv_id=sockets-{os.getpid()}", "--train.max_steps=100", f"--run.dir={tmp_path / 'run'}", *RUN]
     seen = _watch([agent, agent], tmp_path)
     assert ("127.0.0.1", port) in {(addr, p) for _, addr, p in seen}, seen  # the rendezvous store, on its endpoint
     assert len({(addr, p) for _, addr, p in seen}) >= 3, seen
