@@ -64,6 +64,7 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
         measure_model,
         model_counts,
     )
+    from scaletrain.plan.fake_build import FAKE_LIMITS, quiet_fake_errors, why_not_fake
 
     checkpointing, strategy, shard = cfg.memory.activation_checkpointing, parallel.strategy, parallel.dp_shard
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch_size))
@@ -74,10 +75,19 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
     if device.type == "cuda" and not buildable:
         notes.append("a model given built (not its class) cannot be built again on fake tensors: its activations "
                      "and peak are not planned (fit(MyModel, ...) plans them)")
+    facts = None
     if device.type == "cuda" and buildable:
-        facts = measure_model(cfg, task, info, sample, target=target, modes=(checkpointing,),
-                              sharded=(parallel.sharded,), flops=flops)  # FSDP on one rank too (layout_memory)
-    else:  # the run's own counts, which the model the config builds has too; activations not planned here
+        try:
+            with quiet_fake_errors():
+                facts = measure_model(cfg, task, info, sample, target=target, modes=(checkpointing,),
+                                      sharded=(parallel.sharded,), flops=flops)  # FSDP on one rank too (layout_memory)
+        except (*FAKE_LIMITS, RuntimeError) as err:  # a model of one's own fake tensors cannot run: the run is done
+            if task != OWN:
+                raise
+            notes.append(f"activations and peak not planned: the plan runs the model on fake tensors, and "
+                         f"{why_not_fake(err)}")
+            buildable = False
+    if facts is None:  # the run's own counts, which the model the config builds has too; activations not planned
         facts = ModelFacts(*model_counts(module, cfg.parallel.fsdp_units), flops_per_sample=flops,
                            tokens_per_sample=0, activations={checkpointing: 0, f"sharded-{checkpointing}": 0})
     parts = layout_memory(facts, strategy, checkpointing, shard=shard, precision=cfg.train.precision,

@@ -234,11 +234,12 @@ def _fake_model(cfg: Config, task: str, info: dict[str, Any], checkpointing: str
                 dtype: torch.dtype = torch.float32) -> nn.Module:
     from scaletrain.models import build_model
     from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
+    from scaletrain.plan.fake_build import build_fake
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # Module.to() cannot swap fake parameters: build them in the dtype
     try:
-        model = info["build"]() if task == OWN else build_model(cfg.model, task, info)
+        model = build_fake(info["build"]) if task == OWN else build_model(cfg.model, task, info)
     finally:
         torch.set_default_dtype(default)
     model.train()

@@ -23,6 +23,7 @@ from torch import nn
 
 from scaletrain.config import Config, ModelConfig
 from scaletrain.errors import UserError, says_errors
+from scaletrain.plan.fake_build import FAKE_LIMITS, build_shapes, quiet_fake_errors, why_not_fake
 
 
 @says_errors
@@ -67,17 +68,21 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     splits = in_memory(train_data, None, cfg.data.val_fraction, collate_fn=collate_fn)
     world = cfg.dist.nproc * cfg.dist.nnodes
     batches = plan_batches(cfg, world, train_size(splits.train))
-    import torch
-
-    with torch.device("meta"):  # its forward's signature, for the batch's split (nothing allocated)
-        signature = build()
+    signature = build_shapes(build)  # its forward's signature, for the batch's split (nothing allocated)
     if optimizer is not None:  # its kind of state, from the optimizer built on the meta parameters
         from scaletrain.train.job import optim_kind, own_optimizer
 
         kind = optim_kind(cfg, own_optimizer(optimizer, signature, built=True), optimizer)
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name=kind))
     one = Batcher(signature, batch_fn)(collate_one(splits.train, collate_fn))
-    facts = measure_model(cfg, OWN, {"build": build}, one, modes=AC_PLANNED)  # type: ignore[arg-type]
+    try:
+        with quiet_fake_errors():
+            facts = measure_model(cfg, OWN, {"build": build}, one, modes=AC_PLANNED)  # type: ignore[arg-type]
+    except (*FAKE_LIMITS, RuntimeError) as err:  # what fake tensors cannot run (a model's own bug is said too)
+        raise UserError(f"model: {type(signature).__name__} cannot be planned: the plan runs one forward and "
+                        f"backward of it on fake tensors (shapes, no data), and {why_not_fake(err)}; fix: measure "
+                        "it in a real run instead (a few steps of fit() on one GPU: summary.json's peak_mem_bytes is "
+                        "each rank's peak), or plan a model without that op") from None
     source = f"given (mfu={mfu})"
     if mfu is None:
         mfu, source = default_mfu(acc.key, compiled=cfg.train.compile, params=facts.params,

@@ -1,0 +1,136 @@
+"""A model of one's own built on fake tensors, for the planner (plan/estimate.py) and fit()'s plan vs actual.
+
+Building it under torch's FakeTensorMode gives every tensor it makes shapes and dtypes but no values, and so
+no memory: how a 70B model is planned on a laptop. Some models read a value while they are built: timm's and
+transformers' vision models spread stochastic depth over their blocks with
+``[x.item() for x in torch.linspace(0, drop_path_rate, depth)]`` (timm's ViT, ConvNeXt, Swin, EfficientNet;
+transformers' ConvNext, Swin, BEiT, ...), which a fake tensor cannot answer (torch's
+DataDependentOutputException, a page of traceback). Such a model is built again with the tensors that carry
+values real: the ranges (linspace, logspace, arange, tensor, as_tensor) and whatever is computed from real
+tensors alone (their .item(), .tolist(), a relative-position index) run outside the fake mode; the parameters
+(torch.empty and the other allocations) stay fake. What came out real, small by construction, is made fake
+after the build (FakeTensorMode.from_tensor), so the measured steps see a model of fake tensors only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+    unset_fake_temporarily,
+)
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+# What fake tensors cannot compute: a value read (.item(), .tolist(), a Python branch on a tensor), an output
+# whose shape depends on the values (nonzero, boolean masks: a mixture of experts' routing), an operator
+# without a fake kernel. A model that needs one is not planned on fake tensors.
+FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+# Factories whose values a model may read while it is built (their size is given, small: depths, windows)
+_VALUED = (torch.linspace, torch.logspace, torch.arange, torch.tensor, torch.as_tensor)
+
+
+class _RealValues(TorchFunctionMode):
+    """Within a build: the _VALUED factories, and any function whose tensor arguments are all real, run outside
+    the fake mode; everything else (the parameters' allocations, ops on fake tensors) inside it."""
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        real = not any(isinstance(t, FakeTensor) for t in tensors) if tensors else func in _VALUED
+        if real:
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _all_fake(model: nn.Module, mode: FakeTensorMode) -> None:
+    """Every real parameter, buffer and tensor attribute of ``model`` made fake in ``mode`` (tied ones stay tied)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            data = mode.from_tensor(t.detach())
+            made[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+        return made[id(t)]
+
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in list(store.items()):
+                if t is not None and not isinstance(t, FakeTensor):
+                    store[name] = fake(t)  # type: ignore[assignment]
+        for name, t in list(vars(module).items()):
+            if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
+                setattr(module, name, fake(t))
+
+
+def build_fake(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` under the active FakeTensorMode; a model that reads a value while it is built, again with its
+    valued tensors real (module docstring)."""
+    from torch._guards import detect_fake_mode
+
+    try:
+        return build()
+    except DataDependentOutputException:
+        pass
+    mode = detect_fake_mode()
+    assert mode is not None, "build_fake runs under a FakeTensorMode"
+    allowed = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True  # a fake parameter initialized from a real tensor (copy_, mul): made fake
+    try:
+        with _RealValues():
+            model = build()
+        _all_fake(model, mode)
+    finally:
+        mode.allow_non_fake_inputs = allowed
+    return model
+
+
+def build_shapes(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` with nothing allocated: on the meta device (the cheapest), or, for a model that reads a value
+    while it is built (a meta tensor has none), on fake tensors as build_fake builds it."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except (RuntimeError, NotImplementedError):  # "Tensor.item() cannot be called on meta tensors", ...
+        with FakeTensorMode():
+            return build_fake(build)
+
+
+def why_not_fake(err: BaseException) -> str:
+    """What a model's failure on fake tensors (one of FAKE_LIMITS, or a RuntimeError raised inside a fake or meta
+    kernel) says of the model, in a few words."""
+    func = getattr(err, "func", None)
+    if isinstance(err, DynamicOutputShapeException):
+        return f"an op of its forward makes a tensor whose shape depends on the data ({func}: a mixture of " \
+               "experts' routing, a boolean mask)"
+    if isinstance(err, DataDependentOutputException):
+        return f"it reads a tensor's value ({func}: .item(), .tolist() or a Python branch on a tensor)"
+    if isinstance(err, UnsupportedOperatorException):
+        return f"an op has no fake-tensor kernel ({func})"
+    first = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else type(err).__name__
+    return f"an op failed on them ({first})"
+
+
+@contextlib.contextmanager
+def quiet_fake_errors() -> Iterator[None]:
+    """torch's fake mode logs the whole stack of an op its meta kernel refused (log.exception) before raising it:
+    the one line said of it is ours."""
+    logger = logging.getLogger(FakeTensorMode.__module__)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
