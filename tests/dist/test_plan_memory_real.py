@@ -16,6 +16,13 @@ runs. Korthikanti et al.'s ratio (1/t with sequence parallelism), which the plan
 torch's tensor parallelism keeps (the all-gathered inputs of the column-parallel matmuls, whole for backward;
 the GPT's norms, not sequence-parallel): 5.27 and 3.99 MB for the GPT.
 
+Measured again 2026-12-07, once the peak at a batch was the step's highest moment at that batch rather than the
+line through the peaks at batch 1 and 2 (observe.memory.StepCurve, exact to the byte at batch 3 and 4 against
+the real step run there): the real step 7.10 / 6.02 MB (Llama; the line had said 6.90 / 5.92) and 5.87 / 4.56
+MB (GPT; 4.49 before), the plan 6.90 / 5.85 and 5.87 / 4.56 MB: the Llama 2.8% low (the fake process group's
+step against Gloo's, the same at batch 1 and 2), the GPT to the byte; Korthikanti's ratio 5.27 / 4.22 MB for
+the GPT, 10% and 7% low.
+
 Pipeline parallelism (PP=2, Llama fp32, 4 micro-batches of 2): each stage's peak through PipelineRunner.step
 against the plan's stage (its blocks x the micro-batches in flight, the rest whole). Measured 2026-11-25:
 1F1B stage 0 (the largest: 2 micro-batches in flight) 6.38 MB planned, 6.57-6.64 MB real; the last stage 3.48
@@ -108,8 +115,8 @@ def test_tp2_activations_per_rank_are_the_real_steps_within_4_percent():
         measured, ratio = _planned(*case, 2)
         for rank in (0, 1):
             assert measured == pytest.approx(real[rank][i], rel=0.04), (case, rank, measured, real[rank][i])
-        if case[0] == "gpt-stdlib":  # the ratio alone misses the norms' whole activations
-            assert ratio < 0.9 * measured, (case, ratio, measured)
+        if case[0] == "gpt-stdlib":  # the ratio alone misses the norms' whole activations (7% and 10% here)
+            assert ratio < 0.95 * measured, (case, ratio, measured)
 
 
 PP_SHAPE = {**SHAPE, "data.batch_size": "2", "model.n_kv_head": "4", "model.ffn_hidden": "384"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from scaletrain.models import GPT
 from scaletrain.observe import metrics
@@ -12,6 +13,7 @@ from scaletrain.observe.memory import (
     choose_strategy,
     estimate_activation_bytes,
     estimate_model_state,
+    estimate_step,
     measure_step,
     model_state_bytes,
     oom_advice,
@@ -58,6 +60,36 @@ def test_measured_activations_scale_linearly_and_leave_the_model_alone():
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     bf16 = estimate_activation_bytes(model, sample, 8, precision="bf16-mixed")
     assert 0.4 * measured < bf16 < 0.8 * measured  # bf16 activations, plus fp32 the loss and norms keep
+
+
+class Shifting(nn.Module):
+    """A step whose peak moves with the batch: at batch 1 and 2 it is a weight-sized temporary (2 MB, no batch
+    in it, as autocast's bf16 copies of the weights are), from batch 5 on backward's gradient of a (B, 128, 1024)
+    product (0.5 MB a sample). ``transposed``: a copy batch 1 does not make (a (1, n) tensor transposed is
+    contiguous already), so batch 1 runs other ops than batch 2."""
+
+    def __init__(self, transposed: bool = False) -> None:
+        super().__init__()
+        self.w, self.head, self.transposed = nn.Parameter(torch.randn(512, 1024)), nn.Linear(1024, 3), transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transposed:
+            x = x.t().contiguous().t()
+        scaled = (self.w * 2).sum(0)
+        return self.head((x[:, None, :].expand(-1, 128, -1) * scaled).mean(1))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_peak_at_any_batch_is_the_steps_highest_moment_not_a_line_through_two_peaks(transposed):
+    model, sample = Shifting(transposed), torch.randn(1024)
+
+    def real(b: int) -> int:
+        return measure_step(model, sample.expand(b, -1).contiguous(), backward=True, grads_allocated=True).peak_bytes
+
+    for b in (1, 2, 3, 8, 32):  # to the byte at every batch
+        assert estimate_step(model, sample, b).peak_bytes == real(b), b
+    one, two = real(1), real(2)
+    assert one + 31 * (two - one) < 0.3 * real(32)  # the line through batch 1's and 2's peaks: 3.5x low
 
 
 def test_peak_memory_moved_not_duplicated():

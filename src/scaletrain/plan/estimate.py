@@ -8,7 +8,8 @@ divided over the ranks that shard them (FSDP: all; HSDP: the GPUs of one machine
 the peak ("activations": what forward keeps for backward, the loss, backward's temporaries, and under
 checkpointing the recomputed block) is measured, not guessed: one forward and backward at batch 1 and 2
 under observe.memory.LiveBytes on the fake tensors, the gradients allocated beforehand as DDP keeps them
-(tests/unit/test_plan.py: the same bytes as a real step), then a + b x batch at the per-rank batch. In mixed
+(tests/unit/test_plan.py: the same bytes as a real step), then at the per-rank batch (observe.memory.StepCurve:
+what forward keeps a + b x batch, the peak the highest of the step's moments, each such a line). In mixed
 precision it is measured as DDP runs (autocast keeps a compute-dtype copy of each weight for backward) and
 as FSDP runs (parameters all-gathered in the compute dtype: no copies). FSDP adds its working set: two units
 all-gathered in the compute dtype (the one computing and the one prefetched) and one unit's unsharded fp32
@@ -48,7 +49,7 @@ from scaletrain.observe.memory import (
     AUTOCAST_DTYPE,
     FIT_MARGIN,
     OPTIM_STATES,
-    StepMemory,
+    StepCurve,
     fmt_bytes,
     step_at,
     step_points,
@@ -431,15 +432,15 @@ def _step_bytes(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *, 
     return _bytes_at(cfg, _step_points(cfg, model, sample, low=low), kept=kept)
 
 
-def _bytes_at(cfg: Config, points: tuple[StepMemory, StepMemory], *, kept: bool) -> tuple[int, int | None]:
-    """_step_bytes' figures at cfg.data.batch_size from _step_points' two."""
+def _bytes_at(cfg: Config, points: StepCurve, *, kept: bool) -> tuple[int, int | None]:
+    """_step_bytes' figures at cfg.data.batch_size from _step_points' curve."""
     step = step_at(points, cfg.data.batch_size)
     return step.peak_bytes, step.activations_bytes if kept else None
 
 
 def _step_points(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *,
-                 low: bool) -> tuple[StepMemory, StepMemory]:
-    """The step measured at batch 1 and 2 (observe.memory.step_points): as DDP runs it (autocast) or, ``low``, as
+                 low: bool) -> StepCurve:
+    """The step measured at batch 1 and 2 (observe.memory.step_points' curve): as DDP runs it (autocast) or, ``low``, as
     FSDP does (a model built in the compute dtype, a floating input cast to it; no autocast for scaletrain's own
     models, autocast over a model of one's own: precision.policy_casts)."""
     precision = cfg.train.precision
@@ -459,7 +460,7 @@ def _step_points(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *,
 # pipeline's) and at MEASURED_LAYERS blocks for each measurement: the same fake steps, extrapolated to another
 # batch size (the 405B plan measured each twice: 36 of its 73 profiled seconds). A model of one's own is not
 # kept: its config does not say which model it is.
-_POINTS: dict[Any, tuple[StepMemory, StepMemory]] = {}
+_POINTS: dict[Any, StepCurve] = {}
 _COUNTS: dict[Any, tuple[int, int, int, int]] = {}
 _FLOPS: dict[Any, float] = {}
 

@@ -21,7 +21,7 @@ checkpointing the step's peak comes at its end and does not grow with depth, the
 whole on every stage: exact at p = 1, an overestimate elsewhere; and what the stages' edges hold (stage_edges:
 torch's receive buffers, outputs kept for backward, input gradients). Where the fake process group cannot be
 had, Korthikanti et al. 2022's ratio ("Reducing Activation Recomputation in Large Transformer Models", table
-2) at t to t = 1 (with sequence parallelism exactly 1/t) divides the block measured at t = 1; it is 8-20% low
+2) at t to t = 1 (with sequence parallelism exactly 1/t) divides the block measured at t = 1; it is 7-20% low
 for torch's tensor parallelism, which keeps the all-gathered inputs of the column-parallel matmuls whole for
 backward (tests/dist/test_plan_memory_real.py). The largest stage is the layout's.
 
