@@ -39,6 +39,12 @@ def _timm(name: str):
     return (lambda: timm.create_model(name)), Batch((torch.randn(1, 3, 224, 224),), {}, torch.tensor([3]))
 
 
+def _peak(model: torch.nn.Module, sample: Batch, batch_size: int, precision: str) -> int:
+    """The step's peak beyond the model state, run at ``batch_size``."""
+    return measure_step(model, sample.repeat(batch_size), precision=precision, backward=True,
+                        grads_allocated=True).peak_bytes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -58,14 +64,11 @@ def main() -> None:
                     sample = one.map(mode.from_tensor)
                     curve = step_points(model, sample, precision=precision)
 
-                    def step(b: int):
-                        return measure_step(model, sample.repeat(b), precision=precision, backward=True,
-                                            grads_allocated=True).peak_bytes
-
-                    first, second = step(1), step(2)
+                    first, second = (_peak(model, sample, b, precision) for b in (1, 2))
                     for b in args.batches:
                         line = max(first + (second - first) * (b - 1), 0)
-                        print(f"{name:<24} {ac:<13} {precision:<10} {b:>5} {step(b) / 1e6:>10.3f} "
+                        print(f"{name:<24} {ac:<13} {precision:<10} {b:>5} "
+                              f"{_peak(model, sample, b, precision) / 1e6:>10.3f} "
                               f"{step_at(curve, b).peak_bytes / 1e6:>10.3f} {line / 1e6:>10.3f}")
 
 
