@@ -372,6 +372,54 @@ def test_lists_of_lists_and_of_mixed_layers_give_their_layers_as_units():
     assert find_units(Listed("mixed"), "ModuleList").describe() == "2 x Layer, 2 x Gate"
 
 
+class Staged(nn.Module):
+    """Stages of blocks as timm's ConvNeXt, Swin and EfficientNet nest them (``stages`` a Sequential of stages,
+    each a downsampling layer and a Sequential of blocks), or, ``experts``, blocks each holding a ModuleList of
+    experts it routes between (a mixture of experts of one's own)."""
+
+    def __init__(self, experts: bool = False) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        if experts:
+            self.stages = nn.Sequential(*(Routed() for _ in range(3)))
+        else:
+            self.stages = nn.Sequential(Stage(2), Stage(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+class Stage(nn.Module):
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.downsample, self.blocks = nn.Linear(16, 16), nn.Sequential(*(Layer() for _ in range(depth)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.downsample(x))
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.experts = nn.Linear(16, 2), nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.router(x).softmax(-1)
+        return sum(w[..., None] * e(x) for w, e in zip(weights.unbind(-1), self.experts))
+
+
+def test_stages_give_way_to_their_blocks_and_experts_to_their_block():
+    """Before, a stage (the larger of two repeated classes, one nested in the other) was the unit: 2 x Stage
+    here, 4 x ConvNeXtStage for timm's ConvNeXt-T, whose third stage holds 61% of its parameters."""
+    assert _described(Staged()) == ("repeated", "5 x Layer")
+    assert find_units(Staged()).names == ("stages.0.blocks.0", "stages.0.blocks.1", "stages.1.blocks.0",
+                                          "stages.1.blocks.1", "stages.1.blocks.2")
+    assert _described(Staged(experts=True)) == ("repeated", "3 x Routed")
+    named = Staged()  # a model's ``blocks`` that are stages, each a Sequential of blocks (timm's EfficientNet)
+    named.blocks = nn.Sequential(*(nn.Sequential(*(Layer() for _ in range(n))) for n in (2, 3)))
+    assert _described(named) == ("repeated", "10 x Layer")
+
+
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 def test_an_encoder_decoders_two_kinds_of_layer_are_both_units():
     """torch's nn.Transformer: the decoder's layers (the larger class) were the units, and the encoder's six stayed

@@ -13,7 +13,9 @@ The first rule that finds any wins:
    one list per stage), the one with the most parameters and any other with at least a quarter as many (an
    encoder-decoder's two kinds of layer: torch's nn.Transformer left its encoder's in the root); every child of
    those classes in those lists, so a ResNet's ``layer1`` .. ``layer4`` give all its BasicBlocks or Bottlenecks,
-   one unit each (per block rather than per stage: a late stage holds most of the parameters);
+   one unit each (per block rather than per stage: a late stage holds most of the parameters), and a stage
+   class that chains blocks of another such class in an nn.Sequential (timm's ConvNeXt, Swin, EfficientNet)
+   gives way to its blocks;
 5. no repeated blocks: the model's direct children that hold parameters, when there are two or more (the
    built-in CNN's ``features`` and ``head``), else those of its one such child, as deep as it takes (a model
    whose layers are one ``nn.Sequential`` of different layers: its layers).
@@ -116,6 +118,8 @@ def _blocks(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         return []
+    if len(blocks) and all(type(b) is nn.Sequential for b in blocks):  # stages named so (timm's EfficientNet,
+        return []  # MobileNetV3): the repeated rule finds their blocks
     where = {id(m): n for n, m in named}
     return [(where[id(b)], b) for b in blocks if id(b) in where]
 
@@ -153,8 +157,22 @@ def _repeated(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tupl
         return []
     largest = max(size[cls] for cls in runs)
     chosen = {cls for cls in runs if 4 * size[cls] >= largest}  # an encoder's layers and a decoder's, both
+    stages = _stages(lists, chosen)
+    if stages < chosen:
+        chosen -= stages
     return [(f"{name}.{key}" if name else key, child) for name, m, cls in lists if cls in chosen
             for key, child in m.named_children()]
+
+
+def _stages(lists: list[tuple[str, nn.Module, type]], chosen: set[type]) -> set[type]:
+    """The chosen classes that are stages of blocks: each holds an nn.Sequential of another chosen class, blocks
+    run one after another (timm's ConvNeXtStage, SwinTransformerStage, EfficientNet's stages). Their blocks are
+    the units, as a ResNet's are: a stage of ConvNeXt-T holds up to 9 blocks and 61% of the parameters, and
+    checkpointed whole it recomputes all its blocks at once. A block holding a ModuleList of one class (a
+    mixture of experts' experts, called by routing, not in a chain) is no stage."""
+    chain = {id(m): cls for _, m, cls in lists if isinstance(m, nn.Sequential) and cls in chosen}
+    return {cls for _, m, cls in lists if cls in chosen
+            and any(chain.get(id(sub), cls) is not cls for child in m for sub in child.modules())}
 
 
 def _container(cls: type) -> bool:
