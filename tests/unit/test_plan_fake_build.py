@@ -1,6 +1,6 @@
 """Models of one's own that fake tensors cannot simply build or run (plan/fake_build.py): one that reads a value
-while it is built (timm's and transformers' stochastic-depth rates from torch.linspace) is planned to the byte as
-the same model written with Python floats; one whose forward fake tensors cannot run (a mixture of experts'
+while it is built (timm's and transformers' stochastic-depth rates from torch.linspace, torch's trunc_normal_
+init) is planned to the byte as the same model written with Python floats (drawn otherwise); one whose forward fake tensors cannot run (a mixture of experts'
 routing: shapes that depend on the data) is one line from plan_fit, and a note, not a failure, in a finished
 GPU run's plan vs actual."""
 
@@ -50,6 +50,18 @@ class Net(nn.Module):
         return self.head(h.mean(1))
 
 
+class Truncated(Net):
+    """Net with its weights drawn by torch's nn.init.trunc_normal_, as transformers' ViT, DeiT and BEiT draw
+    theirs: it redraws until every value is in range, reading them (a fake tensor has none)."""
+
+    def __init__(self, truncated: bool = True) -> None:
+        super().__init__(read=False)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                init = nn.init.trunc_normal_ if truncated else nn.init.normal_
+                init(module.weight, std=0.02)
+
+
 class Routed(nn.Module):
     """A mixture of two experts, each token sent to its top expert: x[mask] has a shape the data decide."""
 
@@ -93,6 +105,14 @@ def test_a_model_reading_values_while_built_is_planned_as_the_same_model_with_fl
     assert read["model"]["activations"]["none"] > 0 and read["model"]["params"] == sum(
         p.numel() for p in Net().parameters())
     assert [r["total_bytes"] for r in read["layouts"]] == [r["total_bytes"] for r in floats["layouts"]]
+
+
+def test_a_model_drawn_by_trunc_normal_is_planned_as_the_same_model_drawn_otherwise() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with pytest.raises(Exception, match="local_scalar_dense"), FakeTensorMode():
+        Truncated()
+    assert _plan(Truncated)["model"] == _plan(lambda: Truncated(truncated=False))["model"]
 
 
 def test_a_forward_fake_tensors_cannot_run_is_one_line_from_plan_fit() -> None:

@@ -61,7 +61,10 @@ def _all_fake(model: nn.Module, mode: FakeTensorMode) -> None:
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in made:
-            data = mode.from_tensor(t.detach())
+            if t.is_meta:  # no values to carry: a fake tensor of its shape (the mode is active: nothing allocated)
+                data = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            else:
+                data = mode.from_tensor(t.detach())
             made[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
         return made[id(t)]
 
@@ -76,8 +79,10 @@ def _all_fake(model: nn.Module, mode: FakeTensorMode) -> None:
 
 
 def build_fake(build: Callable[[], nn.Module]) -> nn.Module:
-    """``build()`` under the active FakeTensorMode; a model that reads a value while it is built, again with its
-    valued tensors real (module docstring)."""
+    """``build()`` under the active FakeTensorMode; a model that reads a value while it is built, on the meta
+    device and then made fake (torch's own nn.init.trunc_normal_ draws until its values are in range, reading
+    them: transformers' ViT, DeiT, BEiT initialize with it; a value asked for on the CPU by name, as timm's
+    drop-path rates are, is real there), or else again with its valued tensors real (module docstring)."""
     from torch._guards import detect_fake_mode
 
     try:
@@ -86,6 +91,14 @@ def build_fake(build: Callable[[], nn.Module]) -> nn.Module:
         pass
     mode = detect_fake_mode()
     assert mode is not None, "build_fake runs under a FakeTensorMode"
+    try:  # on the meta device, where torch's initializers return at once (trunc_normal_ reads values otherwise)
+        with unset_fake_temporarily(), torch.device("meta"):
+            model = build()
+    except (RuntimeError, NotImplementedError):  # it reads a value a meta tensor has not
+        pass
+    else:
+        _all_fake(model, mode)
+        return model
     allowed = mode.allow_non_fake_inputs
     mode.allow_non_fake_inputs = True  # a fake parameter initialized from a real tensor (copy_, mul): made fake
     try:
