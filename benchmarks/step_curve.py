@@ -21,7 +21,7 @@ from scaletrain.bench.report import environment
 from scaletrain.config import load
 from scaletrain.data import build_splits
 from scaletrain.models import build_model
-from scaletrain.observe.memory import measure_step, step_at, step_points
+from scaletrain.observe.memory import measure_step, step_points
 from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from scaletrain.plan.fake_build import build_fake
 
@@ -64,12 +64,11 @@ def main() -> None:
                     sample = one.map(mode.from_tensor)
                     curve = step_points(model, sample, precision=precision)
 
-                    first, second = (_peak(model, sample, b, precision) for b in (1, 2))
+                    peak = {b: _peak(model, sample, b, precision) for b in sorted({1, 2, *args.batches})}
                     for b in args.batches:
-                        line = max(first + (second - first) * (b - 1), 0)
-                        print(f"{name:<24} {ac:<13} {precision:<10} {b:>5} "
-                              f"{_peak(model, sample, b, precision) / 1e6:>10.3f} "
-                              f"{step_at(curve, b).peak_bytes / 1e6:>10.3f} {line / 1e6:>10.3f}")
+                        line = max(peak[1] + (peak[2] - peak[1]) * (b - 1), 0)
+                        print(f"{name:<24} {ac:<13} {precision:<10} {b:>5} {peak[b] / 1e6:>10.3f} "
+                              f"{curve.at(b).peak_bytes / 1e6:>10.3f} {line / 1e6:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -349,7 +349,7 @@ def estimate_step(model: nn.Module, sample: torch.Tensor | Batch, batch_size: in
     from one measured forward and backward per batch size: the gradients allocated beforehand are not
     forward's, so what it keeps is the same as a forward-only measurement's, and the planner, which wants
     both, measures each step once instead of twice."""
-    return step_at(step_points(model, sample, precision=precision, loss_fn=loss_fn), batch_size)
+    return step_points(model, sample, precision=precision, loss_fn=loss_fn).at(batch_size)
 
 
 def step_points(model: nn.Module, sample: torch.Tensor | Batch, *, precision: str = "fp32",
@@ -381,11 +381,6 @@ def _lines(b: int, one: StepMemory, two: StepMemory) -> tuple[Line, tuple[Line, 
     else:
         moments = ((one.peak_bytes, two.peak_bytes),)
     return _line(b, one.activations_bytes, two.activations_bytes), _envelope(_line(b, *m) for m in moments)
-
-
-def step_at(curve: StepCurve, batch_size: int) -> StepMemory:
-    """estimate_step's figures at ``batch_size``: ``curve`` there."""
-    return curve.at(batch_size)
 
 
 def _batch_of(sample: torch.Tensor | Batch, b: int) -> torch.Tensor | Batch:

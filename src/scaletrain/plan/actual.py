@@ -23,6 +23,7 @@ the runs reached, and the ratio of measured to planned activations.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -64,7 +65,7 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
         measure_model,
         model_counts,
     )
-    from scaletrain.plan.fake_build import FAKE_LIMITS, quiet_fake_errors, why_not_fake
+    from scaletrain.plan.fake_build import NotFakeable, on_fake_tensors
 
     checkpointing, strategy, shard = cfg.memory.activation_checkpointing, parallel.strategy, parallel.dp_shard
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch_size))
@@ -77,15 +78,12 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
                      "and peak are not planned (fit(MyModel, ...) plans them)")
     facts = None
     if device.type == "cuda" and buildable:
-        try:
-            with quiet_fake_errors():
+        try:  # a model of one's own fake tensors cannot run is a note: the run is done
+            with on_fake_tensors() if task == OWN else contextlib.nullcontext():
                 facts = measure_model(cfg, task, info, sample, target=target, modes=(checkpointing,),
                                       sharded=(parallel.sharded,), flops=flops)  # FSDP on one rank too (layout_memory)
-        except (*FAKE_LIMITS, RuntimeError) as err:  # a model of one's own fake tensors cannot run: the run is done
-            if task != OWN:
-                raise
-            notes.append(f"activations and peak not planned: the plan runs the model on fake tensors, and "
-                         f"{why_not_fake(err)}")
+        except NotFakeable as err:
+            notes.append(f"activations and peak not planned: the plan runs the model on fake tensors, and {err}")
             buildable = False
     if facts is None:  # the run's own counts, which the model the config builds has too; activations not planned
         facts = ModelFacts(*model_counts(module, cfg.parallel.fsdp_units), flops_per_sample=flops,

@@ -51,7 +51,6 @@ from scaletrain.observe.memory import (
     OPTIM_STATES,
     StepCurve,
     fmt_bytes,
-    step_at,
     step_points,
 )
 from scaletrain.plan.catalog import Accelerator
@@ -432,9 +431,9 @@ def _step_bytes(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *, 
     return _bytes_at(cfg, _step_points(cfg, model, sample, low=low), kept=kept)
 
 
-def _bytes_at(cfg: Config, points: StepCurve, *, kept: bool) -> tuple[int, int | None]:
+def _bytes_at(cfg: Config, curve: StepCurve, *, kept: bool) -> tuple[int, int | None]:
     """_step_bytes' figures at cfg.data.batch_size from _step_points' curve."""
-    step = step_at(points, cfg.data.batch_size)
+    step = curve.at(cfg.data.batch_size)
     return step.peak_bytes, step.activations_bytes if kept else None
 
 

@@ -1,15 +1,21 @@
 """A model of one's own built on fake tensors, for the planner (plan/estimate.py) and fit()'s plan vs actual.
 
 Building it under torch's FakeTensorMode gives every tensor it makes shapes and dtypes but no values, and so
-no memory: how a 70B model is planned on a laptop. Some models read a value while they are built: timm's and
-transformers' vision models spread stochastic depth over their blocks with
-``[x.item() for x in torch.linspace(0, drop_path_rate, depth)]`` (timm's ViT, ConvNeXt, Swin, EfficientNet;
-transformers' ConvNext, Swin, BEiT, ...), which a fake tensor cannot answer (torch's
-DataDependentOutputException, a page of traceback). Such a model is built again with the tensors that carry
-values real: the ranges (linspace, logspace, arange, tensor, as_tensor) and whatever is computed from real
-tensors alone (their .item(), .tolist(), a relative-position index) run outside the fake mode; the parameters
-(torch.empty and the other allocations) stay fake. What came out real, small by construction, is made fake
-after the build (FakeTensorMode.from_tensor), so the measured steps see a model of fake tensors only.
+no memory: how a 70B model is planned on a laptop. Some models read a value while they are built, which a fake
+tensor cannot answer (torch's DataDependentOutputException, a page of traceback): timm's and transformers'
+vision models spread stochastic depth over their blocks with ``[x.item() for x in torch.linspace(0, rate,
+depth)]`` (timm's ViT, ConvNeXt, Swin, EfficientNet; transformers' ConvNext, Swin, BEiT), and torch's own
+nn.init.trunc_normal_ redraws until its values are in range (transformers' ViT, DeiT, BEiT). Such a model is
+built, in turn:
+
+1. on the meta device, where torch's initializers return at once and a value asked for on the CPU by name (as
+   timm's drop-path rates are) is real; then every tensor is made fake;
+2. else with the tensors that carry values real: the ranges (linspace, logspace, arange, tensor, as_tensor)
+   and whatever is computed from real tensors alone (their .item(), .tolist(), a relative-position index) run
+   outside the fake mode, the parameters (torch.empty and the other allocations) inside it; what came out
+   real, small by construction, is made fake after the build (FakeTensorMode.from_tensor).
+
+Either way the measured steps see a model of fake tensors only.
 """
 
 from __future__ import annotations
@@ -79,10 +85,8 @@ def _all_fake(model: nn.Module, mode: FakeTensorMode) -> None:
 
 
 def build_fake(build: Callable[[], nn.Module]) -> nn.Module:
-    """``build()`` under the active FakeTensorMode; a model that reads a value while it is built, on the meta
-    device and then made fake (torch's own nn.init.trunc_normal_ draws until its values are in range, reading
-    them: transformers' ViT, DeiT, BEiT initialize with it; a value asked for on the CPU by name, as timm's
-    drop-path rates are, is real there), or else again with its valued tensors real (module docstring)."""
+    """``build()`` under the active FakeTensorMode, or, for a model that reads a value while it is built, as the
+    module docstring's routes build it."""
     from torch._guards import detect_fake_mode
 
     try:
@@ -91,14 +95,17 @@ def build_fake(build: Callable[[], nn.Module]) -> nn.Module:
         pass
     mode = detect_fake_mode()
     assert mode is not None, "build_fake runs under a FakeTensorMode"
-    try:  # on the meta device, where torch's initializers return at once (trunc_normal_ reads values otherwise)
+    try:
         with unset_fake_temporarily(), torch.device("meta"):
             model = build()
     except (RuntimeError, NotImplementedError):  # it reads a value a meta tensor has not
-        pass
-    else:
-        _all_fake(model, mode)
-        return model
+        return _build_with_real_values(build, mode)
+    _all_fake(model, mode)
+    return model
+
+
+def _build_with_real_values(build: Callable[[], nn.Module], mode: FakeTensorMode) -> nn.Module:
+    """The module docstring's second route, under ``mode`` (the active one)."""
     allowed = mode.allow_non_fake_inputs
     mode.allow_non_fake_inputs = True  # a fake parameter initialized from a real tensor (copy_, mul): made fake
     try:
@@ -112,13 +119,13 @@ def build_fake(build: Callable[[], nn.Module]) -> nn.Module:
 
 def build_shapes(build: Callable[[], nn.Module]) -> nn.Module:
     """``build()`` with nothing allocated: on the meta device (the cheapest), or, for a model that reads a value
-    while it is built (a meta tensor has none), on fake tensors as build_fake builds it."""
+    while it is built (a meta tensor has none), on fake tensors with its valued tensors real."""
     try:
         with torch.device("meta"):
             return build()
     except (RuntimeError, NotImplementedError):  # "Tensor.item() cannot be called on meta tensors", ...
-        with FakeTensorMode():
-            return build_fake(build)
+        with FakeTensorMode() as mode:
+            return _build_with_real_values(build, mode)
 
 
 def why_not_fake(err: BaseException) -> str:
@@ -136,14 +143,21 @@ def why_not_fake(err: BaseException) -> str:
     return f"an op failed on them ({first})"
 
 
+class NotFakeable(Exception):
+    """A model of one's own that fake tensors cannot run; its message: why, in a few words (why_not_fake)."""
+
+
 @contextlib.contextmanager
-def quiet_fake_errors() -> Iterator[None]:
-    """torch's fake mode logs the whole stack of an op its meta kernel refused (log.exception) before raising it:
-    the one line said of it is ours."""
+def on_fake_tensors() -> Iterator[None]:
+    """Around the planner's fake steps of a model of one's own: what fake tensors cannot run raised as
+    NotFakeable (a model's own bug, a RuntimeError, is said too), and the whole stack torch's fake mode logs of
+    an op its meta kernel refused (log.exception) left unsaid: the one line said of it is the caller's."""
     logger = logging.getLogger(FakeTensorMode.__module__)
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     try:
         yield
+    except (*FAKE_LIMITS, RuntimeError) as err:
+        raise NotFakeable(why_not_fake(err)) from err
     finally:
         logger.setLevel(level)

@@ -23,7 +23,7 @@ from torch import nn
 
 from scaletrain.config import Config, ModelConfig
 from scaletrain.errors import UserError, says_errors
-from scaletrain.plan.fake_build import FAKE_LIMITS, build_shapes, quiet_fake_errors, why_not_fake
+from scaletrain.plan.fake_build import NotFakeable, build_shapes, on_fake_tensors
 
 
 @says_errors
@@ -76,11 +76,11 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name=kind))
     one = Batcher(signature, batch_fn)(collate_one(splits.train, collate_fn))
     try:
-        with quiet_fake_errors():
+        with on_fake_tensors():
             facts = measure_model(cfg, OWN, {"build": build}, one, modes=AC_PLANNED)  # type: ignore[arg-type]
-    except (*FAKE_LIMITS, RuntimeError) as err:  # what fake tensors cannot run (a model's own bug is said too)
+    except NotFakeable as err:
         raise UserError(f"model: {type(signature).__name__} cannot be planned: the plan runs one forward and "
-                        f"backward of it on fake tensors (shapes, no data), and {why_not_fake(err)}; fix: measure "
+                        f"backward of it on fake tensors (shapes, no data), and {err}; fix: measure "
                         "it in a real run instead (a few steps of fit() on one GPU: summary.json's peak_mem_bytes is "
                         "each rank's peak), or plan a model without that op") from None
     source = f"given (mfu={mfu})"
