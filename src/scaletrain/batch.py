@@ -242,6 +242,8 @@ def describe(output: Any) -> str:
     """A short name for a model output, for messages."""
     if isinstance(output, torch.Tensor):
         return f"a tensor of shape {tuple(output.shape)}"
+    if isinstance(output, (tuple, list)) and output:
+        return f"a {type(output).__name__} of {len(output)} ({describe(output[0])}, ...)"
     return f"a {type(output).__name__}"
 
 
@@ -265,11 +267,17 @@ class Batch:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     target: Any  # the loss's second argument; None when the batch has none
+    # For a batch of one whose copies do not stack (a list of images per batch, as torchvision's detection
+    # models take, or a field the collate_fn gives once per batch): n copies of the sample as the loader
+    # collates them (one_sample()).
+    grow: Callable[[int], Batch] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor], *, target: bool = True) -> Batch:
         """The same batch with ``fn`` applied to every tensor of its inputs (and of its target, with ``target``)."""
+        grow = self.grow
         return Batch(map_tensors(self.args, fn), map_tensors(self.kwargs, fn),
-                     map_tensors(self.target, fn) if target else self.target)
+                     map_tensors(self.target, fn) if target else self.target,
+                     None if grow is None else lambda n: grow(n).map(fn, target=target))
 
     def to(self, device: torch.device) -> Batch:
         return self.map(lambda t: t.to(device, non_blocking=True))
@@ -308,12 +316,20 @@ class Batch:
         yield from leaves(self.target)
 
     def size(self) -> int:
-        """Samples in the batch: the leading dimension of its first input tensor."""
+        """Samples in the batch: the length of its first input when that is a list or tuple (one item per
+        sample: torchvision's detection models take a list of images), else the leading dimension of its first
+        input tensor."""
+        inputs = [*self.args, *self.kwargs.values()]
+        if inputs and isinstance(inputs[0], (tuple, list)):
+            return len(inputs[0])
         first = next((t for t in leaves((self.args, self.kwargs)) if t.dim() > 0), None)
         return int(first.shape[0]) if first is not None else 1
 
     def repeat(self, n: int) -> Batch:
         """A batch of ``n`` copies of this batch of one (for memory measurements at a batch size)."""
+        if self.grow is not None:
+            return self.grow(n)
+
         def rep(tree: Any) -> Any:
             if isinstance(tree, torch.Tensor):
                 return tree.expand(n, *tree.shape[1:]).contiguous() if tree.dim() > 0 else tree
@@ -510,10 +526,8 @@ def collate(samples: list[Any]) -> Any:
         raise
 
 
-def collate_one(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
-    """The data set's first sample (a stream's first item) as a batch of one, collated as the loader collates
-    (``collate_fn``: the user's, else scaletrain's collate)."""
-    collate_fn = collate_fn or collate
+def _first(dataset: Any) -> Any:
+    """The data set's first sample (a stream's first item)."""
     from torch.utils.data import IterableDataset
 
     if isinstance(dataset, IterableDataset):
@@ -521,5 +535,42 @@ def collate_one(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = No
         if first is None:
             raise UserError(f"data: the training stream ({type(dataset).__name__}) gave no items; fix: pass a "
                             "stream with data in it")
-        return collate_fn([first])
-    return collate_fn([dataset[0]])
+        return first
+    return dataset[0]
+
+
+def collate_one(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
+    """The data set's first sample (a stream's first item) as a batch of one, collated as the loader collates
+    (``collate_fn``: the user's, else scaletrain's collate)."""
+    return (collate_fn or collate)([_first(dataset)])
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two batches have one structure and equal tensors."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+            and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, Mapping) or isinstance(b, Mapping):
+        return isinstance(a, Mapping) and isinstance(b, Mapping) and list(a) == list(b) \
+            and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b) \
+            and all(_same(x, y) for x, y in zip(a, b))
+    return True
+
+
+def one_sample(batcher: Batcher, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Batch:
+    """The data set's first sample as a batch of one, collated as the loader collates and split for the model:
+    what the FLOP count and the memory measurements run. Its ``repeat(n)`` stacks n copies of each tensor when
+    that is what the loader gives for n copies of the sample (the common case: a default_collate, a padding
+    collator); when it is not (a list of images per batch, as torchvision's detection models take, or a tensor
+    the collate_fn gives once per batch), it collates the n copies itself."""
+    collate_fn = collate_fn or collate
+    first = _first(dataset)
+    one = batcher(collate_fn([first]))
+    two = batcher(collate_fn([first, first]))
+    try:
+        stacks = _same(dataclasses.replace(one, grow=None).repeat(2), two)
+    except RuntimeError:  # a tensor of another leading size than 1: it does not stack
+        stacks = False
+    return one if stacks else dataclasses.replace(one, grow=lambda n: batcher(collate_fn([first] * n)))

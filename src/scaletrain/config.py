@@ -220,8 +220,8 @@ class DataConfig:
     """Samples per rank per eval step (0 = batch_size)."""
     seq_len: Annotated[int, Range(1, most=I32)] = 128
     """Tokens per sample for text sources (stdlib, bin)."""
-    val_fraction: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.2
-    """Held-out fraction for sources without their own split (digits, memory without eval data)."""
+    val_fraction: Annotated[float, Range(0, 1, high_open=True)] = 0.2
+    """Held-out fraction for sources without their own split (digits, fit() without eval_data); 0: none held out, no evaluation (a model whose eval-mode output is its predictions, not what its loss takes: torchvision's detection models)."""
     shuffle: bool = True
     """Reshuffle the training set every epoch from the seed (the order is independent of world size)."""
     num_workers: Annotated[int, Range(0, most=PROCESSES)] = 0

@@ -854,3 +854,67 @@ def test_a_model_built_unseeded_before_fit_starts_from_rank_0s_weights_under_fsd
     with torch.no_grad():  # trained from rank 0's: 4 Adam steps of lr 0.01 move a weight by at most about 0.04
         moved = (fsdp["0.weight"] - rank0[0].weight).abs().max()
     assert 1e-4 < moved < 0.05, moved
+
+
+class Spots(Dataset):
+    """torchvision's detection layout: (image, {"boxes": (n, 4), "labels": (n,)}) per sample, the images of
+    unequal sizes (they do not stack: a batch is a tuple of images and a tuple of targets). One bright 4x4 spot
+    per image, its class the channel it lights."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, dict]:
+        g = torch.Generator().manual_seed(i)
+        h, w = 12 + 2 * (i % 3), 16 + 4 * (i % 2)
+        y, x, c = (int(torch.randint(0, n - 4, (1,), generator=g)) for n in (h, w, 6))
+        image = 0.1 * torch.rand(3, h, w, generator=g)
+        image[1 + c % 2, y:y + 4, x:x + 4] = 1.0
+        return image, {"boxes": torch.tensor([[x, y, x + 4, y + 4]], dtype=torch.float32),
+                       "labels": torch.tensor([1 + c % 2])}
+
+
+class Detector(nn.Module):
+    """torchvision's detection models' interface: forward(images, targets=None) takes a list of images of any
+    sizes; in training it returns a dict of losses, in eval mode a list of predictions, one dict per image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.cls, self.box = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 3), nn.Linear(8, 4)
+
+    def forward(self, images: list[torch.Tensor], targets: list[dict] | None = None) -> dict | list:
+        feats = torch.stack([self.conv(im[None]).amax((2, 3))[0] for im in images])
+        logits, boxes = self.cls(feats), 20 * self.box(feats)
+        if self.training:
+            assert targets is not None
+            labels = torch.cat([t["labels"] for t in targets])
+            return {"loss_classifier": F.cross_entropy(logits, labels),
+                    "loss_box_reg": F.smooth_l1_loss(boxes, torch.cat([t["boxes"] for t in targets])) / 20}
+        return [{"boxes": b[None], "labels": s.argmax()[None], "scores": s.softmax(-1).amax()[None]}
+                for b, s in zip(boxes, logits)]
+
+
+def _listed(samples: list) -> tuple:
+    return tuple(zip(*samples))  # torchvision's detection reference's collate_fn
+
+
+def test_a_detection_model_on_lists_of_images_trains_and_its_eval_mode_output_is_one_line(tmp_path: Path) -> None:
+    """torchvision's detection tutorial ported to fit(): the FLOP count before step one expanded the batch of one
+    image as if it were a stacked batch (a RuntimeError from inside scaletrain), and the held-out loss met the
+    predictions the model returns in eval mode (the user's loss_fn's AttributeError and traceback)."""
+    total = lambda out, targets: sum(out.values())
+    config = {**_config(tmp_path, "det"), "data.batch_size": 8, "train.epochs": 3, "optim.lr": 3e-2, "log.every": 1}
+    with pytest.raises(UserError, match=r"^loss_fn: <lambda> failed on the first held-out batch \(AttributeError: "
+                                        r"'list' object has no attribute 'values'\), whose output from the model in "
+                                        r"eval mode is a list of 8 \(a dict, \.\.\.\);.* fix: data.val_fraction=0"):
+        scaletrain.fit(Detector, Spots(192), loss_fn=total, collate_fn=_listed, config=config)
+    summary = scaletrain.fit(Detector, Spots(192), loss_fn=total, collate_fn=_listed,
+                             config={**config, "data.val_fraction": 0, "run.dir": str(tmp_path / "det-all")})
+    assert summary["steps"] == 3 * 192 // 8 and summary["eval"] == {}
+    assert summary["flops_per_s"] > 0  # counted on two copies of the first image, as the loader lists them
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "det-all" / "metrics.jsonl").read_text().splitlines())
+              if r["kind"] == "train"]
+    assert len(losses) == 72 and summary["train_loss"] == losses[-1] < 0.25 * losses[0], losses

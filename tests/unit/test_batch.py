@@ -20,6 +20,7 @@ from scaletrain.batch import (
     default_loss,
     logits_of,
     loss_of,
+    one_sample,
 )
 from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingFailed, UserError
 from scaletrain.observe.throughput import flops_per_sample
@@ -371,3 +372,42 @@ def test_samples_of_unequal_length_in_one_batch_are_one_line_naming_the_field() 
     msg = str(exc.value)
     assert "\n" not in msg and "field 'input_ids' has different shapes in one batch ((2,) and (3,))" in msg
     assert "fix: pad each batch with collate_fn=" in msg and "padding='max_length'" in msg
+
+
+class Listed(nn.Module):
+    """torchvision's detection interface: a list of images, a list of target dicts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, images: list[torch.Tensor], targets: list[dict] | None = None) -> torch.Tensor:
+        return self.lin(torch.stack([im.mean((1, 2)) for im in images]))
+
+
+class Masked(Plain):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lin(x @ mask)
+
+
+def test_a_batch_of_one_grows_as_the_loader_collates_its_copies() -> None:
+    """repeat(n) stacked every tensor along a batch dimension: a list of images (torchvision's detection
+    batches) or a tensor a collate_fn gives once per batch (a shared mask) did not stack (a RuntimeError
+    before step one). It now collates the copies where stacking is not what the loader does; the
+    common case still stacks (no collate per measured batch)."""
+    samples = [(torch.rand(3, 5 + i, 7), {"labels": torch.tensor([i])}) for i in range(3)]
+    listed = one_sample(Batcher(Listed()), samples, lambda b: tuple(zip(*b)))
+    assert listed.grow is not None and listed.size() == 1
+    four = listed.repeat(4)
+    assert four.size() == 4 and len(four.args[0]) == 4 and all(im.shape == (3, 5, 7) for im in four.args[0])
+    assert [t["labels"].item() for t in four.target] == [0, 0, 0, 0] and four.kwargs["targets"] is four.target
+    assert Batch(((torch.rand(3, 4, 4), torch.rand(3, 6, 6)),), {}, None).size() == 2  # the list, not 3 channels
+    meta = listed.to(torch.device("meta")).repeat(2)  # a map carries over to the grown batch
+    assert all(im.device.type == "meta" for im in meta.args[0])
+    shared = lambda b: {"x": torch.stack([s[0] for s in b]), "mask": torch.ones(4, 4), "labels": torch.stack(
+        [s[1] for s in b])}
+    rows = [(torch.randn(4), torch.tensor(1)) for _ in range(2)]
+    masked = one_sample(Batcher(Masked()), rows, shared)
+    assert masked.repeat(3).kwargs["mask"].shape == (4, 4) and masked.repeat(3).kwargs["x"].shape == (3, 4)
+    stacked = one_sample(Batcher(Plain()), [(torch.randn(4), torch.tensor(1))])
+    assert stacked.grow is None and stacked.repeat(3).args[0].shape == (3, 4)

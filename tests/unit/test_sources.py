@@ -292,6 +292,21 @@ def test_wrong_types_are_user_errors(bad, what: str) -> None:
         in_memory((torch.zeros(2), torch.zeros(2)), eval_data=42)
 
 
+def test_a_val_fraction_of_0_holds_nothing_out() -> None:
+    """A model whose eval-mode output its loss cannot take (torchvision's detection models) trains on all its data
+    without evaluation: data.val_fraction's range was (0, 1), so 20% was always held out and evaluated."""
+    s = in_memory((torch.arange(10), torch.arange(10)), val_fraction=0)
+    assert s.eval is None and len(s.train) == 10
+    whole = digits(0)
+    assert whole.eval is None and len(whole.train) == 1797
+    from scaletrain.config import load
+    from scaletrain.errors import ConfigError
+
+    assert load(cli_overrides={"data.val_fraction": "0"}).data.val_fraction == 0
+    with pytest.raises(ConfigError, match="data.val_fraction = 1"):
+        load(cli_overrides={"data.val_fraction": "1"})
+
+
 def held_out(n: int, fraction: float) -> tuple[list[int], list[int]]:
     s = in_memory((torch.arange(n), torch.arange(n)), val_fraction=fraction)
     return [int(s.train[i][0]) for i in range(len(s.train))], [int(s.eval[i][0]) for i in range(len(s.eval))]

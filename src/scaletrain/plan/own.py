@@ -41,7 +41,7 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     plan/catalog.py). Prints the plan as `scaletrain plan` does (``show``) and returns it as its --json has it.
     ``optimizer``: fit()'s, as a function of the parameters (called on the model built on the meta device): its
     state is planned as SGD's one buffer per parameter, or Adam's two for any other, in place of optim.name's."""
-    from scaletrain.batch import Batcher, collate_one
+    from scaletrain.batch import Batcher, one_sample
     from scaletrain.data import in_memory, train_size
     from scaletrain.plan.catalog import ACCELERATORS, default_mfu
     from scaletrain.plan.estimate import AC_PLANNED, OWN, make_plan, measure_model
@@ -74,7 +74,7 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
 
         kind = optim_kind(cfg, own_optimizer(optimizer, signature, built=True), optimizer)
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name=kind))
-    one = Batcher(signature, batch_fn)(collate_one(splits.train, collate_fn))
+    one = one_sample(Batcher(signature, batch_fn), splits.train, collate_fn)
     try:
         with on_fake_tensors():
             facts = measure_model(cfg, OWN, {"build": build}, one, modes=AC_PLANNED)  # type: ignore[arg-type]

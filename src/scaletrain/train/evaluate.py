@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from scaletrain import runtime
-from scaletrain.batch import IGNORE_INDEX, Batch, aligned, leaves, logits_of, loss_of
+from scaletrain.batch import IGNORE_INDEX, Batch, aligned, describe, leaves, logits_of, loss_of
 from scaletrain.data import eval_indices, eval_loader
 from scaletrain.data.loader import StreamLoader
 from scaletrain.errors import UserError, said_of
@@ -126,7 +126,14 @@ def _evaluated(job: Job, batches: Iterator[Any]) -> torch.Tensor:
                 raise
             if raw is None or out is None:  # padding, or a pipeline stage before the last
                 continue
-            loss = plain(job.loss_fn(out, batch.target))
+            try:
+                loss = plain(job.loss_fn(out, batch.target))
+            except UserError:
+                raise
+            except Exception as err:
+                if i == 0 and job.user_loss:
+                    raise _eval_output(job, out, err) from err
+                raise
             totals[:4] += _sums(out, batch, loss, shift=_shift(job, out))
             if job.metrics:
                 totals[4:] += _metric_sums(job, out, batch.target, batch.size())
@@ -147,6 +154,18 @@ def _check_layout(first: Batch | None, batch: Batch, err: RuntimeError) -> None:
                     f"inputs are {', '.join(layout(batch)) or 'none'} per sample, and the training samples' "
                     f"{', '.join(layout(first)) or 'none'}; fix: give eval_data the training data's layout (the same "
                     "features, inputs and dtypes)") from err
+
+
+def _eval_output(job: Job, out: Any, err: Exception) -> UserError:
+    """The user's loss_fn, which took the training output, failing on the first held-out batch's: the model's
+    output in eval mode is another kind (torchvision's detection models return their predictions there, a
+    loss only in training): one line naming it and the way to train without evaluation."""
+    name = getattr(job.loss_fn, "__name__", "loss_fn")
+    return UserError(f"loss_fn: {name} failed on the first held-out batch ({type(err).__name__}: {said_of(err)}), "
+                     f"whose output from the model in eval mode is {describe(out)}; the held-out loss is "
+                     "loss_fn(output, target) in eval mode, where some models return their predictions instead "
+                     "(torchvision's detection models); fix: data.val_fraction=0 and no eval_data to train without "
+                     "evaluation, or a loss_fn that takes the eval-mode output too")
 
 
 def _metric_sums(job: Job, out: Any, target: Any, samples: int) -> torch.Tensor:

@@ -22,11 +22,11 @@ from scaletrain.batch import (
     Batcher,
     BatchFn,
     check_targets,
-    collate_one,
     default_loss,
     label_shift,
     leaves,
     loss_of,
+    one_sample,
     shifted_loss,
 )
 from scaletrain.config import Config, OptimConfig, TrainConfig
@@ -685,7 +685,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
                 "checkpoint.best": (cfg.checkpoint.best, "false", best_is)}
     for key, (value, off, why) in held_out.items():
         if value and splits.eval is None:
-            raise ConfigError(key, value, f"{off} for training data without a held-out split (a stream): {why}",
+            raise ConfigError(key, value, f"{off} for training data without a held-out split (a stream, data.val_fraction=0): {why}",
                               f"eval_data=... (a list of held-out samples), or --{key}={off}")
     if cfg.checkpoint.load_best and not cfg.checkpoint.best:
         raise ConfigError("checkpoint.load_best", True, "false without checkpoint.best (no checkpoint is kept as the "
@@ -719,7 +719,7 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         module.to(rt.device)
     # The built-in GPT with model.loss=fused computes its loss in forward: it is given the targets too.
     batcher = Batcher(module, batch_fn, target_kwarg="targets" if isinstance(module, GPT) and module.fused_loss else None)
-    one = batcher(collate_one(splits.train, splits.collate_fn))  # a batch of one sample, as the loader collates it
+    one = one_sample(batcher, splits.train, splits.collate_fn)  # a batch of one sample, as the loader collates it
     # counted once, before any wrapping (on the meta device for a model built there: shapes are all it needs)
     own_in_tuple = one.target_given() and batcher.target_kwarg is None  # a user's model given its targets
     check = None if loss_fn is not None else functools.partial(  # the default loss: are these its kind of targets?
