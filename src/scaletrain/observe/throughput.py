@@ -66,6 +66,12 @@ def flops_per_sample(model: nn.Module, one: Batch | torch.Tensor,
     return counter.get_total_flops() / 2
 
 
+def per_second(rate: float) -> str:
+    """A rate for the console: whole numbers with thousands separators, three significant digits below 100 (a
+    detection model on a CPU trains 0.27 samples/s, which ",.0f" showed as 0)."""
+    return f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+
+
 def throughput(samples_per_s: float, *, flops: float, tokens_per_sample: int, world_size: int,
                peak: float | None) -> dict[str, Any]:
     """The throughput keys of a train record (docs/metrics.md)."""

@@ -30,6 +30,7 @@ from scaletrain.observe.memory import (
 )
 from scaletrain.observe.report.load import EVAL_OWN
 from scaletrain.observe.sinks import check_tensorboard
+from scaletrain.observe.throughput import per_second
 from scaletrain.parallel import units_line
 from scaletrain.plan.actual import describe as describe_plan
 from scaletrain.runtime import Runtime
@@ -261,9 +262,9 @@ def _summary_table(summary: dict[str, Any], run_dir: Path, console: Console) -> 
     if summary["samples_per_s"] is None:  # a resumed run that had no step left to run: nothing was timed
         rows += [("throughput", "not measured: no step ran in this attempt")]
     else:
-        rate = f"{summary['samples_per_s']:,.0f} samples/s"
+        rate = f"{per_second(summary['samples_per_s'])} samples/s"
         if summary.get("tokens_per_s") is not None:
-            rate += f" ({summary['tokens_per_s']:,.0f} tokens/s)"
+            rate += f" ({per_second(summary['tokens_per_s'])} tokens/s)"
         steady = summary.get("steady_state")
         window = f"steady state, steps {steady['first_step']}-{steady['last_step']}" if steady else \
             f"the whole run: no log interval after the warm-up (the first interval, the first {WARMUP_STEPS} steps)"

@@ -119,7 +119,7 @@ from scaletrain.observe.noise_scale import PREFIX as NOISE_SUMS
 from scaletrain.observe.noise_scale import GradProbe, NoiseScaleLog, attach_probe
 from scaletrain.observe.profile import StepProfiler
 from scaletrain.observe.stragglers import bottleneck, phase_fractions
-from scaletrain.observe.throughput import device_peak, throughput
+from scaletrain.observe.throughput import device_peak, per_second, throughput
 from scaletrain.observe.timeline import Timeline
 from scaletrain.observe.timeline import merge as merge_timeline
 from scaletrain.observe.timing import PHASES, NullTimer, StepTimer, attach_comm_hook, attach_forward_mark
@@ -1450,7 +1450,7 @@ class Session:
         parts += [f"B_noise {noise['b_simple']:,.0f}"] if noise is not None and math.isfinite(noise["b_simple"]) \
             else []
         # samples are counted as a session's loaders hand them out: a loop reading its own DataLoader shows none
-        parts += [f"{rate:,.0f} samples/s"] if samples or self._loaders else []
+        parts += [f"{per_second(rate)} samples/s"] if samples or self._loaders else []
         parts += [f"{record['step_time_s']:.4f} s/step"]
         self.console.print(" | ".join(parts))
         self.last_metrics = means
