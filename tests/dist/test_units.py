@@ -420,6 +420,107 @@ def test_stages_give_way_to_their_blocks_and_experts_to_their_block():
     assert _described(named) == ("repeated", "10 x Layer")
 
 
+class ConvNormAct(nn.Sequential):
+    """torchvision's Conv2dNormActivation: a layer made a Sequential (a convolution, a norm, an activation)."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU())
+
+
+class InvertedResidual(nn.Module):
+    """torchvision's MobileNet block: a Sequential of ConvNormAct layers, with a residual."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(ConvNormAct(c, 2 * c), ConvNormAct(2 * c, c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+
+class MobileNet(nn.Module):
+    """torchvision's MobileNetV2/V3 layout: ``features`` is one Sequential of a stem, the blocks and a last
+    convolution; the layers inside each block come in Sequentials of ConvNormAct."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(ConvNormAct(3, 4), *(InvertedResidual(4) for _ in range(3)), ConvNormAct(4, 8))
+        self.classifier = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x).mean((2, 3)))
+
+
+class DenseLayer(nn.Module):
+    """torchvision's _DenseLayer: leaf modules only (norm, activation, convolution), a block all the same."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.norm, self.conv = nn.BatchNorm2d(c), nn.Conv2d(c, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.relu(self.norm(x)))
+
+
+class DenseBlock(nn.ModuleDict):
+    """torchvision's _DenseBlock: a ModuleDict with a forward that chains its layers, each fed all before it."""
+
+    def __init__(self, c: int, n: int) -> None:
+        super().__init__({f"layer{i}": DenseLayer(c + 2 * i) for i in range(n)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.values():
+            x = torch.cat([x, layer(x)], 1)
+        return x
+
+
+class DenseNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3), DenseBlock(4, 2), nn.Conv2d(8, 4, 1), DenseBlock(4, 3))
+        self.classifier = nn.Linear(10, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x).mean((2, 3)))
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mix(x)
+
+
+class EndedStage(nn.Module):
+    """timm's EdgeNeXt / EfficientFormer stage: a Sequential of blocks that ends in one block of another class."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Routed() for _ in range(depth)), Attention())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def test_blocks_beside_other_layers_and_in_a_dict_with_a_forward_are_units_and_layers_are_not():
+    """torchvision's MobileNetV3 had 2.5% of its parameters in units (20 x Conv2dNormActivation, found inside
+    its blocks, which were taken for stages of them), MobileNetV2 and DenseNet-121 had their two children as
+    units (the features 99%); a detection model's MobileNet backbone gave 4 x Conv2d. EdgeNeXt's stages gave way
+    to their repeated blocks only, its SplitTransposeBlocks (one per stage) falling to the root."""
+    units = find_units(MobileNet())
+    assert (units.rule, units.describe()) == ("repeated", "3 x InvertedResidual")
+    assert units.names == ("features.1", "features.2", "features.3")
+    assert _described(DenseNet()) == ("repeated", "5 x DenseLayer")
+    ended = nn.Sequential(nn.Linear(8, 16), nn.Sequential(EndedStage(2), EndedStage(1)), nn.Linear(16, 4))
+    assert find_units(ended).names == ("1.0.blocks.0", "1.0.blocks.1", "1.1.blocks.0", "1.0.blocks.2",
+                                       "1.1.blocks.1")
+    assert find_units(ended).describe() == "3 x Routed, 2 x Attention"
+    vgg = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.ReLU(), nn.MaxPool2d(2))
+    assert _described(nn.Sequential(vgg, nn.Flatten(), nn.Linear(4, 2))) == ("children", "0, 2")
+
+
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 def test_an_encoder_decoders_two_kinds_of_layer_are_both_units():
     """torch's nn.Transformer: the decoder's layers (the larger class) were the units, and the encoder's six stayed

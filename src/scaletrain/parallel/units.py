@@ -10,12 +10,16 @@ The first rule that finds any wins:
    ``LlamaDecoderLayer``): every module of those classes, when the model or a submodule declares them;
 4. repeated blocks: of the classes that fill a ModuleList or Sequential on their own (two or more children in
    all such lists, wherever they are nested: nanoGPT's ``transformer.h``, Llama's ``model.layers``, Funnel's
-   one list per stage), the one with the most parameters and any other with at least a quarter as many (an
-   encoder-decoder's two kinds of layer: torch's nn.Transformer left its encoder's in the root); every child of
-   those classes in those lists, so a ResNet's ``layer1`` .. ``layer4`` give all its BasicBlocks or Bottlenecks,
-   one unit each (per block rather than per stage: a late stage holds most of the parameters), and a stage
-   class that chains blocks of another such class in an nn.Sequential (timm's ConvNeXt, Swin, EfficientNet)
-   gives way to its blocks;
+   one list per stage), or that are blocks beside other modules in one (two or more there, more than a layer of
+   leaf modules: torchvision's MobileNet ``features``, 15 InvertedResidual between a stem and a last
+   convolution; DenseNet's _DenseBlock, a ModuleDict with a forward), the one with the most parameters and any
+   other with at least a quarter as many (an encoder-decoder's two kinds of layer: torch's nn.Transformer left
+   its encoder's in the root); every child of those classes in those lists, so a ResNet's ``layer1`` ..
+   ``layer4`` give all its BasicBlocks or Bottlenecks, one unit each (per block rather than per stage: a late
+   stage holds most of the parameters), and a stage class that chains blocks of another such class (timm's
+   ConvNeXt, Swin, EfficientNet; DenseNet's _DenseBlock) gives way to all the blocks of its chain; a block that
+   chains layers (MobileNet's InvertedResidual: Conv2dNormActivation, a Sequential of a convolution, a norm and
+   an activation) stays the unit;
 5. no repeated blocks: the model's direct children that hold parameters, when there are two or more (the
    built-in CNN's ``features`` and ``head``), else those of its one such child, as deep as it takes (a model
    whose layers are one ``nn.Sequential`` of different layers: its layers).
@@ -130,49 +134,101 @@ def _no_split(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tupl
     return _of_classes(named, classes) if classes else []
 
 
-def _same_class_lists(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, type]]:
-    """(name, container, class) of every ModuleList/Sequential whose children are all of one class and
-    hold parameters (the children: a parametrized layer's ParametrizationList holds its weight itself, and its
-    _SpectralNorm or _WeightNorm, none, were the units of a spectral-norm discriminator, sharding nothing)."""
-    out = []
+Run = tuple[str, nn.Module, type, list[tuple[str, nn.Module]]]  # (container's name, container, class, children)
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _same_class_lists(named: list[tuple[str, nn.Module]]) -> list[Run]:
+    """The runs of blocks in every ModuleList or Sequential, and every ModuleDict with a forward of its own
+    (torchvision's IntermediateLayerGetter, DenseNet's _DenseBlock; not a parametrized layer's parametrizations):
+    all its children when they are of one class and hold parameters (the children: a parametrized layer's
+    ParametrizationList holds its weight itself, and its _SpectralNorm or _WeightNorm, none, were the units of a
+    spectral-norm discriminator, sharding nothing); in a
+    container of several classes, the children of each class that is more than a layer and has two or more in
+    some container (MobileNet's 15 InvertedResidual blocks between a stem and a last convolution), never layers
+    (VGG's convolutions between activations and pools)."""
+    found = []
     for name, m in named:
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) and any(_has_params(c) for c in m):
-            classes = {class_of(c) for c in m}
-            if len(classes) == 1:
-                out.append((name, m, classes.pop()))
+        listed = isinstance(m, (nn.ModuleList, nn.Sequential)) or (isinstance(m, nn.ModuleDict)
+                                                                   and not _container(class_of(m)))
+        if not listed or not len(m) or not any(_has_params(c) for c in m.children()):
+            continue
+        by_class: dict[type, list[tuple[str, nn.Module]]] = defaultdict(list)
+        for key, child in m.named_children():
+            by_class[class_of(child)].append((key, child))
+        found.append((name, m, by_class))
+    # blocks: more than layers, two or more in one container somewhere (EdgeNeXt's ConvBlocks, then one per stage)
+    blocks = {cls for _, _, by_class in found for cls, kids in by_class.items()
+              if len(kids) > 1 and not all(_layer(c) for _, c in kids)}
+    out: list[Run] = []
+    for name, m, by_class in found:
+        if len(by_class) == 1:
+            out.append((name, m, *by_class.popitem()))
+        else:
+            out += [(name, m, cls, kids) for cls, kids in by_class.items()
+                    if cls in blocks and any(_has_params(c) for _, c in kids)]
     return out
+
+
+def _layer(module: nn.Module) -> bool:
+    """A module of leaf modules or none (a Linear; torchvision's Conv2dNormActivation: a convolution, a norm and
+    an activation): a layer rather than a block of layers."""
+    return all(next(c.children(), None) is None for c in module.children())
 
 
 def _repeated(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     # the model itself may be the Sequential of blocks; a list of lists is not one of blocks (Funnel's
     # encoder.blocks holds a ModuleList of layers per stage): its lists are looked into instead
-    lists = [(n, m, cls) for n, m, cls in _same_class_lists([("", model), *named]) if not _container(cls)]
-    # a class repeated: two or more of it over its lists (Funnel with one layer per stage has two lists of one)
+    runs_of = [run for run in _same_class_lists([("", model), *named]) if not _container(run[2])]
+    # a class repeated: two or more of it over its runs (Funnel with one layer per stage has two lists of one)
     count, size = Counter(), Counter()
-    for _, m, cls in lists:
-        count[cls] += len(m)
-        size[cls] += _size(m)
+    for _, _, cls, kids in runs_of:
+        count[cls] += len(kids)
+        size[cls] += sum(_size(c) for _, c in kids)
     runs = [cls for cls in count if count[cls] > 1]
     if not runs:
         return []
     largest = max(size[cls] for cls in runs)
     chosen = {cls for cls in runs if 4 * size[cls] >= largest}  # an encoder's layers and a decoder's, both
-    stages = _stages(lists, chosen)
+    stages, chains = _stages(runs_of, chosen)
     if stages < chosen:
         chosen -= stages
-    return [(f"{name}.{key}" if name else key, child) for name, m, cls in lists if cls in chosen
-            for key, child in m.named_children()]
+    else:
+        chains = set()
+    found = [(f"{name}.{key}" if name else key, child) for name, _, cls, kids in runs_of if cls in chosen
+             for key, child in kids]
+    # A stage that gave way gives all its chain's blocks, also those of a class it holds once (EfficientFormer's
+    # last stage ends in one MetaBlock1d, EdgeNeXt's stages in one SplitTransposeBlock): else they fell to the root.
+    return found + [(f"{name}.{key}" if name else key, child) for name, m, _, _ in runs_of if id(m) in chains
+                    for key, child in m.named_children() if _has_params(child) and not _layer(child)]
 
 
-def _stages(lists: list[tuple[str, nn.Module, type]], chosen: set[type]) -> set[type]:
+def _stages(runs: list[Run], chosen: set[type]) -> tuple[set[type], set[int]]:
     """The chosen classes that are stages of blocks: each holds an nn.Sequential of another chosen class, blocks
     run one after another (timm's ConvNeXtStage, SwinTransformerStage, EfficientNet's stages). Their blocks are
     the units, as a ResNet's are: a stage of ConvNeXt-T holds up to 9 blocks and 61% of the parameters, and
     checkpointed whole it recomputes all its blocks at once. A block holding a ModuleList of one class (a
-    mixture of experts' experts, called by routing, not in a chain) is no stage."""
-    chain = {id(m): cls for _, m, cls in lists if isinstance(m, nn.Sequential) and cls in chosen}
-    return {cls for _, m, cls in lists if cls in chosen
-            and any(chain.get(id(sub), cls) is not cls for child in m for sub in child.modules())}
+    mixture of experts' experts, called by routing, not in a chain) is no stage, nor one whose Sequential
+    chains layers (_block_class: MobileNet's InvertedResidual chains three Conv2dNormActivation). A container
+    with a forward of its own that chains blocks (DenseNet's _DenseBlock, a ModuleDict of _DenseLayer) is a
+    stage too. Also the ids of the chains those stages hold."""
+    chain = {id(m): cls for _, m, cls, kids in runs if cls in chosen and _block_class(cls, kids)
+             and (isinstance(m, nn.Sequential) or not _container(class_of(m)))}  # or its own forward: DenseNet's
+    stages, chains = set(), set()
+    for _, _, cls, kids in runs:
+        held = {id(sub) for _, child in kids for sub in child.modules() if chain.get(id(sub), cls) is not cls}
+        if cls in chosen and held:
+            stages.add(cls)
+            chains |= held
+    return stages, chains
+
+
+def _block_class(cls: type, kids: list[tuple[str, nn.Module]]) -> bool:
+    """Whether modules of ``cls`` chained in a Sequential are blocks, not layers: they hold modules, and their
+    class is no Sequential subclass (torchvision's Conv2dNormActivation is one: a convolution, a norm and an
+    activation; a stage made a Sequential is not chained, it chains)."""
+    return not issubclass(cls, nn.Sequential) and not all(next(c.children(), None) is None for _, c in kids)
 
 
 def _container(cls: type) -> bool:
@@ -247,18 +303,17 @@ def _shared_outside(unit: nn.Module, holders: dict[int, set[int]], where: dict[i
 
 def _param_classes(named: list[tuple[str, nn.Module]]) -> str:
     classes = dict.fromkeys(class_of(m).__name__ for _, m in named
-                            if _has_params(m) and not isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)))
+                            if _has_params(m) and not isinstance(m, CONTAINERS))
     return ", ".join(list(classes)[:12]) or "none"
 
 
 def _suggest(named: list[tuple[str, nn.Module]]) -> str:
     """A class name to suggest: the repeated blocks this model has, else the class of its largest layer with
     parameters that is not a container (a fix that runs as typed; "MyBlock" was refused again)."""
-    lists = _same_class_lists(named)
-    if lists:
-        return max(lists, key=lambda r: _size(r[1]))[2].__name__
-    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-    layers = [m for _, m in named if _has_params(m) and not isinstance(m, containers)]
+    runs = _same_class_lists(named)
+    if runs:
+        return max(runs, key=lambda r: sum(_size(c) for _, c in r[3]))[2].__name__
+    layers = [m for _, m in named if _has_params(m) and not isinstance(m, CONTAINERS)]
     return class_of(max(layers, key=_size)).__name__ if layers else "MyBlock"
 
 
