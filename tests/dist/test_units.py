@@ -517,6 +517,13 @@ def test_blocks_beside_other_layers_and_in_a_dict_with_a_forward_are_units_and_l
     assert find_units(ended).names == ("1.0.blocks.0", "1.0.blocks.1", "1.1.blocks.0", "1.0.blocks.2",
                                        "1.1.blocks.1")
     assert find_units(ended).describe() == "3 x Routed, 2 x Attention"
+    # stages that are plain Sequentials give way to their blocks; heads that are Sequentials too stay units
+    # (SSDlite: its 18 Sequentials were the units, then only its blocks, the heads falling to the root)
+    ssd = nn.Module()
+    ssd.features = nn.Sequential(nn.Sequential(Routed(), Routed()), nn.Sequential(Routed(), Routed()))
+    ssd.heads = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(2))
+    assert find_units(ssd).names == ("features.0.0", "features.0.1", "features.1.0", "features.1.1", "heads.0",
+                                     "heads.1")
     vgg = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.ReLU(), nn.MaxPool2d(2))
     assert _described(nn.Sequential(vgg, nn.Flatten(), nn.Linear(4, 2))) == ("children", "0, 2")
 

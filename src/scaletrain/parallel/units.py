@@ -17,7 +17,8 @@ The first rule that finds any wins:
    its encoder's in the root); every child of those classes in those lists, so a ResNet's ``layer1`` ..
    ``layer4`` give all its BasicBlocks or Bottlenecks, one unit each (per block rather than per stage: a late
    stage holds most of the parameters), and a stage class that chains blocks of another such class (timm's
-   ConvNeXt, Swin, EfficientNet; DenseNet's _DenseBlock) gives way to all the blocks of its chain; a block that
+   ConvNeXt, Swin, EfficientNet; DenseNet's _DenseBlock) gives way to all the blocks of its chain (a module of
+   that class holding no chain stays a unit: SSDlite's heads are Sequentials as its stages are); a block that
    chains layers (MobileNet's InvertedResidual: Conv2dNormActivation, a Sequential of a convolution, a norm and
    an activation) stays the unit;
 5. no repeated blocks: the model's direct children that hold parameters, when there are two or more (the
@@ -192,35 +193,33 @@ def _repeated(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tupl
     largest = max(size[cls] for cls in runs)
     chosen = {cls for cls in runs if 4 * size[cls] >= largest}  # an encoder's layers and a decoder's, both
     stages, chains = _stages(runs_of, chosen)
-    if stages < chosen:
-        chosen -= stages
-    else:
-        chains = set()
-    found = [(f"{name}.{key}" if name else key, child) for name, _, cls, kids in runs_of if cls in chosen
-             for key, child in kids]
-    # A stage that gave way gives all its chain's blocks, also those of a class it holds once (EfficientFormer's
-    # last stage ends in one MetaBlock1d, EdgeNeXt's stages in one SplitTransposeBlock): else they fell to the root.
-    return found + [(f"{name}.{key}" if name else key, child) for name, m, _, _ in runs_of if id(m) in chains
-                    for key, child in m.named_children() if _has_params(child) and not _layer(child)]
+    # A stage gives way to all its chain's blocks, also those of a class it holds once (EfficientFormer's last
+    # stage ends in one MetaBlock1d, EdgeNeXt's stages in one SplitTransposeBlock): else they fell to the root.
+    # Other modules of a stage's class stay units (SSDlite's heads are Sequentials, as its stages are).
+    return [(f"{name}.{key}" if name else key, child) for name, _, cls, kids in runs_of if cls in chosen
+            for key, child in kids if id(child) not in stages] + \
+        [(f"{name}.{key}" if name else key, child) for name, m, _, _ in runs_of if id(m) in chains
+         for key, child in m.named_children() if _has_params(child) and not _layer(child)]
 
 
-def _stages(runs: list[Run], chosen: set[type]) -> tuple[set[type], set[int]]:
-    """The chosen classes that are stages of blocks: each holds an nn.Sequential of another chosen class, blocks
-    run one after another (timm's ConvNeXtStage, SwinTransformerStage, EfficientNet's stages). Their blocks are
-    the units, as a ResNet's are: a stage of ConvNeXt-T holds up to 9 blocks and 61% of the parameters, and
-    checkpointed whole it recomputes all its blocks at once. A block holding a ModuleList of one class (a
-    mixture of experts' experts, called by routing, not in a chain) is no stage, nor one whose Sequential
-    chains layers (_block_class: MobileNet's InvertedResidual chains three Conv2dNormActivation). A container
-    with a forward of its own that chains blocks (DenseNet's _DenseBlock, a ModuleDict of _DenseLayer) is a
-    stage too. Also the ids of the chains those stages hold."""
+def _stages(runs: list[Run], chosen: set[type]) -> tuple[set[int], set[int]]:
+    """The modules of the chosen classes that are stages of blocks, and the chains they hold: each holds an
+    nn.Sequential of another chosen class, blocks run one after another (timm's ConvNeXtStage,
+    SwinTransformerStage, EfficientNet's stages). Their blocks are the units, as a ResNet's are: a stage of
+    ConvNeXt-T holds up to 9 blocks and 61% of the parameters, and checkpointed whole it recomputes all its
+    blocks at once. A block holding a ModuleList of one class (a mixture of experts' experts, called by routing,
+    not in a chain) is no stage, nor one whose Sequential chains layers (_block_class: MobileNet's
+    InvertedResidual chains three Conv2dNormActivation). A container with a forward of its own that chains
+    blocks (DenseNet's _DenseBlock, a ModuleDict of _DenseLayer) is a stage too. By id."""
     chain = {id(m): cls for _, m, cls, kids in runs if cls in chosen and _block_class(cls, kids)
              and (isinstance(m, nn.Sequential) or not _container(class_of(m)))}  # or its own forward: DenseNet's
     stages, chains = set(), set()
     for _, _, cls, kids in runs:
-        held = {id(sub) for _, child in kids for sub in child.modules() if chain.get(id(sub), cls) is not cls}
-        if cls in chosen and held:
-            stages.add(cls)
-            chains |= held
+        for _, child in kids if cls in chosen else ():
+            held = {id(sub) for sub in child.modules() if chain.get(id(sub), cls) is not cls}
+            if held:
+                stages.add(id(child))
+                chains |= held
     return stages, chains
 
 
