@@ -550,7 +550,7 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     sharded, with its batch size per rank, collate_fn, shuffle and workers as defaults); train_data may be a
     stream (an IterableDataset: train.max_steps, no held-out split), and so may eval_data (read whole from its
     start at each evaluation); without eval_data, data.val_fraction of the
-    training data is held out. A Dataset's samples may be tuples of any
+    training data is held out (0: none, no evaluation). A Dataset's samples may be tuples of any
     length (the last is the target), dicts (Hugging Face style: ``model(**batch)``, target ``labels``) or
     tensors; ``batch_fn(batch) -> (inputs, target)`` maps any other layout (scaletrain.batch).
     ``collate_fn(samples) -> batch``: how a list of samples becomes a batch, as a DataLoader takes it (a padding
