@@ -271,13 +271,16 @@ class Batch:
     # models take, or a field the collate_fn gives once per batch): n copies of the sample as the loader
     # collates them (one_sample()).
     grow: Callable[[int], Batch] | None = dataclasses.field(default=None, compare=False, repr=False)
+    # Its first input is a list with an item per sample (torchvision's detection models' images), as the loader
+    # collates it (one_sample() tells, Batcher.listed carries it to every batch).
+    listed: bool = dataclasses.field(default=False, compare=False)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor], *, target: bool = True) -> Batch:
         """The same batch with ``fn`` applied to every tensor of its inputs (and of its target, with ``target``)."""
         grow = self.grow
         return Batch(map_tensors(self.args, fn), map_tensors(self.kwargs, fn),
                      map_tensors(self.target, fn) if target else self.target,
-                     None if grow is None else lambda n: grow(n).map(fn, target=target))
+                     None if grow is None else lambda n: grow(n).map(fn, target=target), self.listed)
 
     def to(self, device: torch.device) -> Batch:
         return self.map(lambda t: t.to(device, non_blocking=True))
@@ -316,12 +319,11 @@ class Batch:
         yield from leaves(self.target)
 
     def size(self) -> int:
-        """Samples in the batch: the length of its first input when that is a list or tuple (one item per
-        sample: torchvision's detection models take a list of images), else the leading dimension of its first
-        input tensor."""
-        inputs = [*self.args, *self.kwargs.values()]
-        if inputs and isinstance(inputs[0], (tuple, list)):
-            return len(inputs[0])
+        """Samples in the batch: the length of its first input when that is a list of an item per sample
+        (``listed``: torchvision's detection models take a list of images), else the leading dimension of its
+        first input tensor."""
+        if self.listed:
+            return len(_first_input(self))
         first = next((t for t in leaves((self.args, self.kwargs)) if t.dim() > 0), None)
         return int(first.shape[0]) if first is not None else 1
 
@@ -415,6 +417,7 @@ class Batcher:
         self.names, self.any_name, self.target_params = _accepted(module)
         self.whole = _takes_the_batch(module)
         self.model_name, self.said_left_out = type(module).__name__.removeprefix("FSDP"), False
+        self.listed = False  # the first input a list of an item per sample (one_sample() tells)
 
     def _inputs(self, inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if isinstance(inputs, Mapping):
@@ -451,9 +454,9 @@ class Batcher:
 
     def __call__(self, batch: Any) -> Batch:
         split = self._split(batch)
-        if self.target_kwarg is None or split.target is None:
-            return split
-        return Batch(split.args, {**split.kwargs, self.target_kwarg: split.target}, split.target)
+        if self.target_kwarg is not None and split.target is not None:
+            split = Batch(split.args, {**split.kwargs, self.target_kwarg: split.target}, split.target)
+        return dataclasses.replace(split, listed=True) if self.listed else split
 
     def _split(self, batch: Any) -> Batch:
         if self.batch_fn is not None:
@@ -526,6 +529,10 @@ def collate(samples: list[Any]) -> Any:
         raise
 
 
+def _first_input(batch: Batch) -> Any:
+    return next(iter([*batch.args, *batch.kwargs.values()]), None)
+
+
 def _first(dataset: Any) -> Any:
     """The data set's first sample (a stream's first item)."""
     from torch.utils.data import IterableDataset
@@ -569,6 +576,10 @@ def one_sample(batcher: Batcher, dataset: Any, collate_fn: Callable[[list[Any]],
     first = _first(dataset)
     one = batcher(collate_fn([first]))
     two = batcher(collate_fn([first, first]))
+    a, b = _first_input(one), _first_input(two)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and (len(a), len(b)) == (1, 2):
+        batcher.listed = True  # a list of an item per sample, not a tuple of stacked inputs: its length counts
+        one, two = (dataclasses.replace(x, listed=True) for x in (one, two))
     try:
         stacks = _same(dataclasses.replace(one, grow=None).repeat(2), two)
     except RuntimeError:  # a tensor of another leading size than 1: it does not stack

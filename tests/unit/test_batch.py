@@ -401,7 +401,14 @@ def test_a_batch_of_one_grows_as_the_loader_collates_its_copies() -> None:
     four = listed.repeat(4)
     assert four.size() == 4 and len(four.args[0]) == 4 and all(im.shape == (3, 5, 7) for im in four.args[0])
     assert [t["labels"].item() for t in four.target] == [0, 0, 0, 0] and four.kwargs["targets"] is four.target
-    assert Batch(((torch.rand(3, 4, 4), torch.rand(3, 6, 6)),), {}, None).size() == 2  # the list, not 3 channels
+    # a tuple of stacked inputs (samples of ((x1, x2), y)) keeps its batch dimension; a listed batch counts items
+    pairs = [((torch.randn(5), torch.randn(2)), torch.tensor(0.5)) for _ in range(3)]
+    paired = Batcher(Plain())
+    assert one_sample(paired, pairs).size() == 1 and not paired.listed
+    assert paired(collate(pairs)).size() == 3
+    detector = Batcher(Listed())
+    one_sample(detector, samples, lambda b: tuple(zip(*b)))
+    assert detector.listed and detector(((samples[0][0], samples[1][0]), (samples[0][1], samples[1][1]))).size() == 2
     meta = listed.to(torch.device("meta")).repeat(2)  # a map carries over to the grown batch
     assert all(im.device.type == "meta" for im in meta.args[0])
     shared = lambda b: {"x": torch.stack([s[0] for s in b]), "mask": torch.ones(4, 4), "labels": torch.stack(
