@@ -69,3 +69,6 @@ def test_without_held_out_data_it_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^train.early_stop = 3: expected 0 for training data without a held-out "
                                           r"split \(a stream\).*fix: eval_data=..."):
         scaletrain.fit(_net(), Stream(), config={**CONFIG, "run.dir": str(tmp_path / "s"), "train.max_steps": 10})
+    with pytest.raises(ConfigError, match=r"^train.early_stop = 3: expected 0 for training data without a held-out "
+                                          r"split \(data.val_fraction = 0\).*fix: .*--data.val_fraction=0.1"):
+        scaletrain.fit(_net(), _data(), config={**CONFIG, "run.dir": str(tmp_path / "v"), "data.val_fraction": 0})

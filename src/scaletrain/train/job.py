@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from scaletrain.batch import (
     Batch,
@@ -683,10 +683,13 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     best_is = "the best checkpoint is the one of the lowest held-out loss"
     held_out = {"train.early_stop": (cfg.train.early_stop, "0", "it stops on the held-out loss"),
                 "checkpoint.best": (cfg.checkpoint.best, "false", best_is)}
+    stream = isinstance(splits.train, IterableDataset)
     for key, (value, off, why) in held_out.items():
         if value and splits.eval is None:
-            raise ConfigError(key, value, f"{off} for training data without a held-out split (a stream, data.val_fraction=0): {why}",
-                              f"eval_data=... (a list of held-out samples), or --{key}={off}")
+            raise ConfigError(key, value, f"{off} for training data without a held-out split "
+                              f"({'a stream' if stream else 'data.val_fraction = 0'}): {why}",
+                              f"eval_data=... (a list of held-out samples){'' if stream else ', --data.val_fraction=0.1'}"
+                              f", or --{key}={off}")
     if cfg.checkpoint.load_best and not cfg.checkpoint.best:
         raise ConfigError("checkpoint.load_best", True, "false without checkpoint.best (no checkpoint is kept as the "
                           "best to load)", "--checkpoint.best=true as well")
