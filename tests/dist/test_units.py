@@ -528,6 +528,18 @@ def test_blocks_beside_other_layers_and_in_a_dict_with_a_forward_are_units_and_l
     assert _described(nn.Sequential(vgg, nn.Flatten(), nn.Linear(4, 2))) == ("children", "0, 2")
 
 
+def test_declared_stages_give_way_to_declared_layers_in_their_lists_and_blocks_keep_what_they_hold():
+    """transformers' ConvNext declares _no_split_modules = ["ConvNextLayer", "ConvNextStage"]: the outermost
+    were kept, so its 4 stages were the units (the last 56% of ConvNeXt-T's parameters); now its 18 layers.
+    Mamba declares MambaBlock and the MambaMixer each holds directly: the blocks stay the units."""
+    staged = Staged()
+    staged._no_split_modules = ["Layer", "Stage"]
+    assert _described(staged) == ("_no_split_modules", "5 x Layer")
+    held = nn.Sequential(Attention(), Attention())
+    held._no_split_modules = ["Attention", "Linear"]  # the Linear directly in each Attention's Sequential
+    assert _described(held) == ("_no_split_modules", "2 x Attention")
+
+
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 def test_an_encoder_decoders_two_kinds_of_layer_are_both_units():
     """torch's nn.Transformer: the decoder's layers (the larger class) were the units, and the encoder's six stayed

@@ -7,7 +7,8 @@ The first rule that finds any wins:
 2. a ``blocks`` ModuleList or Sequential on the model (scaletrain's GPT, or any model that names its blocks
    so): its children;
 3. transformers' ``_no_split_modules`` (class names a model declares indivisible: ``GPT2Block``,
-   ``LlamaDecoderLayer``): every module of those classes, when the model or a submodule declares them;
+   ``LlamaDecoderLayer``): every module of those classes, when the model or a submodule declares them, but one
+   holding others of them in a list (a stage of layers: ConvNext's);
 4. repeated blocks: of the classes that fill a ModuleList or Sequential on their own (two or more children in
    all such lists, wherever they are nested: nanoGPT's ``transformer.h``, Llama's ``model.layers``, Funnel's
    one list per stage), or that are blocks beside other modules in one (two or more there, more than a layer of
@@ -130,9 +131,18 @@ def _blocks(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[
 
 
 def _no_split(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Modules of the classes the model declares indivisible. One that holds others of them in a list (two or
+    more, each more than a leaf layer) gives way to them, as a stage does to its blocks under rule 4: transformers' ConvNext declares ConvNextLayer and
+    ConvNextStage (a Sequential of layers), and the stages were the units (the last 56% of ConvNeXt-T's
+    parameters). A declared module holding another directly (Mamba's MambaBlock its MambaMixer) stays the unit."""
     classes = {c for m in (model, *(m for _, m in named)) for c in (getattr(m, "_no_split_modules", None) or ())
                if isinstance(c, str)}
-    return _of_classes(named, classes) if classes else []
+    found = _of_classes(named, classes) if classes else []
+    declared = {id(m) for _, m in found}
+    stages = {id(m) for _, m in found for sub in m.modules()
+              if sub is not m and isinstance(sub, (nn.ModuleList, nn.Sequential))
+              and sum(id(c) in declared and next(c.children(), None) is not None for c in sub.children()) > 1}
+    return [(n, m) for n, m in found if id(m) not in stages]
 
 
 Run = tuple[str, nn.Module, type, list[tuple[str, nn.Module]]]  # (container's name, container, class, children)
