@@ -124,6 +124,11 @@ def default_loss(output: Any, target: Any, *, own_in_tuple: bool = False, reduct
     if own is not None:
         return own
     logits = logits_of(output)
+    if isinstance(target, torch.Tensor) and logits is None:  # a tensor target, and nothing named logits
+        fields = f" (fields: {', '.join(map(str, output))})" if isinstance(output, Mapping) else ""
+        raise UserError(f"loss: the model returned {describe(output)}{fields} with no loss and no logits, so "
+                        "scaletrain's cross-entropy cannot tell what to score; fix: pass loss_fn=lambda out, y: ... "
+                        "(torchvision's segmentation models: F.cross_entropy(out['out'], y))")
     if not isinstance(target, torch.Tensor) or logits is None:
         what = "no target" if target is None else f"a target of type {type(target).__name__}"
         raise UserError(f"loss: the model returned {describe(output)} with no loss, and the batch has {what}; "
@@ -243,8 +248,13 @@ def describe(output: Any) -> str:
     if isinstance(output, torch.Tensor):
         return f"a tensor of shape {tuple(output.shape)}"
     if isinstance(output, (tuple, list)) and output:
-        return f"a {type(output).__name__} of {len(output)} ({describe(output[0])}, ...)"
-    return f"a {type(output).__name__}"
+        return f"{_a(type(output).__name__)} of {len(output)} ({describe(output[0])}, ...)"
+    return _a(type(output).__name__)
+
+
+def _a(noun: str) -> str:
+    """'a dict', 'an OrderedDict'."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def backward_scalar(output: Any) -> torch.Tensor:

@@ -255,6 +255,13 @@ def test_default_loss_takes_the_models_own_loss_else_cross_entropy_of_its_logits
     with pytest.raises(UserError, match="with no loss, and the batch has no target; fix: pass loss_fn"):
         default_loss(logits, None)
     assert default_loss(own, None) is own and default_loss(own, Y) is own  # one number returned: the loss
+    # torchvision's segmentation output: an OrderedDict of out and aux, a tensor target ("a OrderedDict ... fix:
+    # ... batches (inputs, target) with a tensor target", which it had)
+    from collections import OrderedDict
+
+    with pytest.raises(UserError, match=r"^loss: the model returned an OrderedDict \(fields: out, aux\) with no loss "
+                                        r"and no logits, .* fix: pass loss_fn="):
+        default_loss(OrderedDict(out=torch.randn(5, 3, 4, 4), aux=torch.randn(5, 3, 4, 4)), torch.zeros(5, 4, 4))
 
 
 def test_a_tuples_scalar_is_the_models_own_loss_only_when_it_was_given_the_targets() -> None:
