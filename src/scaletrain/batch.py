@@ -594,4 +594,13 @@ def one_sample(batcher: Batcher, dataset: Any, collate_fn: Callable[[list[Any]],
         stacks = _same(dataclasses.replace(one, grow=None).repeat(2), two)
     except RuntimeError:  # a tensor of another leading size than 1: it does not stack
         stacks = False
-    return one if stacks else dataclasses.replace(one, grow=lambda n: batcher(collate_fn([first] * n)))
+    if stacks:
+        return one
+
+    def grow(n: int) -> Batch:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # the planner measures under fake tensors; the collate runs on real ones
+            return batcher(collate_fn([first] * n))
+
+    return dataclasses.replace(one, grow=grow)

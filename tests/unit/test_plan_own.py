@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import scaletrain
-from scaletrain.batch import Batcher, collate_one
+from scaletrain.batch import Batcher, collate_one, one_sample
 from scaletrain.errors import UserError
 from scaletrain.observe.memory import estimate_activation_bytes
 
@@ -62,6 +62,31 @@ def test_a_model_of_ones_own_is_planned_to_the_byte_of_a_real_step(precision: st
     assert got["total_steps"] == 8 and got["world_size"] == 4
     out = capsys.readouterr().out
     assert out.startswith("plan: Tagger on 1 x 4 h100, 8 steps") and "plan: use " in out
+
+
+class Biased(Tagger):
+    """Tagger given a per-batch tensor too: one (16, 32) position bias its collate_fn adds once per batch."""
+
+    def forward(self, input_ids: torch.Tensor, bias: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        return super().forward(input_ids, labels) if labels is None else \
+            {"loss": F.cross_entropy(self.head(self.emb(input_ids) + bias).flatten(0, 1), labels.flatten())}
+
+
+def _with_bias(samples: list[dict]) -> dict:
+    return {**torch.utils.data.default_collate(samples), "bias": torch.ones(16, 32)}
+
+
+def test_a_collate_fn_giving_a_tensor_once_per_batch_is_planned_as_a_real_step() -> None:
+    """Its batch of one was repeated by stacking every tensor: the (16, 32) bias cannot be stacked to (3, 32)
+    (a RuntimeError), and a collate of the copies ran on real tensors under the fake ones (an AssertionError)."""
+    data = _samples(64)
+    got = scaletrain.plan_fit(Biased, data, gpu="h100", collate_fn=_with_bias, show=False,
+                              config={"dist.nproc": 4, "data.batch_size": 3})
+    torch.manual_seed(0)
+    real = Biased()
+    want = estimate_activation_bytes(real, one_sample(Batcher(real), data, _with_bias), 3, whole_step=True)
+    rows = {(r["strategy"], r["checkpointing"]): r for r in got["layouts"]}
+    assert rows["ddp", "none"]["activations_bytes"] == want > 0
 
 
 def test_transformers_llama_plans_as_scaletrains_own_llama_of_the_same_shape(tmp_path, capsys) -> None:
