@@ -177,6 +177,13 @@ def test_fits_optimizer_and_dataloader_are_planned_as_fit_runs_them(capsys) -> N
     assert loaded["layouts"] == adamw["layouts"] and loaded["total_steps"] == adamw["total_steps"]
     with pytest.raises(UserError, match=r"fit\(optimizer=...\): the function given returned a NoneType"):
         scaletrain.plan_fit(Tagger, _samples(64), gpu="h100", config=config, optimizer=lambda params: None)
+    # a whole fit() call planned by its name alone (it was a TypeError for loss_fn): eval_data keeps all 64
+    # samples for training, 5 steps of 12 in the epoch (4 of the 51 left when 13 are held out)
+    whole = scaletrain.plan_fit(Tagger, _samples(64), eval_data=_samples(8), gpu="h100", config=config, show=False,
+                                loss_fn=lambda out, y: out["loss"], metrics={"n": lambda out, y: y.float()},
+                                scheduler=None, on_eval=None)
+    assert (whole["total_steps"], adamw["total_steps"]) == (5, 4)
+    assert [r["total_bytes"] for r in whole["layouts"]] == [r["total_bytes"] for r in adamw["layouts"]]
 
 
 class MakesAFloat(nn.Module):

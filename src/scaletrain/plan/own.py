@@ -32,7 +32,9 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
          batch_fn: Callable[[Any], tuple[Any, Any]] | None = None,
          collate_fn: Callable[[list[Any]], Any] | None = None, mfu: float | None = None,
          price_per_gpu_hour: float | None = None, net_gbps: float = 400.0, show: bool = True,
-         optimizer: Callable[[list[nn.Parameter]], Any] | None = None) -> dict[str, Any]:
+         optimizer: Callable[[list[nn.Parameter]], Any] | None = None, eval_data: Any = None,
+         loss_fn: Callable[[Any, Any], Any] | None = None, scheduler: Any = None, metrics: Any = None,
+         on_eval: Any = None) -> dict[str, Any]:
     """Plan training ``model`` (its class, or a function of no arguments that builds it: it is called on fake
     tensors) on ``train_data`` (what fit() takes) on ``gpu`` (h100, h200, a100-80gb, a100-40gb, l40s, l4), with
     ``config`` and ``argv`` as fit() takes them: dist.nproc GPUs per machine, dist.nnodes machines,
@@ -40,7 +42,11 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     the model FLOPs utilization a run without recompute reaches (default: the measured run nearest in size,
     plan/catalog.py). Prints the plan as `scaletrain plan` does (``show``) and returns it as its --json has it.
     ``optimizer``: fit()'s, as a function of the parameters (called on the model built on the meta device): its
-    state is planned as SGD's one buffer per parameter, or Adam's two for any other, in place of optim.name's."""
+    state is planned as SGD's one buffer per parameter, or Adam's two for any other, in place of optim.name's.
+    ``eval_data``: fit()'s; without it data.val_fraction of ``train_data`` is held out, as fit() holds it out.
+    ``loss_fn``, ``scheduler``, ``metrics``, ``on_eval``: fit()'s too, taken so that a fit() call plans by its
+    name alone; they do not change the plan (the step is measured backward from the model's own loss, or from
+    cross-entropy of its logits, or from what it returns)."""
     from scaletrain.batch import Batcher, one_sample
     from scaletrain.data import in_memory, train_size
     from scaletrain.plan.catalog import ACCELERATORS, default_mfu
@@ -62,10 +68,11 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     build = builder(model, instead="a function")
     # the data are the arguments; several machines need no rendezvous to be planned (the run will)
     given = {"data.source": "memory", "dist.rdzv_endpoint": "planned:29500"}
-    train_data, _, collate_fn, loader, _ = loaders_read(train_data, None, collate_fn)  # a DataLoader's settings
+    del loss_fn, scheduler, metrics, on_eval  # fit()'s, taken as it takes them (see above)
+    train_data, eval_data, collate_fn, loader, _ = loaders_read(train_data, eval_data, collate_fn)  # a DataLoader's
     cfg = resolve_config(config, argv, defaults={**loader, **given}, pinned=given).for_device("cuda")  # for a GPU
     cfg = dataclasses.replace(cfg, model=ModelConfig())  # the model is the user's: no built-in's key applies
-    splits = in_memory(train_data, None, cfg.data.val_fraction, collate_fn=collate_fn)
+    splits = in_memory(train_data, eval_data, cfg.data.val_fraction, collate_fn=collate_fn)
     world = cfg.dist.nproc * cfg.dist.nnodes
     batches = plan_batches(cfg, world, train_size(splits.train))
     signature = build_shapes(build)  # its forward's signature, for the batch's split (nothing allocated)
