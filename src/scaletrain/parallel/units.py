@@ -132,9 +132,10 @@ def _blocks(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[
 
 def _no_split(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """Modules of the classes the model declares indivisible. One that holds others of them in a list (two or
-    more, each more than a leaf layer) gives way to them, as a stage does to its blocks under rule 4: transformers' ConvNext declares ConvNextLayer and
-    ConvNextStage (a Sequential of layers), and the stages were the units (the last 56% of ConvNeXt-T's
-    parameters). A declared module holding another directly (Mamba's MambaBlock its MambaMixer) stays the unit."""
+    more, each more than a leaf layer) gives way to them, as a stage does to its blocks under rule 4:
+    transformers' ConvNext declares ConvNextLayer and ConvNextStage (a Sequential of layers), and the stages were
+    the units (the last 56% of ConvNeXt-T's parameters). A declared module holding another directly (Mamba's
+    MambaBlock its MambaMixer) stays the unit."""
     classes = {c for m in (model, *(m for _, m in named)) for c in (getattr(m, "_no_split_modules", None) or ())
                if isinstance(c, str)}
     found = _of_classes(named, classes) if classes else []
@@ -155,10 +156,9 @@ def _same_class_lists(named: list[tuple[str, nn.Module]]) -> list[Run]:
     (torchvision's IntermediateLayerGetter, DenseNet's _DenseBlock; not a parametrized layer's parametrizations):
     all its children when they are of one class and hold parameters (the children: a parametrized layer's
     ParametrizationList holds its weight itself, and its _SpectralNorm or _WeightNorm, none, were the units of a
-    spectral-norm discriminator, sharding nothing); in a
-    container of several classes, the children of each class that is more than a layer and has two or more in
-    some container (MobileNet's 15 InvertedResidual blocks between a stem and a last convolution), never layers
-    (VGG's convolutions between activations and pools)."""
+    spectral-norm discriminator, sharding nothing); in a container of several classes, the children of each
+    class that is more than a layer and has two or more in some container (MobileNet's 15 InvertedResidual
+    blocks between a stem and a last convolution), never layers (VGG's convolutions between activations)."""
     found = []
     for name, m in named:
         listed = isinstance(m, (nn.ModuleList, nn.Sequential)) or (isinstance(m, nn.ModuleDict)
