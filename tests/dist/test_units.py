@@ -538,6 +538,28 @@ def test_declared_stages_give_way_to_declared_layers_in_their_lists_and_blocks_k
     held = nn.Sequential(Attention(), Attention())
     held._no_split_modules = ["Attention", "Linear"]  # the Linear directly in each Attention's Sequential
     assert _described(held) == ("_no_split_modules", "2 x Attention")
+    # Swin declares SwinStage only: its blocks (in a list, 86% of it here) are the units; HGNetV2 declares its
+    # BasicLayer, whose list of conv blocks holds a part of it (22% here, beside its aggregation): it stays whole
+    swin = nn.Sequential(DeclaredStage(16, 3), DeclaredStage(16, 2))
+    swin._no_split_modules = ["DeclaredStage"]
+    assert _described(swin) == ("_no_split_modules", "5 x Routed")
+    hgnet = nn.Sequential(DeclaredStage(64, 2), DeclaredStage(64, 2))
+    hgnet._no_split_modules = ["DeclaredStage"]
+    assert _described(hgnet) == ("_no_split_modules", "2 x DeclaredStage")
+
+
+class DeclaredStage(nn.Module):
+    """A module of blocks in a ModuleList beside one Linear of width x width (downsampling, or aggregating)."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Routed() for _ in range(depth))
+        self.other = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.other(x) if self.other.in_features == x.shape[-1] else x
 
 
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")

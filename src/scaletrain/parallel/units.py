@@ -7,8 +7,8 @@ The first rule that finds any wins:
 2. a ``blocks`` ModuleList or Sequential on the model (scaletrain's GPT, or any model that names its blocks
    so): its children;
 3. transformers' ``_no_split_modules`` (class names a model declares indivisible: ``GPT2Block``,
-   ``LlamaDecoderLayer``): every module of those classes, when the model or a submodule declares them, but one
-   holding others of them in a list (a stage of layers: ConvNext's);
+   ``LlamaDecoderLayer``): every module of those classes, when the model or a submodule declares them, but a
+   stage's blocks in place of the stage (ConvNext's, Swin's: most of its parameters in a list of blocks);
 4. repeated blocks: of the classes that fill a ModuleList or Sequential on their own (two or more children in
    all such lists, wherever they are nested: nanoGPT's ``transformer.h``, Llama's ``model.layers``, Funnel's
    one list per stage), or that are blocks beside other modules in one (two or more there, more than a layer of
@@ -131,19 +131,34 @@ def _blocks(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[
 
 
 def _no_split(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """Modules of the classes the model declares indivisible. One that holds others of them in a list (two or
-    more, each more than a leaf layer) gives way to them, as a stage does to its blocks under rule 4:
-    transformers' ConvNext declares ConvNextLayer and ConvNextStage (a Sequential of layers), and the stages were
-    the units (the last 56% of ConvNeXt-T's parameters). A declared module holding another directly (Mamba's
-    MambaBlock its MambaMixer) stays the unit."""
+    """Modules of the classes the model declares indivisible, but a stage gives way to its blocks, as under rule
+    4: a module whose lists hold others of the declared classes (transformers' ConvNext declares ConvNextLayer
+    and ConvNextStage, a Sequential of layers: the stages were the units, the last 56% of ConvNeXt-T's
+    parameters), or two or more of one class that are more than layers of leaf modules and hold at least 3/4
+    of its parameters (Swin declares SwinStage only; a mixture of experts' MLPs are layers). A declared module
+    holding another directly (Mamba's MambaBlock its MambaMixer) stays the unit."""
     classes = {c for m in (model, *(m for _, m in named)) for c in (getattr(m, "_no_split_modules", None) or ())
                if isinstance(c, str)}
     found = _of_classes(named, classes) if classes else []
     declared = {id(m) for _, m in found}
-    stages = {id(m) for _, m in found for sub in m.modules()
-              if sub is not m and isinstance(sub, (nn.ModuleList, nn.Sequential))
-              and sum(id(c) in declared and next(c.children(), None) is not None for c in sub.children()) > 1}
-    return [(n, m) for n, m in found if id(m) not in stages]
+
+    def blocks(sub: nn.Module) -> list[tuple[str, nn.Module]]:  # a list's blocks, if it is a stage's chain
+        kids = [(k, c) for k, c in sub.named_children() if next(c.children(), None) is not None]
+        if sum(id(c) in declared for _, c in kids) > 1:  # declared ones (ConvNext's layers in its stages)
+            return [(k, c) for k, c in kids if id(c) in declared]
+        same = len(kids) > 1 and len(kids) == len(sub) and len({class_of(c) for _, c in kids}) == 1
+        return kids if same and not any(_layer(c) for _, c in kids) else []  # Swin's layers; never experts
+
+    out = []
+    for name, m in found:
+        inner = [(f"{name}.{path}.{key}", block) for path, sub in m.named_modules() if sub is not m
+                 and isinstance(sub, (nn.ModuleList, nn.Sequential)) for key, block in blocks(sub)]
+        # declared blocks win; others where they hold most of it (Swin's: 94%, the rest a downsampling layer): a
+        # block whose list holds a part of it (HGNetV2's BasicLayer: its aggregation convolutions) stays whole
+        stage = any(id(b) in declared for _, b in inner) or \
+            4 * sum(_size(b) for b in {id(b): b for _, b in inner}.values()) >= 3 * _size(m)
+        out += inner if inner and stage else [(name, m)]
+    return out
 
 
 Run = tuple[str, nn.Module, type, list[tuple[str, nn.Module]]]  # (container's name, container, class, children)
