@@ -105,3 +105,16 @@ def test_names_and_choices():
     with pytest.raises(ConfigError) as info:
         parse_choice("mpi", "--backend", ("auto", "gloo", "nccl"))
     assert "expected one of auto, gloo, nccl" in str(info.value)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["/repo/.venv/bin/scaletrain", "bench", "allreduce", "--nproc", "2"], "scaletrain bench allreduce --nproc 2"),
+    (["benchmarks/step_curve.py", "--timm", "convnext_tiny"], "python benchmarks/step_curve.py --timm convnext_tiny"),
+    (["/site/scaletrain/__main__.py", "plan", "gpt-stdlib"], "scaletrain plan gpt-stdlib"),
+])
+def test_a_results_command_is_the_one_typed(monkeypatch, argv: list[str], said: str) -> None:
+    """A benchmark run with python recorded its command as 'scaletrain ...' in its results' environment."""
+    from scaletrain.bench.report import environment
+
+    monkeypatch.setattr("sys.argv", argv)
+    assert environment()["command"] == said

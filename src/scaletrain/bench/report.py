@@ -41,13 +41,23 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def _invoked() -> list[str]:
+    """This process's command as its user typed it: ``python script.py ...`` for a script (a benchmark under
+    benchmarks/ recorded itself as ``scaletrain ...``), else ``scaletrain ...`` (the console script, or python -m
+    scaletrain)."""
+    first = sys.argv[0] if sys.argv else ""
+    if first.endswith(".py") and Path(first).name != "__main__.py":
+        return ["python", first, *sys.argv[1:]]
+    return ["scaletrain", *sys.argv[1:]]
+
+
 def environment(command: Sequence[str] | None = None) -> dict[str, Any]:
     """Machine, versions, date and command: the header of every benchmark result."""
     from scaletrain import __version__
 
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(command if command is not None else ["scaletrain", *sys.argv[1:]]),
+        "command": shlex.join(command if command is not None else _invoked()),
         "host": platform.node(), "platform": platform.platform(), "cpu": _cpu_model(),
         "cores": usable_cores(), "python": platform.python_version(), "torch": torch.__version__,
         "scaletrain": __version__, "cuda": torch.version.cuda, "gpus": [],
