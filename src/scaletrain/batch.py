@@ -556,12 +556,6 @@ def _first(dataset: Any) -> Any:
     return dataset[0]
 
 
-def collate_one(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
-    """The data set's first sample (a stream's first item) as a batch of one, collated as the loader collates
-    (``collate_fn``: the user's, else scaletrain's collate)."""
-    return (collate_fn or collate)([_first(dataset)])
-
-
 def _same(a: Any, b: Any) -> bool:
     """Whether two batches have one structure and equal tensors."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):

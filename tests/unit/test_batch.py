@@ -16,7 +16,6 @@ from scaletrain.batch import (
     backward_scalar,
     check_targets,
     collate,
-    collate_one,
     default_loss,
     logits_of,
     loss_of,
@@ -310,7 +309,7 @@ def test_flops_are_counted_for_tuple_dict_and_dataclass_outputs_alike() -> None:
     one = Batch((X[:1],), {}, None)
     counts = [flops_per_sample(m, one) for m in (Plain(), Tupled(), Dataclassed())]
     assert counts == [48.0, 48.0, 48.0]
-    kw = Batcher(Keywords())(collate_one([{"features": X[0], "labels": Y[0]}]))
+    kw = one_sample(Batcher(Keywords()), [{"features": X[0], "labels": Y[0]}])
     assert flops_per_sample(Keywords(), kw) == 48.0  # the loss adds no matmul
 
 

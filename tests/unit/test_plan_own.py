@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import scaletrain
-from scaletrain.batch import Batcher, collate_one, one_sample
+from scaletrain.batch import Batcher, one_sample
 from scaletrain.errors import UserError
 from scaletrain.observe.memory import estimate_activation_bytes
 
@@ -52,7 +52,7 @@ def test_a_model_of_ones_own_is_planned_to_the_byte_of_a_real_step(precision: st
                                                             "train.precision": precision, "train.epochs": 2})
     torch.manual_seed(0)
     real = Tagger()
-    one = Batcher(real)(collate_one(data))
+    one = one_sample(Batcher(real), data)
     want = estimate_activation_bytes(real, one, 3, precision=precision, whole_step=True)
     rows = {(r["strategy"], r["checkpointing"]): r for r in got["layouts"]}
     assert rows["ddp", "none"]["activations_bytes"] == want

@@ -249,10 +249,12 @@ def _report(config: str, nodes: int, nproc: int, steps: int, net: dict[str, Any]
     between = net["between_nodes_busbw"]
     lines.append(f"all-reduce of {mib:g} MiB: {net['world_busbw'] / 1e9:.3f} GB/s bus bandwidth over the world"
                  + (f", {between / 1e9:.3f} GB/s between the nodes' first ranks" if between else ""))
+    from scaletrain.observe.throughput import per_second
+
     rate = summary.get("samples_per_s") or 0.0
     lines.append(f"short run: {summary['steps']} steps of {config}, {summary.get('strategy', 'ddp')} over "
                  f"{summary['world_size']} ranks, effective batch {summary['global_batch']}, train loss "
-                 f"{summary['train_loss']:.4f}, {rate:,.0f} samples/s; run dir {run_dir}")
+                 f"{summary['train_loss']:.4f}, {per_second(rate)} samples/s; run dir {run_dir}")
     lines += [f"  it warned: {line.removeprefix('scaletrain: warning: ')}" for line in warned]
     command = shlex.join(["scaletrain", "train", config, f"--nproc={nproc}", f"--nnodes={nodes}",
                           "--rdzv-endpoint=FIRST_MACHINE:29500", "--dist.rdzv_id=JOB_ID", *passed])

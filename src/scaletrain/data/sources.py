@@ -123,12 +123,11 @@ def digits(val_fraction: float) -> Splits:
     x, y = load_digits_arrays()
     x = (x / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
     # The split is fixed (seed 0), not tied to run.seed: changing the seed keeps the test set.
-    to = torch.from_numpy
+    to, info = torch.from_numpy, {"num_classes": 10, "input_shape": (1, 8, 8)}
     if val_fraction == 0:  # none held out: no evaluation
-        return Splits(TensorPairs(to(x), to(y)), None, "classify", {"num_classes": 10, "input_shape": (1, 8, 8)})
+        return Splits(TensorPairs(to(x), to(y)), None, "classify", info)
     train, held = stratified_split(y, val_fraction)
-    return Splits(TensorPairs(to(x[train]), to(y[train])), TensorPairs(to(x[held]), to(y[held])), "classify",
-                  {"num_classes": 10, "input_shape": (1, 8, 8)})
+    return Splits(TensorPairs(to(x[train]), to(y[train])), TensorPairs(to(x[held]), to(y[held])), "classify", info)
 
 
 def stdlib_files() -> list[Path]:
@@ -214,8 +213,7 @@ def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task
     stream (an IterableDataset, data/loader.py StreamLoader). Without eval data a fixed val_fraction of the
     training data is held out: ceil(n x val_fraction) samples, at least 1, chosen by a permutation seeded with
     0 (the same on every run and rank, whatever run.seed is); a stream's is not, nor any with val_fraction 0
-    (no evaluation then). Held-out
-    data may be a stream too.
+    (no evaluation then). Held-out data may be a stream too.
     ``collate_fn``: how the loaders make a batch of samples (a padding collator), as a DataLoader's."""
     arrays = (torch.Tensor, np.ndarray)
 
@@ -256,8 +254,8 @@ def in_memory(train: Any, eval_data: Any = None, val_fraction: float = 0.2, task
     train_ds = as_dataset(train, "train")
     if eval_data is not None:
         return Splits(train_ds, as_dataset(eval_data, "eval"), task, collate_fn=collate_fn)
-    if isinstance(train_ds, IterableDataset) or val_fraction == 0:  # nothing to hold out of a stream, or
-        return Splits(train_ds, None, task, collate_fn=collate_fn)  # nothing asked: no evaluation without eval_data
+    if isinstance(train_ds, IterableDataset) or val_fraction == 0:  # nothing to hold out, or none asked
+        return Splits(train_ds, None, task, collate_fn=collate_fn)
     n = len(train_ds)  # type: ignore[arg-type]
     # ceil, as scikit-learn does for digits; rounding first keeps 100 x 0.07 = 7.000000000000001 at 7.
     n_val = max(1, math.ceil(round(n * val_fraction, 6)))

@@ -143,7 +143,7 @@ def _no_split(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tupl
     declared = {id(m) for _, m in found}
 
     def blocks(sub: nn.Module) -> list[tuple[str, nn.Module]]:  # a list's blocks, if it is a stage's chain
-        kids = [(k, c) for k, c in sub.named_children() if next(c.children(), None) is not None]
+        kids = [(k, c) for k, c in sub.named_children() if not _leaf(c)]
         if sum(id(c) in declared for _, c in kids) > 1:  # declared ones (ConvNext's layers in its stages)
             return [(k, c) for k, c in kids if id(c) in declared]
         same = len(kids) > 1 and len(kids) == len(sub) and len({class_of(c) for _, c in kids}) == 1
@@ -166,7 +166,7 @@ Run = tuple[str, nn.Module, type, list[tuple[str, nn.Module]]]  # (container's n
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
-def _same_class_lists(named: list[tuple[str, nn.Module]]) -> list[Run]:
+def _runs(named: list[tuple[str, nn.Module]]) -> list[Run]:
     """The runs of blocks in every ModuleList or Sequential, and every ModuleDict with a forward of its own
     (torchvision's IntermediateLayerGetter, DenseNet's _DenseBlock; not a parametrized layer's parametrizations):
     all its children when they are of one class and hold parameters (the children: a parametrized layer's
@@ -197,34 +197,44 @@ def _same_class_lists(named: list[tuple[str, nn.Module]]) -> list[Run]:
     return out
 
 
+def _leaf(module: nn.Module) -> bool:
+    """A module that holds no others (a Linear, a Conv2d, an activation)."""
+    return next(module.children(), None) is None
+
+
 def _layer(module: nn.Module) -> bool:
     """A module of leaf modules or none (a Linear; torchvision's Conv2dNormActivation: a convolution, a norm and
     an activation): a layer rather than a block of layers."""
-    return all(next(c.children(), None) is None for c in module.children())
+    return all(_leaf(c) for c in module.children())
 
 
 def _repeated(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     # the model itself may be the Sequential of blocks; a list of lists is not one of blocks (Funnel's
     # encoder.blocks holds a ModuleList of layers per stage): its lists are looked into instead
-    runs_of = [run for run in _same_class_lists([("", model), *named]) if not _container(run[2])]
+    runs_of = [run for run in _runs([("", model), *named]) if not _container(run[2])]
     # a class repeated: two or more of it over its runs (Funnel with one layer per stage has two lists of one)
     count, size = Counter(), Counter()
     for _, _, cls, kids in runs_of:
         count[cls] += len(kids)
         size[cls] += sum(_size(c) for _, c in kids)
-    runs = [cls for cls in count if count[cls] > 1]
-    if not runs:
+    repeated = [cls for cls in count if count[cls] > 1]
+    if not repeated:
         return []
-    largest = max(size[cls] for cls in runs)
-    chosen = {cls for cls in runs if 4 * size[cls] >= largest}  # an encoder's layers and a decoder's, both
+    largest = max(size[cls] for cls in repeated)
+    chosen = {cls for cls in repeated if 4 * size[cls] >= largest}  # an encoder's layers and a decoder's, both
     stages, chains = _stages(runs_of, chosen)
     # A stage gives way to all its chain's blocks, also those of a class it holds once (EfficientFormer's last
     # stage ends in one MetaBlock1d, EdgeNeXt's stages in one SplitTransposeBlock): else they fell to the root.
     # Other modules of a stage's class stay units (SSDlite's heads are Sequentials, as its stages are).
-    return [(f"{name}.{key}" if name else key, child) for name, _, cls, kids in runs_of if cls in chosen
+    return [(_joined(name, key), child) for name, _, cls, kids in runs_of if cls in chosen
             for key, child in kids if id(child) not in stages] + \
-        [(f"{name}.{key}" if name else key, child) for name, m, _, _ in runs_of if id(m) in chains
+        [(_joined(name, key), child) for name, m, _, _ in runs_of if id(m) in chains
          for key, child in m.named_children() if _has_params(child) and not _layer(child)]
+
+
+def _joined(name: str, key: str) -> str:
+    """A child's qualified name: ``key`` under the container ``name`` ('' for the model itself)."""
+    return f"{name}.{key}" if name else key
 
 
 def _stages(runs: list[Run], chosen: set[type]) -> tuple[set[int], set[int]]:
@@ -252,7 +262,7 @@ def _block_class(cls: type, kids: list[tuple[str, nn.Module]]) -> bool:
     """Whether modules of ``cls`` chained in a Sequential are blocks, not layers: they hold modules, and their
     class is no Sequential subclass (torchvision's Conv2dNormActivation is one: a convolution, a norm and an
     activation; a stage made a Sequential is not chained, it chains)."""
-    return not issubclass(cls, nn.Sequential) and not all(next(c.children(), None) is None for _, c in kids)
+    return not issubclass(cls, nn.Sequential) and not all(_leaf(c) for _, c in kids)
 
 
 def _container(cls: type) -> bool:
@@ -334,7 +344,7 @@ def _param_classes(named: list[tuple[str, nn.Module]]) -> str:
 def _suggest(named: list[tuple[str, nn.Module]]) -> str:
     """A class name to suggest: the repeated blocks this model has, else the class of its largest layer with
     parameters that is not a container (a fix that runs as typed; "MyBlock" was refused again)."""
-    runs = _same_class_lists(named)
+    runs = _runs(named)
     if runs:
         return max(runs, key=lambda r: sum(_size(c) for _, c in r[3]))[2].__name__
     layers = [m for _, m in named if _has_params(m) and not isinstance(m, CONTAINERS)]

@@ -128,10 +128,8 @@ def _evaluated(job: Job, batches: Iterator[Any]) -> torch.Tensor:
                 continue
             try:
                 loss = plain(job.loss_fn(out, batch.target))
-            except UserError:
-                raise
             except Exception as err:
-                if i == 0 and job.user_loss:
+                if i == 0 and job.user_loss and not isinstance(err, UserError):
                     raise _eval_output(job, out, err) from err
                 raise
             totals[:4] += _sums(out, batch, loss, shift=_shift(job, out))

@@ -683,13 +683,12 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
     best_is = "the best checkpoint is the one of the lowest held-out loss"
     held_out = {"train.early_stop": (cfg.train.early_stop, "0", "it stops on the held-out loss"),
                 "checkpoint.best": (cfg.checkpoint.best, "false", best_is)}
-    stream = isinstance(splits.train, IterableDataset)
+    cause, refill = ("a stream", "") if isinstance(splits.train, IterableDataset) else \
+        ("data.val_fraction = 0", ", --data.val_fraction=0.1")
     for key, (value, off, why) in held_out.items():
         if value and splits.eval is None:
-            raise ConfigError(key, value, f"{off} for training data without a held-out split "
-                              f"({'a stream' if stream else 'data.val_fraction = 0'}): {why}",
-                              f"eval_data=... (a list of held-out samples){'' if stream else ', --data.val_fraction=0.1'}"
-                              f", or --{key}={off}")
+            raise ConfigError(key, value, f"{off} for training data without a held-out split ({cause}): {why}",
+                              f"eval_data=... (a list of held-out samples){refill}, or --{key}={off}")
     if cfg.checkpoint.load_best and not cfg.checkpoint.best:
         raise ConfigError("checkpoint.load_best", True, "false without checkpoint.best (no checkpoint is kept as the "
                           "best to load)", "--checkpoint.best=true as well")
