@@ -186,6 +186,66 @@ def test_fits_optimizer_and_dataloader_are_planned_as_fit_runs_them(capsys) -> N
     assert [r["total_bytes"] for r in whole["layouts"]] == [r["total_bytes"] for r in adamw["layouts"]]
 
 
+class WideHead(nn.Module):
+    """Token ids to logits over 4,096 classes: a loss of one's own over them holds more than the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(100, 32), nn.Linear(32, 4096)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def _smoothed(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against one-hot targets, written out: the one-hot's float copy, the log-softmax and their
+    product, each of the logits' size."""
+    return -(F.one_hot(y, logits.shape[-1]).float() * F.log_softmax(logits, -1)).sum(-1).mean()
+
+
+def test_fits_loss_fn_is_the_loss_the_planned_step_goes_backward_from() -> None:
+    """plan_fit took loss_fn and measured the step from cross-entropy of the logits all the same: a loss whose
+    temporaries outweigh the default's was planned as the default's (here 2.37 MB of a 3.15 MB step at batch 3:
+    the one-hot's float copy beside the log-softmax and its gradient)."""
+    ids = torch.randint(0, 100, (64, 16), generator=torch.Generator().manual_seed(0))
+    data = list(zip(ids, ids))
+    config = {"dist.nproc": 2, "data.batch_size": 3}
+    own = scaletrain.plan_fit(WideHead, data, gpu="h100", config=config, loss_fn=_smoothed, show=False)
+    default = scaletrain.plan_fit(WideHead, data, gpu="h100", config=config, show=False)
+    torch.manual_seed(0)
+    real = WideHead()
+    one = one_sample(Batcher(real), data)
+    want = estimate_activation_bytes(real, one, 3, whole_step=True, loss_fn=_smoothed)
+    rows = {(r["strategy"], r["checkpointing"]): r["activations_bytes"] for r in own["layouts"]}
+    assert rows["ddp", "none"] == want
+    logits_bytes = 3 * 16 * 4096 * 4
+    assert want - estimate_activation_bytes(real, one, 3, whole_step=True) >= logits_bytes
+    before = {(r["strategy"], r["checkpointing"]): r["activations_bytes"] for r in default["layouts"]}
+    assert rows["ddp", "none"] - before["ddp", "none"] >= logits_bytes
+    with pytest.raises(UserError, match=r"loss_fn: scaletrain calls loss_fn\(output, target\), and <lambda> cannot"):
+        scaletrain.plan_fit(WideHead, data, gpu="h100", config=config, loss_fn=lambda out: out.sum(), show=False)
+    with pytest.raises(UserError, match=r"loss_fn: <lambda> returned a tensor of shape \(1, 16\), not one number"):
+        scaletrain.plan_fit(WideHead, data, gpu="h100", config=config, loss_fn=lambda out, y: out.sum(-1),
+                            show=False)
+
+
+def test_strategy_auto_measures_the_step_of_fits_loss_fn() -> None:
+    """fit()'s --parallel.strategy=auto weighed the activations of scaletrain's default loss, not the user's."""
+    from scaletrain.config import ParallelConfig
+    from scaletrain.observe.memory import fmt_bytes
+    from scaletrain.parallel import resolve_strategy
+
+    ids = torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(0))
+    real = WideHead()
+    one = one_sample(Batcher(real), list(zip(ids, ids)))
+    reasons = [resolve_strategy(real, ParallelConfig(strategy="auto"), world_size=1, sample=one, batch_size=3,
+                                **kw)[1] for kw in ({}, {"loss_fn": _smoothed})]
+    want = [estimate_activation_bytes(real, one, 3, **kw) for kw in ({}, {"loss_fn": _smoothed})]
+    assert want[1] - want[0] >= 0.99 * 3 * 16 * 4096 * 4  # the one-hot's float copy, kept for backward
+    for reason, acts in zip(reasons, want):
+        assert f"activations {fmt_bytes(acts)} " in reason, reason
+
+
 class MakesAFloat(nn.Module):
     """A float made inside forward ((x > 0).float()) into a Linear: fine under autocast, not on bf16 weights alone."""
 

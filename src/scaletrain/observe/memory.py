@@ -203,9 +203,10 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def default_loss(output: Any) -> torch.Tensor:
-    """The memory a cross-entropy loss holds (scaletrain's default loss), against class 0; a model that
-    computes its own loss, or returns no logits, is measured from its own outputs."""
+def default_loss(output: Any, target: Any = None) -> torch.Tensor:
+    """The memory a cross-entropy loss holds (scaletrain's default loss), against class 0 (``target`` unused: a
+    sample measured may have none, and a class's value does not change the bytes); a model that computes its own
+    loss, or returns no logits, is measured from its own outputs."""
     logits = logits_of(output)
     if loss_of(output) is not None or logits is None:
         return backward_scalar(output)
@@ -284,7 +285,7 @@ def _envelope(lines: Iterable[Line]) -> tuple[Line, ...]:
 
 
 def measure_step(model: nn.Module, inputs: torch.Tensor | Batch, *, precision: str = "fp32",
-                 loss_fn: Callable[[Any], torch.Tensor] = default_loss,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss,
                  backward: bool = False, grads_allocated: bool = False, trace: bool = False) -> StepMemory:
     """One forward (and, with ``backward``, a backward) of ``model`` on ``inputs`` (a batched input tensor
     or a Batch), measured by LiveBytes.
@@ -292,7 +293,8 @@ def measure_step(model: nn.Module, inputs: torch.Tensor | Batch, *, precision: s
     ``grads_allocated``: give every parameter a zero gradient first, as DDP's bucket views keep them between
     steps, so backward adds into it and the peak counts only backward's temporaries, not the gradients.
     The model's gradients, RNG and buffers are left as they were, so measuring does not change training.
-    ``trace``: the StepMemory's ``rises`` too (LiveBytes).
+    ``trace``: the StepMemory's ``rises`` too (LiveBytes). ``loss_fn(output, target)``: the loss backward
+    starts from, given the batch's target (None for a bare input): a user's loss holds its own temporaries.
     """
     params = list(model.parameters())
     buffers = [b.detach().clone() for b in model.buffers()]
@@ -308,7 +310,7 @@ def measure_step(model: nn.Module, inputs: torch.Tensor | Batch, *, precision: s
         tracker = LiveBytes(existing, trace=trace)
         with tracker:
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = loss_fn(batch(model))
+                loss = loss_fn(batch(model), batch.target)
             retained = tracker.current
             if backward:
                 loss.backward()
@@ -323,7 +325,7 @@ def measure_step(model: nn.Module, inputs: torch.Tensor | Batch, *, precision: s
 
 def estimate_activation_bytes(model: nn.Module, sample: torch.Tensor | Batch, batch_size: int, *,
                               precision: str = "fp32",
-                              loss_fn: Callable[[Any], torch.Tensor] = default_loss,
+                              loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss,
                               whole_step: bool = False) -> int:
     """Activation bytes of one micro-batch of ``batch_size`` copies of ``sample`` (one input with no batch
     dim, or a Batch of one sample).
@@ -344,7 +346,7 @@ def estimate_activation_bytes(model: nn.Module, sample: torch.Tensor | Batch, ba
 
 
 def estimate_step(model: nn.Module, sample: torch.Tensor | Batch, batch_size: int, *, precision: str = "fp32",
-                  loss_fn: Callable[[Any], torch.Tensor] = default_loss) -> StepMemory:
+                  loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss) -> StepMemory:
     """Both figures of estimate_activation_bytes (what forward keeps, and with ``whole_step`` the step's peak)
     from one measured forward and backward per batch size: the gradients allocated beforehand are not
     forward's, so what it keeps is the same as a forward-only measurement's, and the planner, which wants
@@ -353,7 +355,7 @@ def estimate_step(model: nn.Module, sample: torch.Tensor | Batch, batch_size: in
 
 
 def step_points(model: nn.Module, sample: torch.Tensor | Batch, *, precision: str = "fp32",
-                loss_fn: Callable[[Any], torch.Tensor] = default_loss) -> StepCurve:
+                loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss) -> StepCurve:
     """estimate_step's StepCurve, from a forward and backward at batch 1 and at batch 2, and, where batch 1 ran
     other ops than batch 2, at batch 3 once a larger batch is asked (the planner keeps the curve: a config
     planned again at another micro-batch is the same steps). Should the two steps the lines come from not

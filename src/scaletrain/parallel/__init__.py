@@ -20,7 +20,7 @@ import inspect
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from scaletrain.errors import ConfigError, UserError
 from scaletrain.layout import Layout, check_layout, resolve_degrees, resolve_layout, virtual_stages
 from scaletrain.observe.memory import (
     choose_strategy,
+    default_loss,
     device_capacity_bytes,
     estimate_activation_bytes,
     estimate_model_state,
@@ -312,11 +313,13 @@ def _check_causal_lm_split(model: nn.Module, pp: int, virtual: int) -> None:
 
 def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, nnodes: int = 1,
                      precision: str = "fp32", optimizer: str = "adamw", sample: torch.Tensor | Batch | None = None,
-                     batch_size: int = 1, cpu_offload: bool = False) -> tuple[str, str]:
+                     batch_size: int = 1, cpu_offload: bool = False,
+                     loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss) -> tuple[str, str]:
     """(strategy, reason): cfg.strategy as given, or for auto the memory rule's choice with its numbers.
 
     ``model`` is the bare model on its device; ``sample`` is one input (no batch dim) for measuring
-    activations at ``batch_size`` per rank. Every rank takes rank 0's decision, so they cannot disagree.
+    activations at ``batch_size`` per rank, backward from ``loss_fn(output, target)`` (fit()'s, or the default
+    loss's cross-entropy). Every rank takes rank 0's decision, so they cannot disagree.
     """
     if cfg.strategy != "auto":
         return cfg.strategy, f"parallel.strategy={cfg.strategy}"
@@ -327,7 +330,8 @@ def resolve_strategy(model: nn.Module, cfg: ParallelConfig, *, world_size: int, 
     capacity = device_capacity_bytes(device, max(world_size // max(nnodes, 1), 1))
     note = ""
     try:
-        acts = estimate_activation_bytes(model, sample.to(device), batch_size, precision=precision) \
+        acts = estimate_activation_bytes(model, sample.to(device), batch_size, precision=precision,
+                                         loss_fn=loss_fn) \
             if sample is not None else 0
         note = "" if sample is not None else " (activations not measured: no sample input)"
     except torch.OutOfMemoryError:

@@ -50,6 +50,7 @@ from scaletrain.observe.memory import (
     FIT_MARGIN,
     OPTIM_STATES,
     StepCurve,
+    default_loss,
     fmt_bytes,
     step_points,
 )
@@ -226,7 +227,8 @@ def fmt_seconds(s: float) -> str:
     return f"{days:.3g} d" if days < 999.5 else f"{days:,.0f} d"  # not 1e+03 d
 
 
-# task of a model of one's own (plan/own.py): info["build"] builds it, called with no arguments under fake tensors
+# task of a model of one's own (plan/own.py): info["build"] builds it, called with no arguments under fake tensors;
+# info["loss_fn"], where fit() was given one, is the loss its measured steps go backward from
 OWN = "own"
 
 
@@ -438,10 +440,11 @@ def _bytes_at(cfg: Config, curve: StepCurve, *, kept: bool) -> tuple[int, int | 
 
 
 def _step_points(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *,
-                 low: bool) -> StepCurve:
+                 low: bool, loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss) -> StepCurve:
     """The step measured at batch 1 and 2 (observe.memory.step_points' curve): as DDP runs it (autocast) or, ``low``, as
     FSDP does (a model built in the compute dtype, a floating input cast to it; no autocast for scaletrain's own
-    models, autocast over a model of one's own: precision.policy_casts)."""
+    models, autocast over a model of one's own: precision.policy_casts). ``loss_fn``: the user's (fit()'s
+    loss_fn(output, target)), where backward starts."""
     precision = cfg.train.precision
     if low:
         dtype = AUTOCAST_DTYPE[precision]
@@ -450,7 +453,7 @@ def _step_points(cfg: Config, model: nn.Module, sample: torch.Tensor | Batch, *,
             sample = sample.to(dtype)
         elif isinstance(sample, Batch):  # FSDP's policy casts the floating inputs (cast_forward_inputs)
             sample = sample.map(lambda t: t.to(dtype) if t.is_floating_point() else t, target=False)
-    return step_points(model, sample, precision=precision)
+    return step_points(model, sample, precision=precision, loss_fn=loss_fn)
 
 
 # What _measure measured of a built-in model, by what decides it: the config at one sample per batch, the
@@ -497,7 +500,8 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
     points, counts_of, flops_of = (_POINTS, _COUNTS, _FLOPS) if known is not None else ({}, {}, {})
 
     def measured(key: str, build: Callable[[], nn.Module], *, low: bool) -> None:
-        two = _once(points, (known, key, low), lambda: _step_points(cfg, build(), fake_sample, low=low))
+        two = _once(points, (known, key, low),
+                    lambda: _step_points(cfg, build(), fake_sample, low=low, loss_fn=info.get("loss_fn", default_loss)))
         acts[key], just_kept = _bytes_at(cfg, two, kept=kept)
         if just_kept is not None:
             held[key] = just_kept

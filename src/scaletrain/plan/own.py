@@ -44,9 +44,10 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     ``optimizer``: fit()'s, as a function of the parameters (called on the model built on the meta device): its
     state is planned as SGD's one buffer per parameter, or Adam's two for any other, in place of optim.name's.
     ``eval_data``: fit()'s; without it data.val_fraction of ``train_data`` is held out, as fit() holds it out.
-    ``loss_fn``, ``scheduler``, ``metrics``, ``on_eval``: fit()'s too, taken so that a fit() call plans by its
-    name alone; they do not change the plan (the step is measured backward from the model's own loss, or from
-    cross-entropy of its logits, or from what it returns)."""
+    ``loss_fn``: fit()'s; the step is measured backward from it (its temporaries are the step's too: a one-hot or
+    a similarity matrix it builds), else from the model's own loss, or cross-entropy of its logits, or what it
+    returns. ``scheduler``, ``metrics``, ``on_eval``: fit()'s too, taken so that a fit() call plans by its name
+    alone; they do not change the plan."""
     from scaletrain.batch import Batcher, one_sample
     from scaletrain.data import in_memory, train_size
     from scaletrain.plan.catalog import ACCELERATORS, default_mfu
@@ -68,7 +69,12 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     build = builder(model, instead="a function")
     # the data are the arguments; several machines need no rendezvous to be planned (the run will)
     given = {"data.source": "memory", "dist.rdzv_endpoint": "planned:29500"}
-    del loss_fn, scheduler, metrics, on_eval  # fit()'s, taken as it takes them (see above)
+    del scheduler, metrics, on_eval  # fit()'s, taken as it takes them (see above)
+    info: dict[str, Any] = {"build": build}
+    if loss_fn is not None:  # as fit() calls it: a function of the wrong shape, or a wrong return, is one line
+        from scaletrain.train.job import checked_loss
+
+        info["loss_fn"] = checked_loss(loss_fn)
     train_data, eval_data, collate_fn, loader, _ = loaders_read(train_data, eval_data, collate_fn)  # a DataLoader's
     cfg = resolve_config(config, argv, defaults={**loader, **given}, pinned=given).for_device("cuda")  # for a GPU
     cfg = dataclasses.replace(cfg, model=ModelConfig())  # the model is the user's: no built-in's key applies
@@ -84,7 +90,7 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     one = one_sample(Batcher(signature, batch_fn), splits.train, collate_fn)
     try:
         with on_fake_tensors():
-            facts = measure_model(cfg, OWN, {"build": build}, one, modes=AC_PLANNED)  # type: ignore[arg-type]
+            facts = measure_model(cfg, OWN, info, one, modes=AC_PLANNED)  # type: ignore[arg-type]
     except NotFakeable as err:
         raise UserError(f"model: {type(signature).__name__} cannot be planned: the plan runs one forward and "
                         f"backward of it on fake tensors (shapes, no data), and {err}; fix: measure "

@@ -607,7 +607,7 @@ def builder(model: Callable[[], nn.Module], *, instead: str = "an instance") -> 
     return build
 
 
-def _checked(loss_fn: LossFn) -> LossFn:
+def checked_loss(loss_fn: LossFn) -> LossFn:
     """The user's loss, called as loss_fn(output, target): a function that cannot take two arguments is said at
     once, and what it returns must be one number the step can backpropagate (a tensor of shape (), checked on
     the host: no sync)."""
@@ -750,10 +750,12 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         peaks = [float(g.get("initial_lr", g["lr"])) for g in opt.param_groups]
     if isinstance(scheduler, LRScheduler):  # one built already: checked now, before the run starts
         own_scheduler(scheduler, opt)
+    loss = checked_loss(loss_fn) if loss_fn else _default_loss(cfg.train, own_in_tuple)
     strategy, reason = resolve_strategy(module, cfg.parallel, world_size=rt.world_size, nnodes=nnodes,
                                         precision=cfg.train.precision, optimizer=optim_kind(cfg, opt, optimizer),
                                         sample=one if cfg.parallel.strategy == "auto" else None,
-                                        batch_size=plan.batch_size, cpu_offload=cfg.memory.cpu_offload)
+                                        batch_size=plan.batch_size, cpu_offload=cfg.memory.cpu_offload,
+                                        **({"loss_fn": loss} if loss_fn else {}))
     if strategy != cfg.parallel.strategy:
         check_precision(cfg.train.precision, rt.device, strategy)
     layout = resolve_layout(cfg.parallel, cfg.memory, rt.world_size, nnodes, strategy=strategy)  # once, read below
@@ -761,7 +763,6 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
         raise UserError(f"fit(optimizer=...): with parallel.pp = {layout.pp} each rank trains its stage of the model, "
                         "with an optimizer of that stage's parameters, which one built on the whole model is not; fix: "
                         f"optimizer=lambda params: torch.optim.{type(optimizer).__name__}(params, ...)")
-    loss = _checked(loss_fn) if loss_fn else _default_loss(cfg.train, own_in_tuple)
     token_loss = _token_loss(cfg, module, one.to(torch.device("meta") if deferred else rt.device), layout,
                              user_loss=loss_fn is not None, deferred=deferred) \
         if cfg.train.loss_mean == "tokens" else None

@@ -155,9 +155,10 @@ def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any], model_giv
 
         with torch.device("meta"):
             module = build_model(job.cfg.model, splits.task, splits.info)
-    # a model of one's own: its first sample as fit() split it, and its class to build it on fake tensors (a model
-    # given built cannot be: the plan then has the model state only)
-    task, info, sample = (OWN, {"build": job.build} if job.build else {}, (job.first, None)) if model_given else \
+    # a model of one's own: its first sample as fit() split it, its class to build it on fake tensors (a model
+    # given built cannot be: the plan then has the model state only), and the loss_fn its step goes backward from
+    own = {"build": job.build, **({"loss_fn": job.loss_fn} if job.user_loss else {})} if job.build else {}
+    task, info, sample = (OWN, own, (job.first, None)) if model_given else \
         (splits.task, splits.info, splits.train[0][:2])
     cfg = job.cfg if job.own_optimizer is None else dataclasses.replace(  # an optimizer given: its state's kind
         job.cfg, optim=dataclasses.replace(job.cfg.optim, name=job.optim_kind))
