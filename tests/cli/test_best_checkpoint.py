@@ -19,7 +19,7 @@ from warm import SCALETRAIN_M
 
 import scaletrain
 from scaletrain.checkpoint import commit
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, Stopped
 
 # 30 steps an epoch (480 training samples in batches of 16), an evaluation after each; at most 12 epochs
 CONFIG = {"train.epochs": 12, "data.batch_size": 16, "optim.lr": 1e-2, "train.progress": False, "log.every": 100,
@@ -89,7 +89,8 @@ def test_a_best_at_a_step_saved_anyway_is_that_checkpoint(tmp_path: Path) -> Non
 def test_a_resumed_run_keeps_the_best_of_the_whole_run(tmp_path: Path) -> None:
     whole = _fit(tmp_path / "whole")
     cut = tmp_path / "cut"
-    _fit(cut, **{"chaos.interrupt_step": 150})  # after the best evaluation of this data
+    with pytest.raises(Stopped):
+        _fit(cut, **{"chaos.interrupt_step": 150})  # after the best evaluation of this data
     resumed = _fit(cut)
     assert resumed["best_checkpoint"]["step"] == whole["best_checkpoint"]["step"]
     assert resumed["best_checkpoint"]["eval_loss"] == whole["best_checkpoint"]["eval_loss"]

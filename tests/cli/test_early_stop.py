@@ -11,7 +11,7 @@ from noisy import noisy_labels, wide_net
 from torch.utils.data import IterableDataset
 
 import scaletrain
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, Stopped
 
 # 30 steps an epoch (480 training samples in batches of 16), an evaluation after each; 60 epochs at most
 CONFIG = {"train.epochs": 60, "data.batch_size": 16, "optim.lr": 1e-2, "train.progress": False, "log.every": 100,
@@ -45,7 +45,8 @@ def test_the_run_stops_at_the_third_evaluation_without_a_new_best(tmp_path: Path
 def test_a_stopped_run_resumed_stops_where_the_whole_run_does(tmp_path: Path) -> None:
     whole = scaletrain.fit(_net(), _data(), config={**CONFIG, "run.dir": str(tmp_path / "whole")})
     cut = {**CONFIG, "run.dir": str(tmp_path / "cut")}
-    scaletrain.fit(_net(), _data(), config={**cut, "chaos.interrupt_step": 70})  # between the 2nd and 3rd evals
+    with pytest.raises(Stopped):  # fit() does not return from a stop
+        scaletrain.fit(_net(), _data(), config={**cut, "chaos.interrupt_step": 70})  # between the 2nd and 3rd evals
     resumed = scaletrain.fit(_net(), _data(), config=cut)
     assert resumed["early_stop"] == whole["early_stop"] and resumed["steps"] == whole["steps"]
 
@@ -54,7 +55,8 @@ def test_a_checkpoint_made_without_it_resumes_with_it(tmp_path: Path) -> None:
     """A run started without train.early_stop (or by an older scaletrain) resumed with it: it counts from the
     resume, instead of refusing the checkpoint for not holding its state."""
     config = {**CONFIG, "run.dir": str(tmp_path / "r"), "train.early_stop": 0}
-    scaletrain.fit(_net(), _data(), config={**config, "chaos.interrupt_step": 70})
+    with pytest.raises(Stopped):
+        scaletrain.fit(_net(), _data(), config={**config, "chaos.interrupt_step": 70})
     resumed = scaletrain.fit(_net(), _data(), config={**config, "train.early_stop": 3})
     assert resumed["early_stop"]["step"] == resumed["steps"] < 60 * 30
 

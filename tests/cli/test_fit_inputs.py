@@ -277,6 +277,30 @@ def test_an_error_that_is_not_scaletrains_keeps_its_traceback(tmp_path: Path) ->
     assert "scaletrain: error" not in proc.stderr
 
 
+def test_a_stopped_fit_does_not_return_to_the_code_after_it(tmp_path: Path) -> None:
+    """fit() stopped after saving (a preemption, here chaos.interrupt_step) returned a dict without the summary's
+    keys: a script reading its result after fit() ended in a KeyError traceback, exit 1 (and `scaletrain
+    verify-resume` of it failed). Now the stop ends the program as the CLI's does (exit 0, nothing after fit()
+    ran, no traceback) and the same command resumes and finishes."""
+    script = tmp_path / "fit_then_report.py"
+    script.write_text("import sys, torch, scaletrain\n"
+                      "x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0)); y = (x.sum(1) > 0).long()\n"
+                      "summary = scaletrain.fit(lambda: torch.nn.Linear(8, 2), (x, y), config={'train.max_steps': 6,\n"
+                      "                         'train.progress': False, 'run.dir': 'run'})\n"
+                      "print('finished, held-out accuracy', summary['eval']['accuracy'])\n")
+    command = [*SCALETRAIN, "launch", "--nproc", "2", str(script)]
+    stopped = subprocess.run([*command, "--chaos.interrupt_step=3"], cwd=tmp_path, check=False, capture_output=True,
+                             text=True, timeout=180, env=_env())
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "stopped (chaos.interrupt_step) at step 3" in stopped.stdout and "finished" not in stopped.stdout
+    assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    done = subprocess.run(command, cwd=tmp_path, check=False, capture_output=True, text=True, timeout=180,
+                          env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from run/checkpoints/step-00000003: step 3 of 6" in done.stdout, done.stdout[-3000:]
+    assert done.stdout.count("finished, held-out accuracy") == 2  # each rank, after the whole run
+
+
 @pytest.mark.parametrize("launcher", ["launch", "torchrun"])
 def test_a_refused_run_dir_is_one_line_and_exit_2_on_two_ranks(tmp_path: Path, launcher: str) -> None:
     """Rank 0 refuses a finished run directory and broadcasts the refusal; every rank stops with exit 2 and the

@@ -475,12 +475,13 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         loss_fn: LossFn | None = None, rt: Runtime | None = None, batch_fn: BatchFn | None = None,
         optimizer: OwnOptimizer | None = None, scheduler: OwnScheduler | None = None,
         metrics: Mapping[str, Metric] | None = None, on_eval: OnEval | None = None,
-        started: float | None = None) -> dict[str, Any]:
+        started: float | None = None, stop_raises: bool = False) -> dict[str, Any]:
     """Train as configured, resuming from the run directory's latest checkpoint if there is one; returns the
-    summary (the same dict on every rank), or, when preempted, ``{"stopped": ..., "steps": ...}``. After
-    Ctrl-C (SIGINT) it saves a checkpoint and raises preempt.Interrupted, a KeyboardInterrupt. ``started``:
-    time.perf_counter() when the run began (the CLI: its process's start), for the wall time and its
-    account; default now. The steps run on a session (train/session.py), as a loop of one's own does."""
+    summary (the same dict on every rank), or, when preempted, ``{"stopped": ..., "steps": ...}`` (with
+    ``stop_raises``, as fit() has it: raises preempt.Preempted instead). After Ctrl-C (SIGINT) it saves a
+    checkpoint and raises preempt.Interrupted, a KeyboardInterrupt. ``started``: time.perf_counter() when the
+    run began (the CLI: its process's start), for the wall time and its account; default now. The steps run on
+    a session (train/session.py), as a loop of one's own does."""
     started = time.perf_counter() if started is None else started
     rt = rt or runtime.init(cfg.dist)
     job: Job | None = None
@@ -509,6 +510,8 @@ def run(cfg: Config, *, splits: Splits | None = None, model: ModelArg = None,
         except torch.OutOfMemoryError as err:
             raise _out_of_memory(job) from err
         except Preempted as stop:
+            if stop_raises:
+                raise
             outcome = INTERRUPTED if stop.record["reason"] == "chaos.interrupt_step" else PREEMPTED
             return {"stopped": outcome, **stop.record, "steps": stop.record["step"], "world_size": rt.world_size}
         summary = st.close()
@@ -579,6 +582,11 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     command line's --section.key options (`scaletrain launch --nproc 2 my.py --parallel.strategy=fsdp` reaches
     the run; the script's own arguments are left to it); ``argv=[]``: none.
 
+    Returns the run's summary (summary.json's record, the same dict on every rank), once training is done. A
+    run stopped after saving its checkpoint (a preemption's SIGTERM, Slurm's SIGUSR1, Ctrl-C, chaos.interrupt_step)
+    does not return: it raises scaletrain.errors.Stopped, which, uncaught, ends the program as the CLI's stop
+    does, without a traceback (exit code 0, or 130 for Ctrl-C outside a launcher), so the code after fit()
+    (saving the final model, a last evaluation) runs only when the training finished; the same command resumes.
     A scaletrain error that the caller does not catch ends the program as the CLI does: one line, exit code
     2 (1 when training failed), said once however many ranks raised it.
     """
@@ -593,4 +601,4 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
         raise UserError(f"fit(on_eval=...): a {type(on_eval).__name__} is not a function; fix: a function "
                         "(model, step, metrics) called after each evaluation")
     return run(cfg, splits=splits, model=model, loss_fn=loss_fn, batch_fn=batch_fn, optimizer=optimizer,
-               scheduler=scheduler, metrics=metrics, on_eval=on_eval)
+               scheduler=scheduler, metrics=metrics, on_eval=on_eval, stop_raises=True)
