@@ -228,6 +228,14 @@ def test_fits_loss_fn_is_the_loss_the_planned_step_goes_backward_from() -> None:
         scaletrain.plan_fit(WideHead, data, gpu="h100", config=config, loss_fn=lambda out, y: out.sum(-1),
                             show=False)
 
+    def logs(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # reads a value: fake tensors have none
+        loss = _smoothed(out, y)
+        print(f"loss {loss.item():.3f}")
+        return loss
+
+    with pytest.raises(UserError, match=r"^loss_fn: logs cannot be planned: .* it reads a tensor's value"):
+        scaletrain.plan_fit(WideHead, data, gpu="h100", config=config, loss_fn=logs, show=False)
+
 
 def test_strategy_auto_measures_the_step_of_fits_loss_fn() -> None:
     """fit()'s --parallel.strategy=auto weighed the activations of scaletrain's default loss, not the user's."""

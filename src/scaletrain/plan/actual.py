@@ -65,7 +65,7 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
         measure_model,
         model_counts,
     )
-    from scaletrain.plan.fake_build import NotFakeable, on_fake_tensors
+    from scaletrain.plan.fake_build import LossNotFakeable, NotFakeable, on_fake_tensors
 
     checkpointing, strategy, shard = cfg.memory.activation_checkpointing, parallel.strategy, parallel.dp_shard
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch_size))
@@ -83,7 +83,8 @@ def plan_vs_actual(cfg: Config, task: str, info: dict[str, Any], sample: Any, ta
                 facts = measure_model(cfg, task, info, sample, target=target, modes=(checkpointing,),
                                       sharded=(parallel.sharded,), flops=flops)  # FSDP on one rank too (layout_memory)
         except NotFakeable as err:
-            notes.append(f"activations and peak not planned: the plan runs the model on fake tensors, and {err}")
+            what = "loss_fn on the model's output" if isinstance(err, LossNotFakeable) else "model"
+            notes.append(f"activations and peak not planned: the plan runs the {what} on fake tensors, and {err}")
             buildable = False
     if facts is None:  # the run's own counts, which the model the config builds has too; activations not planned
         facts = ModelFacts(*model_counts(module, cfg.parallel.fsdp_units), flops_per_sample=flops,

@@ -21,6 +21,7 @@ Either way the measured steps see a model of fake tensors only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -145,6 +146,23 @@ def why_not_fake(err: BaseException) -> str:
 
 class NotFakeable(Exception):
     """A model of one's own that fake tensors cannot run; its message: why, in a few words (why_not_fake)."""
+
+
+class LossNotFakeable(NotFakeable):
+    """The user's loss_fn, not the model, is what fake tensors cannot run (fake_loss)."""
+
+
+def fake_loss(loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``loss_fn(output, target)`` for a planned step: what fake tensors cannot run in it raised as
+    LossNotFakeable, so that the one line names the loss, not the model."""
+    @functools.wraps(loss_fn)
+    def loss(output: Any, target: Any) -> Any:
+        try:
+            return loss_fn(output, target)
+        except (*FAKE_LIMITS, RuntimeError) as err:
+            raise LossNotFakeable(why_not_fake(err)) from err
+
+    return loss
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from torch import nn
 
 from scaletrain.config import Config, ModelConfig
 from scaletrain.errors import UserError, says_errors
-from scaletrain.plan.fake_build import NotFakeable, build_shapes, on_fake_tensors
+from scaletrain.plan.fake_build import LossNotFakeable, NotFakeable, build_shapes, fake_loss, on_fake_tensors
 
 
 @says_errors
@@ -74,7 +74,7 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     if loss_fn is not None:  # as fit() calls it: a function of the wrong shape, or a wrong return, is one line
         from scaletrain.train.job import checked_loss
 
-        info["loss_fn"] = checked_loss(loss_fn)
+        info["loss_fn"] = fake_loss(checked_loss(loss_fn))
     train_data, eval_data, collate_fn, loader, _ = loaders_read(train_data, eval_data, collate_fn)  # a DataLoader's
     cfg = resolve_config(config, argv, defaults={**loader, **given}, pinned=given).for_device("cuda")  # for a GPU
     cfg = dataclasses.replace(cfg, model=ModelConfig())  # the model is the user's: no built-in's key applies
@@ -91,6 +91,12 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     try:
         with on_fake_tensors():
             facts = measure_model(cfg, OWN, info, one, modes=AC_PLANNED)  # type: ignore[arg-type]
+    except LossNotFakeable as err:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        raise UserError(f"loss_fn: {name} cannot be planned: the plan runs it on the output of one forward on fake "
+                        f"tensors (shapes, no data), and {err}; fix: give plan_fit the same loss without that op "
+                        "(what it prints or logs left out), or plan without loss_fn (the default cross-entropy's "
+                        "memory)") from None
     except NotFakeable as err:
         raise UserError(f"model: {type(signature).__name__} cannot be planned: the plan runs one forward and "
                         f"backward of it on fake tensors (shapes, no data), and {err}; fix: measure "
