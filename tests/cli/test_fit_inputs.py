@@ -95,6 +95,29 @@ def _config(tmp_path: Path, name: str) -> dict:
     return {**QUICK, "run.dir": str(tmp_path / name)}
 
 
+def test_batch_fn_maps_held_out_batches_too_without_gradients(tmp_path: Path) -> None:
+    """batch_fn maps every batch, training's and the held-out ones; held-out batches come to it with gradients
+    off, so an augmentation of training batches only (mixup) leaves them as they are by testing
+    torch.is_grad_enabled() (README: fit()): their targets stay classes, and the accuracy is counted."""
+    seen: list[bool] = []
+
+    def mixup(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch
+        seen.append(torch.is_grad_enabled())
+        if not torch.is_grad_enabled():
+            return x, y
+        onehot = F.one_hot(y, 4).float()
+        perm = torch.randperm(x.shape[0])
+        return 0.7 * x + 0.3 * x[perm], 0.7 * onehot + 0.3 * onehot[perm]
+
+    config = {**_config(tmp_path, "mix"), "train.max_steps": 8, "train.eval_every": 8}
+    summary = scaletrain.fit(lambda: nn.Linear(8, 4), _points(512, 0), eval_data=_points(128, 1), batch_fn=mixup,
+                             config=config)
+    assert summary["eval"]["count"] == 128.0 and 0 <= summary["eval"]["accuracy"] <= 1
+    # each of 8 steps' batches with gradients, the held-out ones (4 of 32, at step 0 and 8) without
+    assert seen.count(True) >= 8 and seen.count(False) == 2 * 4, seen
+
+
 def test_dict_batches_train_a_model_that_computes_its_own_loss(tmp_path: Path) -> None:
     summary = scaletrain.fit(OwnLoss, DictSet(2048, 0), eval_data=DictSet(512, 1), config=_config(tmp_path, "d"))
     assert summary["steps"] == 4 * 2048 // 32
