@@ -557,7 +557,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_data: Any, *, eval_dat
     start at each evaluation); without eval_data, data.val_fraction of the
     training data is held out (0: none, no evaluation). A Dataset's samples may be tuples of any
     length (the last is the target), dicts (Hugging Face style: ``model(**batch)``, target ``labels``) or
-    tensors; ``batch_fn(batch) -> (inputs, target)`` maps any other layout (scaletrain.batch).
+    tensors; ``batch_fn(batch) -> (inputs, target)`` maps any other layout (scaletrain.batch), the held-out
+    batches' too, with gradients off (an augmentation of training batches only tests torch.is_grad_enabled()).
     ``collate_fn(samples) -> batch``: how a list of samples becomes a batch, as a DataLoader takes it (a padding
     collator such as transformers' DataCollatorWithPadding); by default scaletrain.batch.collate.
     ``loss_fn(output, target)`` receives the model's output as it returned it (a tensor, tuple, dict or
