@@ -228,7 +228,8 @@ def fmt_seconds(s: float) -> str:
 
 
 # task of a model of one's own (plan/own.py): info["build"] builds it, called with no arguments under fake tensors;
-# info["loss_fn"], where fit() was given one, is the loss its measured steps go backward from
+# info["loss_fn"], where fit() was given one, is the loss its measured steps go backward from (what fake tensors
+# cannot run in it is said of the loss: fake_build.fake_loss)
 OWN = "own"
 
 
@@ -492,16 +493,17 @@ def _measure(cfg: Config, task: str, info: dict[str, Any], sample: torch.Tensor,
     all-gathers the parameters in the compute dtype and casts the inputs: no copies, counted instead as the
     FSDP working set)."""
     from scaletrain.observe.throughput import flops_per_sample
+    from scaletrain.plan.fake_build import fake_loss
 
     dtype = AUTOCAST_DTYPE.get(cfg.train.precision)
     acts: dict[str, int] = {}
     held: dict[str, int] = {}  # with ``kept``: what forward keeps for backward, per key
     known = _measured_key(cfg, task, sample, target)
     points, counts_of, flops_of = (_POINTS, _COUNTS, _FLOPS) if known is not None else ({}, {}, {})
+    loss_fn = fake_loss(info["loss_fn"]) if "loss_fn" in info else default_loss
 
     def measured(key: str, build: Callable[[], nn.Module], *, low: bool) -> None:
-        two = _once(points, (known, key, low),
-                    lambda: _step_points(cfg, build(), fake_sample, low=low, loss_fn=info.get("loss_fn", default_loss)))
+        two = _once(points, (known, key, low), lambda: _step_points(cfg, build(), fake_sample, low=low, loss_fn=loss_fn))
         acts[key], just_kept = _bytes_at(cfg, two, kept=kept)
         if just_kept is not None:
             held[key] = just_kept

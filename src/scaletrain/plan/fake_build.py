@@ -153,8 +153,8 @@ class LossNotFakeable(NotFakeable):
 
 
 def fake_loss(loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """``loss_fn(output, target)`` for a planned step: what fake tensors cannot run in it raised as
-    LossNotFakeable, so that the one line names the loss, not the model."""
+    """``loss_fn(output, target)`` for a planned step (plan/estimate.py wraps a user's loss so): what fake tensors
+    cannot run in it raised as LossNotFakeable, so that the one line names the loss, not the model."""
     @functools.wraps(loss_fn)
     def loss(output: Any, target: Any) -> Any:
         try:

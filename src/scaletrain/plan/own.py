@@ -23,7 +23,7 @@ from torch import nn
 
 from scaletrain.config import Config, ModelConfig
 from scaletrain.errors import UserError, says_errors
-from scaletrain.plan.fake_build import LossNotFakeable, NotFakeable, build_shapes, fake_loss, on_fake_tensors
+from scaletrain.plan.fake_build import LossNotFakeable, NotFakeable, build_shapes, on_fake_tensors
 
 
 @says_errors
@@ -74,7 +74,7 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     if loss_fn is not None:  # as fit() calls it: a function of the wrong shape, or a wrong return, is one line
         from scaletrain.train.job import checked_loss
 
-        info["loss_fn"] = fake_loss(checked_loss(loss_fn))
+        info["loss_fn"] = checked_loss(loss_fn)
     train_data, eval_data, collate_fn, loader, _ = loaders_read(train_data, eval_data, collate_fn)  # a DataLoader's
     cfg = resolve_config(config, argv, defaults={**loader, **given}, pinned=given).for_device("cuda")  # for a GPU
     cfg = dataclasses.replace(cfg, model=ModelConfig())  # the model is the user's: no built-in's key applies

@@ -146,7 +146,6 @@ def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any], model_giv
     """plan/actual.py's record for this run, on every rank (each returns the summary)."""
     from scaletrain.plan.actual import plan_vs_actual
     from scaletrain.plan.estimate import OWN
-    from scaletrain.plan.fake_build import fake_loss
 
     rt, plan = job.rt, job.plan
     rate = summary["samples_per_s"]
@@ -158,7 +157,7 @@ def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any], model_giv
             module = build_model(job.cfg.model, splits.task, splits.info)
     # a model of one's own: its first sample as fit() split it, its class to build it on fake tensors (a model
     # given built cannot be: the plan then has the model state only), and the loss_fn its step goes backward from
-    own = {"build": job.build, **({"loss_fn": fake_loss(job.loss_fn)} if job.user_loss else {})} if job.build else {}
+    own = {"build": job.build, **({"loss_fn": job.loss_fn} if job.user_loss else {})} if job.build else {}
     task, info, sample = (OWN, own, (job.first, None)) if model_given else \
         (splits.task, splits.info, splits.train[0][:2])
     cfg = job.cfg if job.own_optimizer is None else dataclasses.replace(  # an optimizer given: its state's kind
