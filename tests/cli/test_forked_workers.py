@@ -20,8 +20,9 @@ ENV = {**{k: v for k, v in script_env().items() if k != forked.START_ENV}, "PYTH
 
 
 def test_the_routing_forks_scaletrains_module_only_and_a_fork_exits_with_its_code(tmp_path):
-    """Inside the launcher's patch of torchrun's process start: `-u -m scaletrain ...` is a forked Worker that
-    ends with scaletrain's own exit code and output; any other command a real Popen."""
+    """Inside the launcher's patch of torchrun's process start: `-u -m scaletrain ...` (and scaletrain's other
+    worker modules, forked.OWN_MODULES) is a forked Worker that ends with its own exit code and output; any other
+    command, another package's module included, a real Popen."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (
         SubprocessHandler,
     )
@@ -33,6 +34,8 @@ def test_the_routing_forks_scaletrains_module_only_and_a_fork_exits_with_its_cod
     with _worker_processes(fork=True):
         for name, args in (("version", ("-u", "-m", "scaletrain", "--version")),
                            ("usage", ("-u", "-m", "scaletrain", "train", "digits", "--train.max_steps=-3")),
+                           ("own", ("-u", "-m", "scaletrain.cluster.rehearse_net", "--help")),
+                           ("module", ("-u", "-m", "json.tool", "--help")),  # a module not ours: as torchrun runs it
                            ("other", ("-u", "-c", "import sys; print('plain'); sys.exit(3)"))):
             made[name] = SubprocessHandler(sys.executable, args, env, str(tmp_path / f"{name}.out"),
                                            str(tmp_path / f"{name}.err"), 0, None)
@@ -41,8 +44,10 @@ def test_the_routing_forks_scaletrains_module_only_and_a_fork_exits_with_its_cod
         handler._stdout.close()
         handler._stderr.close()
     assert isinstance(made["version"].proc, forked.Worker) and isinstance(made["usage"].proc, forked.Worker)
-    assert isinstance(made["other"].proc, subprocess.Popen)
-    assert codes == {"version": 0, "usage": 2, "other": 3}
+    assert isinstance(made["own"].proc, forked.Worker)
+    assert isinstance(made["other"].proc, subprocess.Popen) and isinstance(made["module"].proc, subprocess.Popen)
+    assert codes == {"version": 0, "usage": 2, "own": 0, "module": 0, "other": 3}
+    assert "--mb" in (tmp_path / "own.out").read_text()  # rehearse_net's own usage, run as __main__
     assert (tmp_path / "version.out").read_text().startswith("scaletrain ")
     usage = (tmp_path / "usage.err").read_text()
     assert usage.count("\n") == 1 and "train.max_steps" in usage and "Traceback" not in usage, usage
@@ -117,6 +122,18 @@ def test_forked_workers_train_bit_identically_to_new_interpreters(tmp_path):
     (fork_losses, forks), (exec_losses, none) = _digits(tmp_path, "forked", "auto"), _digits(tmp_path, "exec", "exec")
     assert (forks, none) == (2, 0)
     assert fork_losses == exec_losses and len(fork_losses) == 6
+
+
+def test_the_doctors_self_test_ranks_are_forks_and_its_all_reduce_is_right(tmp_path):
+    """`scaletrain doctor` starts its 2-rank self-test as scaletrain's own module: forks of the doctor, whose
+    result (every rank's sum checked) is what it reports."""
+    notes = tmp_path / "doctor.forks"
+    proc = subprocess.run([sys.executable, "-c", LAUNCHER, "doctor", "--json"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=240, check=False, env={**ENV, "FORK_NOTES": str(notes)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)["self_test"]
+    assert result["ok"] and result["world_size"] == 2 and result["result_correct_on_all_ranks"], result
+    assert len(notes.read_text().splitlines()) == 2
 
 
 def test_a_bad_worker_start_is_one_line():

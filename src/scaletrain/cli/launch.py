@@ -34,6 +34,7 @@ def add_parser(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
+    from scaletrain.cluster import forked
     from scaletrain.cluster.torchrun import launch
 
     if leftovers:
@@ -60,6 +61,8 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
         raise UserError(f"scaletrain launch runs under a launcher already (it set RANK and WORLD_SIZE={world}): each "
                         f"of its {world} processes would start a job of its own; fix: run scaletrain launch directly, "
                         "once per machine, or let that launcher run the script itself")
+    if args.module and args.script in forked.OWN_MODULES:
+        forked.serial_launcher()  # scaletrain's own module (the rehearsal's network check): workers may be forks
     # Deterministic, so that every machine of a multi-machine job derives the same id from the same command.
     name = args.script if args.module else Path(args.script).stem
     started = time.time()

@@ -13,8 +13,11 @@ signalled and restarted the same way.
 Only from a launcher that has computed on one thread since it started (serial_launcher): GNU OpenMP cannot
 run in a child forked from a process that ran a parallel region, the child hangs at its first one (pytorch
 issue 17199; so does MKL's matrix product on its threads). Never with CUDA devices: the launcher's own
-checks (torch.cuda.is_available) may have initialized the driver, which a forked process cannot use. Never for a user's script (`scaletrain launch script.py`): it runs as
-torchrun runs it. SCALETRAIN_WORKER_START=exec starts every worker as a new interpreter.
+checks (torch.cuda.is_available) may have initialized the driver, which a forked process cannot use. Only
+scaletrain's own modules (OWN_MODULES: the trainer's `-m scaletrain`, the doctor's self-test, the rehearsal's
+network check), never a user's script or module (`scaletrain launch script.py`): it runs as torchrun runs it,
+in an interpreter that holds none of the launcher's state (logging handlers, warnings filters, atexit).
+SCALETRAIN_WORKER_START=exec starts every worker as a new interpreter.
 """
 
 from __future__ import annotations
@@ -82,11 +85,19 @@ def can_fork() -> bool:
     return _serial and torch.get_num_threads() == 1 and not torch.cuda.is_initialized() and _allowed()
 
 
-def module_argv(args: Sequence[str]) -> list[str] | None:
-    """The arguments after `-m scaletrain` when ``args`` (as torchrun starts a worker) runs scaletrain's own
-    module with this interpreter; None for anything else."""
-    head = [sys.executable, "-u", "-m", "scaletrain"]
-    return [str(a) for a in args[len(head):]] if list(args[:len(head)]) == head else None
+# The modules of scaletrain's own a launcher runs as its workers (`python -u -m MODULE ARGS`): the trainer's
+# commands, the doctor's all-reduce self-test and the rehearsal's network check. A new interpreter each cost the
+# doctor's and the rehearsal's 2 to 4 ranks some 2.5 s of CPU apiece, most of a 16 s rehearsal's start-up.
+OWN_MODULES = ("scaletrain", "scaletrain.cluster.doctor", "scaletrain.cluster.rehearse_net")
+
+
+def own_module(args: Sequence[str]) -> tuple[str, list[str]] | None:
+    """(module, the arguments after it) when ``args`` (as torchrun starts a worker) runs one of scaletrain's own
+    modules (OWN_MODULES) with this interpreter; None for anything else."""
+    head = [sys.executable, "-u", "-m"]
+    if list(args[:len(head)]) != head or len(args) == len(head) or args[len(head)] not in OWN_MODULES:
+        return None
+    return str(args[len(head)]), [str(a) for a in args[len(head) + 1:]]
 
 
 class Worker:
@@ -134,9 +145,10 @@ class Worker:
         self.send_signal(signal.SIGKILL)
 
 
-def start(args: Sequence[str], argv: list[str], env: dict[str, str], stdout: IO[Any] | None,
+def start(args: Sequence[str], module: str, argv: list[str], env: dict[str, str], stdout: IO[Any] | None,
           stderr: IO[Any] | None, arm: Callable[[], None] | None) -> Worker:
-    """Fork a worker that runs `scaletrain ARGV` in ``env`` (``args``: the command torchrun would have run);
+    """Fork a worker that runs `python -m MODULE ARGV` (one of OWN_MODULES) in ``env`` (``args``: the command
+    torchrun would have run);
     ``stdout``/``stderr``: files its streams go to (None: this process's); ``arm``: run first in the child
     (env.dies_with's request to die with this process)."""
     for name in PRELOAD:
@@ -156,11 +168,17 @@ def start(args: Sequence[str], argv: list[str], env: dict[str, str], stdout: IO[
         if arm is not None:
             arm()
         _as_a_new_interpreter(env, stdout, stderr)
-        import scaletrain
-        from scaletrain.cli import run_as_module
+        if module == "scaletrain":
+            import scaletrain
+            from scaletrain.cli import run_as_module
 
-        sys.argv = [os.path.join(os.path.dirname(scaletrain.__file__), "__main__.py"), *argv]  # as `-m` sets it
-        run_as_module(argv)
+            sys.argv = [os.path.join(os.path.dirname(scaletrain.__file__), "__main__.py"), *argv]  # as `-m` sets it
+            run_as_module(argv)
+        import runpy
+
+        sys.argv = ["-m", *argv]  # runpy puts the module's path first, as `-m` does
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException:  # noqa: BLE001 -- what a new interpreter prints for an uncaught exception

@@ -173,7 +173,7 @@ def _worker_processes(fork: bool) -> Iterator[None]:
     scheduler's kill -9) takes its workers: a plain torchrun script's workers otherwise trained on as orphans (a
     session's ask for it themselves, env.die_with_launcher, but only once they have imported scaletrain). A
     worker forked after this process died exits at once. ``fork``: a worker running scaletrain's own module
-    (forked.module_argv; a user's script never) is a fork of this process instead of a new interpreter. Linux
+    (forked.own_module; a user's script never) is a fork of this process instead of a new interpreter. Linux
     only; the agent's _popen is torch's private name (as of 2.13): where this torch has another, nothing
     changes."""
     import subprocess
@@ -191,8 +191,8 @@ def _worker_processes(fork: bool) -> Iterator[None]:
     def _popen(self: Any, args: tuple[str, ...], env: dict[str, str]) -> Any:
         if not hasattr(self, "_stdout") or not hasattr(self, "_stderr"):
             return original(self, args, env)
-        if fork and (argv := forked.module_argv(args)) is not None:
-            return forked.start(args, argv, env, self._stdout, self._stderr, arm)
+        if fork and (own := forked.own_module(args)) is not None:
+            return forked.start(args, *own, env, self._stdout, self._stderr, arm)
         if arm is None:
             return original(self, args, env)
         return subprocess.Popen(args=args, env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True,
