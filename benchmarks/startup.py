@@ -2,7 +2,7 @@
 local ranks (torchrun), start to exit, in seconds of wall time and of CPU (the command and every process it
 waited for: the workers too). Most of a short run, and of the test suite, is this.
 
-    python benchmarks/startup.py [--repeats 5] [--checkout LABEL=DIR ...] [--json out.json]
+    python benchmarks/startup.py [--repeats 5] [--checkout LABEL=DIR ...] [--more] [--json out.json]
 
 Each --checkout is a source tree (DIR/src goes first on PYTHONPATH, for the launcher and its workers), so two
 commits can be measured side by side in one run, interleaved; the default is this checkout. Medians.
@@ -25,6 +25,10 @@ from scaletrain.bench.report import environment
 
 RUN = ["train", "digits", "--train.max_steps=1", "--train.progress=false"]
 COMMANDS = {"--help": ["--help"], "1 process, 1 step": RUN, "2 ranks, 1 step": [*RUN, "--nproc", "2"]}
+# --more: commands whose ranks are scaletrain's other modules (the doctor's 2-rank self-test, a 2 x 2 rehearsal:
+# its network check, then 4 steps)
+MORE = {"doctor": ["doctor"],
+        "rehearsal 2 x 2": ["cluster", "rehearse", "--nodes", "2", "--nproc", "2", "digits", "--steps", "4"]}
 
 
 def _children_cpu() -> float:
@@ -35,7 +39,8 @@ def _children_cpu() -> float:
 def timed(src: Path, args: list[str], run_dir: Path) -> tuple[float, float]:
     """(wall, CPU) seconds of one command, start to exit."""
     env = {**os.environ, "PYTHONPATH": str(src / "src"), "OMP_NUM_THREADS": "1"}
-    extra = [f"--run.dir={run_dir}"] if args and args[0] == "train" else []
+    extra = [f"--run.dir={run_dir}"] if args and args[0] == "train" else \
+        [f"--out={run_dir}"] if args and args[0] == "cluster" else []
     cpu, started = _children_cpu(), time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "scaletrain", *args, *extra], check=False, env=env,
                           capture_output=True, text=True)
@@ -51,7 +56,10 @@ def main() -> None:
     p.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
                    help="a source tree to measure (repeatable) [this one]")
     p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--more", action="store_true", help="also `scaletrain doctor` and a 2 x 2 rehearsal")
     args = p.parse_args()
+    if args.more:
+        COMMANDS.update(MORE)
     trees = dict(c.split("=", 1) for c in args.checkout) or {"this": str(Path(__file__).resolve().parents[1])}
     seconds: dict[str, dict[str, list[float]]] = {t: {c: [] for c in COMMANDS} for t in trees}
     cpu: dict[str, dict[str, list[float]]] = {t: {c: [] for c in COMMANDS} for t in trees}
