@@ -133,7 +133,6 @@ def _run_nodes(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     from scaletrain.cluster.doctor import diagnose, facts_dict, gather, self_test
-    from scaletrain.cluster.forked import serial_launcher
     from scaletrain.env import launcher_env_problem, under_launcher
 
     if leftovers:
@@ -153,8 +152,6 @@ def run(args: argparse.Namespace, leftovers: list[str], argv: list[str]) -> int:
     elif launcher_env_problem() is not None:  # one of the findings: no group can form
         result = {"ok": False, "error": "not run: the launcher's variables above keep a process group from forming"}
     else:
-        if not under_launcher():
-            serial_launcher()  # nothing computed yet: the self-test's ranks may be forks of this process
         result = self_test(under_launcher())
     # Under a launcher every rank takes part in the self-test; one report per machine is enough.
     if under_launcher() and os.environ.get("LOCAL_RANK", "0") != "0":

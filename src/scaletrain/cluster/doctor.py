@@ -415,11 +415,13 @@ def self_test(under_launcher: bool) -> dict[str, Any] | None:
     """The all-reduce self-test. Under a launcher: across the launcher's whole world (the real network);
     otherwise: SELF_TEST_RANKS local ranks started through torchrun's API on loopback.
     Returns the result on the process that reports it (None on the other ranks of a launched job)."""
+    from scaletrain.cluster.forked import serial_launcher
     from scaletrain.cluster.torchrun import launch
     from scaletrain.config import DistConfig
 
     if under_launcher:
         return self_test_body()
+    serial_launcher()  # the doctor has computed nothing: its ranks may be forks of it (cluster/forked.py)
     with tempfile.TemporaryDirectory(prefix="scaletrain-doctor-") as tmp:
         out = Path(tmp) / "result.json"
         code = launch(DistConfig(nproc=SELF_TEST_RANKS), ["scaletrain.cluster.doctor", str(out)], module=True,

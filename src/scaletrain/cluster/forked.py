@@ -168,15 +168,9 @@ def start(args: Sequence[str], module: str, argv: list[str], env: dict[str, str]
         if arm is not None:
             arm()
         _as_a_new_interpreter(env, stdout, stderr)
-        if module == "scaletrain":
-            import scaletrain
-            from scaletrain.cli import run_as_module
-
-            sys.argv = [os.path.join(os.path.dirname(scaletrain.__file__), "__main__.py"), *argv]  # as `-m` sets it
-            run_as_module(argv)
         import runpy
 
-        sys.argv = ["-m", *argv]  # runpy puts the module's path first, as `-m` does
+        sys.argv = ["-m", *argv]  # runpy puts the module's path first (scaletrain/__main__.py), as `-m` does
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as done:

@@ -144,6 +144,10 @@ def why_not_fake(err: BaseException) -> str:
     return f"an op failed on them ({first})"
 
 
+# What a step on fake tensors raises where it cannot run (FAKE_LIMITS), or a RuntimeError of a fake or meta kernel.
+NOT_RUNNABLE = (*FAKE_LIMITS, RuntimeError)
+
+
 class NotFakeable(Exception):
     """A model of one's own that fake tensors cannot run; its message: why, in a few words (why_not_fake)."""
 
@@ -159,7 +163,7 @@ def fake_loss(loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     def loss(output: Any, target: Any) -> Any:
         try:
             return loss_fn(output, target)
-        except (*FAKE_LIMITS, RuntimeError) as err:
+        except NOT_RUNNABLE as err:
             raise LossNotFakeable(why_not_fake(err)) from err
 
     return loss
@@ -175,7 +179,7 @@ def on_fake_tensors() -> Iterator[None]:
     logger.setLevel(logging.CRITICAL)
     try:
         yield
-    except (*FAKE_LIMITS, RuntimeError) as err:
+    except NOT_RUNNABLE as err:
         raise NotFakeable(why_not_fake(err)) from err
     finally:
         logger.setLevel(level)

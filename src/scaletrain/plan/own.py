@@ -54,7 +54,7 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
     from scaletrain.plan.estimate import AC_PLANNED, OWN, make_plan, measure_model
     from scaletrain.plan.table import WIDTH, print_plan, say
     from scaletrain.train.batching import plan_batches
-    from scaletrain.train.job import builder
+    from scaletrain.train.job import builder, name_of
     from scaletrain.train.session import loaders_read, resolve_config
 
     acc = ACCELERATORS.get(gpu.lower())
@@ -92,9 +92,8 @@ def plan_fit(model: Callable[[], nn.Module], train_data: Any, *, gpu: str = "h10
         with on_fake_tensors():
             facts = measure_model(cfg, OWN, info, one, modes=AC_PLANNED)  # type: ignore[arg-type]
     except LossNotFakeable as err:
-        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-        raise UserError(f"loss_fn: {name} cannot be planned: the plan runs it on the output of one forward on fake "
-                        f"tensors (shapes, no data), and {err}; fix: give plan_fit the same loss without that op "
+        raise UserError(f"loss_fn: {name_of(loss_fn)} cannot be planned: the plan runs it on the output of one forward "
+                        f"on fake tensors (shapes, no data), and {err}; fix: give plan_fit the same loss without that op "
                         "(what it prints or logs left out), or plan without loss_fn (the default cross-entropy's "
                         "memory)") from None
     except NotFakeable as err:

@@ -581,11 +581,16 @@ def _check_arity(module: nn.Module, one: Batch) -> None:
                         "(x, weight, y): batch_fn=lambda b: (b[0], b[-1]))") from None
 
 
+def name_of(given: Any) -> str:
+    """What a one-line error calls a function or class the user gave (a model builder, a loss_fn)."""
+    return getattr(given, "__name__", type(given).__name__)
+
+
 def builder(model: Callable[[], nn.Module], *, instead: str = "an instance") -> Callable[[], nn.Module]:
     """A model given as a class or a function, as fit() and scaletrain.plan_fit() take it, checked and made a function
     of no arguments that returns the module. One that needs arguments is one line naming them (a class whose
     __init__ takes sizes, passed instead of ``instead``), and so is one that returns no module."""
-    name = getattr(model, "__name__", type(model).__name__)
+    name = name_of(model)
     if not callable(model):
         raise UserError(f"model: a {type(model).__name__} is neither a torch.nn.Module nor a function that builds one; "
                         "fix: pass its class, or a function of no arguments that returns it")
@@ -611,7 +616,7 @@ def checked_loss(loss_fn: LossFn) -> LossFn:
     """The user's loss, called as loss_fn(output, target): a function that cannot take two arguments is said at
     once, and what it returns must be one number the step can backpropagate (a tensor of shape (), checked on
     the host: no sync)."""
-    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    name = name_of(loss_fn)
     if not callable(loss_fn):
         raise UserError(f"loss_fn: a {type(loss_fn).__name__} is not callable; fix: pass a function "
                         "loss_fn(output, target) -> a scalar tensor")
