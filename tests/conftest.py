@@ -18,8 +18,8 @@ _warm: dict[str, object] = {}  # this pytest process's warm interpreter (tests/w
 
 def pytest_configure(config: pytest.Config) -> None:
     """Where this pytest process's warm interpreter listens (tests/warm.py), set before the test files are
-    imported (some build their environment then), and a directory whose `scaletrain` is its client, for commands
-    typed through PATH (the docs tour). SCALETRAIN_TEST_WARM=0 runs every command as a new interpreter. And
+    imported (some build their environment then), and a directory whose `scaletrain` and `python` are its
+    client, for commands typed through PATH (the docs tour) and what a warm command starts with sys.executable. SCALETRAIN_TEST_WARM=0 runs every command as a new interpreter. And
     the session's scratch directory (tests/scratch.py), removed when it ends."""
     import tempfile
 
@@ -32,11 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     where = Path(tempfile.mkdtemp(prefix="scaletrain-warm-"))
     os.environ[warm.SOCKET_ENV] = str(where / "socket")
-    shim = warm.commands_dir(os.environ[warm.SOCKET_ENV]) / "scaletrain"
-    shim.parent.mkdir()
-    shim.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[1:1] = ['run']\n"
-                    f"runpy.run_path({str(Path(warm.__file__))!r}, run_name='__main__')\n")
-    shim.chmod(0o755)
+    warm.write_commands(os.environ[warm.SOCKET_ENV])
     _warm["dir"] = where
 
 
@@ -51,6 +47,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     _warm["server"] = subprocess.Popen([sys.executable, warm.__file__, "serve", os.environ[warm.SOCKET_ENV]],
                                        stdin=subprocess.DEVNULL)
+    import time
+
+    deadline = time.monotonic() + 10  # it binds its socket before it imports anything: a first test's command
+    while not os.path.exists(os.environ[warm.SOCKET_ENV]) and time.monotonic() < deadline:  # finds it there
+        time.sleep(0.01)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

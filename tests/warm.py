@@ -1,23 +1,29 @@
-"""A warm interpreter for the suite's `scaletrain` commands: torch, its compiler stack and scaletrain imported
-once per pytest worker, each command a fork of it set up as a new interpreter would start.
+"""A warm interpreter for the suite's commands: torch, its compiler stack and scaletrain imported once per pytest
+worker, each command a fork of it set up as a new interpreter would start.
 
-Why: a new `scaletrain` process spends some 2.5-3 s of CPU importing torch, torch._dynamo (an optimizer's first
-step imports it) and scaletrain before its first line of work, and the suite starts a few hundred of them (the
-docs tour alone some 70) on a 2-core machine that is CPU-bound under `make test`'s two workers. The product's
-own workers do the same since cluster/forked.py; this does it for the commands the tests type.
+Why: a new `scaletrain` process, or a new worker of a script under `scaletrain launch`, spends some 2.5-3 s of
+CPU importing torch, torch._dynamo (an optimizer's constructor imports it) and scaletrain before its first line
+of work, and the suite starts a few hundred of them (the docs tour alone some 70) on a 2-core machine that is
+CPU-bound under `make test`'s two workers. The product's own workers do the same since cluster/forked.py; this
+does it for the commands the tests type and for the Python processes those commands start.
 
     python tests/warm.py serve SOCKET        the server (conftest.py starts one per pytest worker)
     python tests/warm.py run [-m] ARGS...    a command: `scaletrain ARGS` (`python -m scaletrain ARGS` with -m)
+    python tests/warm.py py PYTHON-ARGS...   `python PYTHON-ARGS`: `[-u] SCRIPT ARGS` or `[-u] -m MODULE ARGS`
+                                             warm, anything else (-c, other options) a new interpreter
 
 A command is the client's: it passes its standard streams, working directory, environment and argv to the server,
-which forks; the fork sets itself up as `scaletrain ARGS` would start (its own session, those streams, that
-directory and environment, sys.path from PYTHONPATH, torch's thread count, numpy reseeded), runs the console
-script (or the module) as __main__ and leaves through the interpreter's own exit (threads joined, atexit, flush).
-The client exits with its exit code (or dies of its signal), forwards the signals it gets, and the fork is
-SIGKILLed if the client dies. Where a fork would not be what a new interpreter is, the client runs
-scaletrain as a new interpreter instead: no server (SCALETRAIN_TEST_WARM unset, or =0 in the environment of the
-run), or an environment that differs from the server's in what torch or Python read as they start (COLD_KEYS).
-Tests that signal a launcher's process group, or that time start-up, keep starting real processes.
+which forks; the fork sets itself up as the command would start (its own session, those streams, that directory
+and environment, sys.path as Python builds it from the script's directory or the current one and PYTHONPATH,
+torch's thread count, numpy reseeded), runs the console script, script or module as __main__ and leaves through
+the interpreter's own exit (threads joined, atexit, flush). Its sys.executable is the directory's `python`, this
+client (conftest.py writes it): what it starts with sys.executable (torchrun's agent its workers, verify-resume
+and the labs their runs) is warm too, and a launcher's own modules still fork (cluster/forked.own_module matches
+sys.executable). The client exits with its exit code (or dies of its signal), forwards the signals it gets, and
+the fork is SIGKILLed if the client dies. Where a fork would not be what a new interpreter is, the client runs a
+new interpreter instead: no server (SCALETRAIN_TEST_WARM unset, or =0 in the environment of the run), or an
+environment that differs from the server's in what torch or Python read as they start (COLD_KEYS). Tests that
+signal a launcher's process group, or that time start-up, keep starting real processes.
 """
 
 from __future__ import annotations
@@ -40,18 +46,36 @@ LOG_ENV = "SCALETRAIN_TEST_WARM_LOG"  # a file: one line per command the server 
 COLD_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA", "LD_", "MALLOC", "NCCL")
 APPLIED = ("PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED",
            "TORCHINDUCTOR_CACHE_DIR")  # inductor reads (and sets) it when it first compiles
+# What torchrun's agent gives each worker under the prefixes above, read when a process group or the elastic agent
+# runs, never as torch is imported: a worker's environment may differ from the server's in them.
+RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 # What every command imports (an optimizer's first step imports torch._dynamo), and the digits data's loader.
 PRELOAD = ("torch", "torch._dynamo", "torch.nn.parallel", "torch.distributed.fsdp", "torch.distributed.checkpoint",
            "numpy", "sklearn.datasets", "scaletrain.cli", "scaletrain.train.run")
 # What tests run: `scaletrain ARGS` is [*SCALETRAIN, *ARGS], `python -m scaletrain ARGS` is [*SCALETRAIN_M, *ARGS].
-SCALETRAIN = [sys.executable, os.path.abspath(__file__), "run"]
+_HERE = os.path.abspath(__file__)
+SCALETRAIN = [sys.executable, _HERE, "run"]
 SCALETRAIN_M = [*SCALETRAIN, "-m"]
+# `python ARGS` is [*PYTHON, *ARGS]: a script or a module run warm, anything else a new interpreter.
+PYTHON = [sys.executable, _HERE, "py"]
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
 
 def commands_dir(socket_path: str) -> Path:
-    """The directory (beside the server's socket) whose `scaletrain` is this client (conftest.py writes it)."""
+    """The directory (beside the server's socket) whose `scaletrain` and `python` are this client (conftest.py
+    writes them)."""
     return Path(socket_path).parent / "bin"
+
+
+def write_commands(socket_path: str) -> None:
+    """commands_dir's `scaletrain` and `python`: scripts of this interpreter that run this client."""
+    where = commands_dir(socket_path)
+    where.mkdir(parents=True, exist_ok=True)
+    for name, verb in (("scaletrain", "run"), ("python", "py")):
+        shim = where / name
+        shim.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[1:1] = [{verb!r}]\n"
+                        f"runpy.run_path({_HERE!r}, run_name='__main__')\n")
+        shim.chmod(0o755)
 
 
 def _send(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
@@ -89,27 +113,53 @@ def _recv(sock: socket.socket, fds: list[int] | None = None) -> dict | None:
 # ---------------------------------------------------------------------------------------------------- client
 
 
-def _cold(module: bool, args: list[str]) -> None:
+def scaletrain_command(module: bool, args: list[str]) -> dict:
+    """The request for `scaletrain ARGS` (`python -m scaletrain ARGS` with ``module``)."""
     if module:
-        os.execv(sys.executable, [sys.executable, "-m", "scaletrain", *args])
-    script = os.path.join(os.path.dirname(sys.executable), "scaletrain")
-    os.execv(script, [script, *args])
+        return {"main": "module", "target": "scaletrain", "args": args, "unbuffered": False}
+    return {"main": "script", "target": os.path.join(os.path.dirname(sys.executable), "scaletrain"), "args": args,
+            "unbuffered": False}
 
 
-def client(module: bool, args: list[str]) -> None:
+def python_command(argv: list[str]) -> dict | None:
+    """The request for `python ARGV` where it is a script or a module (options: -u only), else None."""
+    unbuffered = False
+    while argv and argv[0] == "-u":
+        unbuffered, argv = True, argv[1:]
+    if len(argv) >= 2 and argv[0] == "-m" and not argv[1].startswith("-"):
+        return {"main": "module", "target": argv[1], "args": argv[2:], "unbuffered": unbuffered}
+    if argv and not argv[0].startswith("-") and os.path.isfile(argv[0]):  # else Python's own error, cold
+        # Python runs (and names in tracebacks) the script's path joined to the current directory, not normalized
+        # ("dir/../x.py"); sys.argv[0] stays as typed
+        return {"main": "script", "target": os.path.join(os.getcwd(), argv[0]), "argv0": argv[0], "args": argv[1:],
+                "unbuffered": unbuffered}
+    return None
+
+
+def _cold(command: dict | None, argv: list[str]) -> None:
+    """A new interpreter: ``argv`` after `python` (``command``: a scaletrain command's request, whose
+    `scaletrain` console script a new interpreter runs as the shell would)."""
+    if command is not None and command["target"] == os.path.join(os.path.dirname(sys.executable), "scaletrain"):
+        os.execv(command["target"], [command["target"], *command["args"]])
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def client(command: dict | None, argv: list[str]) -> None:
+    """Run ``command`` (a request: scaletrain_command, python_command) warm, else ``argv`` (after `python`) cold."""
     path = os.environ.get(SOCKET_ENV, "0")
-    if path == "0":
-        _cold(module, args)
+    if path == "0" or command is None:
+        _cold(command, argv)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
     except OSError:
-        _cold(module, args)
-    _send(sock, {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}, [0, 1, 2])
+        _cold(command, argv)
+    _send(sock, {**command, "cwd": os.getcwd(), "env": dict(os.environ), "process": process_facts()}, [0, 1, 2])
     answer = _recv(sock)
     if answer is None or "cold" in answer:
         sock.close()
-        _cold(module, args)
+        _cold(command, argv)
+
     def forward(signum: int, _frame: object) -> None:
         try:
             _send(sock, {"signal": signum})
@@ -138,11 +188,33 @@ def client(module: bool, args: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------------- server
 
 
+def process_facts() -> dict[str, object]:
+    """What a fork takes from the server, not from its client, that a command can feel: the Linux namespaces (a
+    rehearsal's agent in a network namespace of its own would be forked in the server's), resource limits, CPU
+    affinity and identity. The client sends its own; where any differs, the command runs cold."""
+    import resource
+
+    facts: dict[str, object] = {}
+    for ns in ("net", "mnt", "uts", "ipc", "pid", "user", "cgroup"):
+        try:
+            facts[f"ns:{ns}"] = os.readlink(f"/proc/self/ns/{ns}")
+        except OSError:
+            pass
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            facts[name] = list(resource.getrlimit(getattr(resource, name)))
+    facts["affinity"] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    facts["ids"] = [os.getuid(), os.geteuid(), os.getgid(), os.getegid(), sorted(os.getgroups())]
+    facts["umask"] = os.umask(0o022)
+    os.umask(facts["umask"])  # type: ignore[arg-type]
+    return facts
+
+
 def _cold_keys(env: dict[str, str], after: dict[str, str], imported: dict[str, str]) -> list[str]:
     """The keys of ``env`` a new interpreter would start differently with than this server did (``after``: its
     environment once torch was imported; ``imported``: what those imports set themselves, KMP_INIT_AT_FORK...,
     as they would in a new interpreter whose environment lacks them)."""
-    keys = {k for k in (*env, *after) if k.startswith(COLD_PREFIXES) and k not in APPLIED}
+    keys = {k for k in (*env, *after) if k.startswith(COLD_PREFIXES) and k not in APPLIED and not k.startswith(RUNTIME)}
     return sorted(k for k in keys if env.get(k, imported.get(k)) != after.get(k))
 
 
@@ -166,6 +238,7 @@ def serve(path: str) -> dict | None:
     # what those imports set in the environment (torch: KMP_INIT_AT_FORK, ...), as they would in a new interpreter
     imported = {k: v for k, v in os.environ.items() if k not in base}
     after = dict(os.environ)
+    facts = json.loads(json.dumps(process_facts()))  # as a request carries them
     running: dict[int, socket.socket | None] = {}  # fork's pid -> its client's connection (None: client gone)
     while os.getppid() == parent:
         conns = [c for c in running.values() if c is not None]
@@ -175,10 +248,13 @@ def serve(path: str) -> dict | None:
                 conn, _ = listener.accept()
                 fds: list[int] = []
                 request = _recv(conn, fds)
-                cold = _cold_keys(request["env"], after, imported) if request else ["no request"]
+                cold = [*_cold_keys(request["env"], after, imported),
+                        *sorted(k for k, v in facts.items() if request.get("process", {}).get(k) != v)] \
+                    if request else ["no request"]
                 if base.get(LOG_ENV):  # which commands ran warm, and why the others did not
                     with open(base[LOG_ENV], "a", encoding="utf-8") as log:
-                        log.write(json.dumps({"args": request and request["args"], "cold": cold,
+                        log.write(json.dumps({"target": request and request["target"], "args": request and request["args"],
+                                              "cold": cold,
                                               "test": request and request["env"].get("PYTEST_CURRENT_TEST")}) + "\n")
                 if cold or len(fds) != 3:
                     _send(conn, {"cold": cold})
@@ -192,7 +268,7 @@ def serve(path: str) -> dict | None:
                         listener.close()
                         for other in conns:
                             other.close()
-                        _become(request, fds, conn, base, imported)
+                        _become(request, fds, conn, base, imported, path)
                     except BaseException:  # noqa: BLE001 -- never a second server: say why, and leave
                         import traceback
 
@@ -241,8 +317,9 @@ def _kill(pid: int, sig: int, group: bool = False) -> None:
 
 
 def _become(request: dict, fds: list[int], conn: socket.socket, base: dict[str, str],
-            imported: dict[str, str]) -> None:
-    """In the fork: what `scaletrain ARGS` would be as a new interpreter started by the client."""
+            imported: dict[str, str], path: str) -> None:
+    """In the fork: what the request's command would be as a new interpreter started by the client (``path``:
+    the server's socket, whose commands_dir `python` becomes sys.executable)."""
     import io
 
     conn.close()
@@ -256,11 +333,12 @@ def _become(request: dict, fds: list[int], conn: socket.socket, base: dict[str, 
     env = request["env"]
     os.environ.clear()
     os.environ.update({**imported, **env})
-    # sys.path as a new interpreter builds it: the script's directory (the current one for -m), PYTHONPATH, then
-    # the installation's own (this server's path without its script's directory and its PYTHONPATH)
+    # sys.path as a new interpreter builds it: the script's directory, its links resolved (the current one for
+    # -m), PYTHONPATH, then the installation's own (this server's path without its script's directory and its
+    # PYTHONPATH)
     theirs = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
     installed = [p for p in sys.path[1:] if p not in theirs]
-    head = os.getcwd() if request["module"] else os.path.dirname(sys.executable)
+    head = os.getcwd() if request["main"] == "module" else os.path.dirname(os.path.realpath(request["target"]))
     sys.path[:] = [head, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p], *installed]
     import importlib
     import tempfile
@@ -269,7 +347,8 @@ def _become(request: dict, fds: list[int], conn: socket.socket, base: dict[str, 
 
     importlib.invalidate_caches()
     tempfile.tempdir = None  # found again from this environment's TMPDIR when first asked, as a new interpreter does
-    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    unbuffered = bool(env.get("PYTHONUNBUFFERED")) or request["unbuffered"]
+    sys.executable = str(commands_dir(path) / "python")  # what it starts with sys.executable: warm too
     for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
         old = getattr(sys, name)
         raw = io.FileIO(fd, mode, closefd=False)
@@ -289,6 +368,31 @@ def _become(request: dict, fds: list[int], conn: socket.socket, base: dict[str, 
     reseed_as_new()
 
 
+def _uncaught() -> None:
+    """The exception being handled, through sys.excepthook as the interpreter hands it an uncaught one (torch's
+    process group prefixes each line with the rank), from the command's first frame: not this file's."""
+    kind, err, tb = sys.exc_info()
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == _HERE:
+        tb = tb.tb_next
+    sys.excepthook(kind, err.with_traceback(tb) if err is not None else err, tb)  # type: ignore[arg-type]
+
+
+def _run_script(path: str) -> None:
+    """``path`` as `python PATH` runs it: a new __main__ (__file__ the absolute path, __cached__ None, a
+    source loader), its code compiled under that name, so tracebacks read as a new interpreter's."""
+    import builtins
+    import importlib.machinery
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    exec(code, main.__dict__)  # noqa: S102 -- running the script is the point, as `python SCRIPT` does
+
+
 def run(request: dict) -> None:
     """In the fork: the command, as __main__, then what the interpreter's exit does that a command can see
     (non-daemon threads joined, atexit handlers, streams flushed, the exit code as SystemExit gives it), but not
@@ -296,19 +400,17 @@ def run(request: dict) -> None:
     import atexit
     import runpy
     import threading
-    import traceback
 
     from scaletrain.cluster.forked import leave
 
     code = 0
     try:
-        if request["module"]:
-            sys.argv = ["-m", *request["args"]]  # runpy puts the module's path first
-            runpy.run_module("scaletrain", run_name="__main__", alter_sys=True)
+        if request["main"] == "module":
+            sys.argv = ["-m", *request["args"]]  # as `python -m`: runpy puts the module's path first
+            runpy._run_module_as_main(request["target"])  # type: ignore[attr-defined] -- what -m itself calls
         else:
-            script = os.path.join(os.path.dirname(sys.executable), "scaletrain")
-            sys.argv = [script, *request["args"]]
-            runpy.run_path(script, run_name="__main__")
+            sys.argv = [request.get("argv0", request["target"]), *request["args"]]  # as typed
+            _run_script(request["target"])
     except SystemExit as done:
         if done.code is None or isinstance(done.code, int):
             code = done.code or 0
@@ -316,10 +418,10 @@ def run(request: dict) -> None:
             print(done.code, file=sys.stderr)
             code = 1
     except KeyboardInterrupt:
-        traceback.print_exc()
+        _uncaught()
         code = 128 + signal.SIGINT
     except BaseException:  # noqa: BLE001 -- what the interpreter prints for an uncaught exception
-        traceback.print_exc()
+        _uncaught()
         code = 1
     try:
         threading._shutdown()  # type: ignore[attr-defined] -- as the interpreter's exit joins them
@@ -337,6 +439,9 @@ if __name__ == "__main__":
     elif sys.argv[1] == "run":
         rest = sys.argv[2:]
         as_module = bool(rest) and rest[0] == "-m"
-        client(as_module, rest[1:] if as_module else rest)
+        args = rest[1:] if as_module else rest
+        client(scaletrain_command(as_module, args), ["-m", "scaletrain", *args])
+    elif sys.argv[1] == "py":
+        client(python_command(sys.argv[2:]), sys.argv[2:])
     else:
-        sys.exit(f"usage: {sys.argv[0]} serve SOCKET | run [-m] ARGS...")
+        sys.exit(f"usage: {sys.argv[0]} serve SOCKET | run [-m] ARGS... | py PYTHON-ARGS...")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from spawn_ranks import script_env
-from warm import SCALETRAIN
+from warm import PYTHON, SCALETRAIN
 
 pytest.importorskip("transformers")
 
@@ -54,7 +54,7 @@ def test_adapters_train_under_fsdp_from_a_ddp_checkpoint_as_one_process_does(tmp
     script.write_text(SCRIPT)
 
     def run(*argv: str, nproc: int = 1) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, str(script)] if nproc == 1 else [*SCALETRAIN, "launch", "--nproc", str(nproc), str(script)]
+        cmd = [*PYTHON, str(script)] if nproc == 1 else [*SCALETRAIN, "launch", "--nproc", str(nproc), str(script)]
         proc = subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=300, env=script_env(), cwd=tmp_path,
                               check=False)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

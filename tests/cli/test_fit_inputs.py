@@ -19,7 +19,7 @@ from spawn_ranks import free_port, run_ranks
 from test_fit_metrics import _evals  # the eval records of a run's metrics.jsonl
 from torch import nn
 from torch.utils.data import Dataset
-from warm import SCALETRAIN
+from warm import PYTHON, SCALETRAIN
 
 import scaletrain
 from scaletrain.errors import ConfigError, UserError
@@ -282,7 +282,7 @@ def test_a_refused_run_dir_is_one_line_and_exit_2_on_one_process(tmp_path: Path)
     finished = tmp_path / "done"
     finished.mkdir()
     (finished / "summary.json").write_text("{}")
-    proc = subprocess.run([sys.executable, str(_script(tmp_path)), str(finished)], check=False, capture_output=True,
+    proc = subprocess.run([*PYTHON, str(_script(tmp_path)), str(finished)], check=False, capture_output=True,
                           text=True, timeout=120, env=_env())
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [_refusal(finished)]
@@ -293,7 +293,7 @@ def test_an_error_that_is_not_scaletrains_keeps_its_traceback(tmp_path: Path) ->
     script.write_text("import scaletrain, torch\n"
                       "scaletrain.fit(lambda: torch.nn.Linear(7, 4), (torch.randn(64, 8), torch.zeros(64).long()),\n"
                       f"               config={{'run.dir': {str(tmp_path / 'r')!r}, 'train.progress': False}})\n")
-    proc = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([*PYTHON, str(script)], check=False, capture_output=True, text=True, timeout=120,
                           env=_env())
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr  # a bug in the user's code: theirs to read
@@ -645,7 +645,7 @@ def test_a_model_of_ones_own_on_the_meta_device_is_one_line_and_exit_2(tmp_path:
                       "    model = torch.nn.Linear(8, 4)\n"
                       "scaletrain.fit(model, (torch.randn(64, 8), torch.randint(0, 4, (64,))),\n"
                       f"               config={{'run.dir': {str(tmp_path / 'r')!r}, 'train.progress': False}})\n")
-    proc = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([*PYTHON, str(script)], check=False, capture_output=True, text=True, timeout=120,
                           env=_env())
     assert proc.returncode == 2, proc.stderr
     said = ("scaletrain: error: this Linear's parameters are on the meta device (no values), and scaletrain fills "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 from spawn_ranks import run_ranks
 from torch import nn
+from warm import PYTHON
 
 import scaletrain
 from scaletrain.errors import CheckpointError, Stopped, UserError
@@ -243,7 +243,7 @@ def test_a_loop_resumed_with_another_optimizer_is_one_line(tmp_path: Path) -> No
     KeyError 'step' from inside torch, a traceback), and nothing of the checkpoint lost."""
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
-    run = [sys.executable, str(script)]
+    run = [*PYTHON, str(script)]
     where = f"--run.dir={tmp_path / 'r'}"
     stopped = subprocess.run([*run, "sgd", where, "--chaos.interrupt_step=3"], capture_output=True, text=True, check=False)
     assert "checkpoint" in stopped.stdout + stopped.stderr, stopped.stderr

@@ -20,7 +20,7 @@ import torch
 from spawn_ranks import run_ranks
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from warm import SCALETRAIN
+from warm import PYTHON, SCALETRAIN
 
 import scaletrain
 from scaletrain.errors import CheckpointError, ConfigError, TrainingFailed, UserError
@@ -137,7 +137,7 @@ def test_nanogpt_learns_and_resumes_across_ddp_and_fsdp_exactly(tmp_path: Path) 
     # epoch, so D's steps 9-12 (batch 8, one rank) draw the samples B's two ranks drew in steps 9-10.
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     shutil.copytree(tmp_path / "B" / "checkpoints" / "step-00000008", tmp_path / "D" / "checkpoints" / "step-00000008")
-    d = subprocess.run([sys.executable, str(NANOGPT), f"--run.dir={tmp_path / 'D'}", *run], capture_output=True,
+    d = subprocess.run([*PYTHON, str(NANOGPT), f"--run.dir={tmp_path / 'D'}", *run], capture_output=True,
                        text=True, env=env, timeout=240, check=False)
     assert d.returncode == 0, d.stderr[-3000:]
     assert "resume: the checkpoint was made with 2 rank(s), this run has 1" in d.stdout, d.stdout
@@ -660,7 +660,7 @@ def test_a_session_never_closed_says_so_at_exit(tmp_path: Path, monkeypatch: pyt
     script = tmp_path / "loop.py"
     script.write_text(NEVER_CLOSED)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "a")], capture_output=True, text=True, env=env,
+    done = subprocess.run([*PYTHON, str(script), str(tmp_path / "a")], capture_output=True, text=True, env=env,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if line.startswith("scaletrain: warning:")]

@@ -6,7 +6,6 @@ same model with a dense embedding does; what cannot take them (AdamW, weight dec
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import safetensors.torch
 import torch
 from spawn_ranks import run_ranks, script_env
 from torch import nn
-from warm import SCALETRAIN_M
+from warm import PYTHON, SCALETRAIN_M
 
 import scaletrain
 
@@ -93,7 +92,7 @@ def test_what_cannot_take_sparse_gradients_is_one_line(tmp_path: Path, argv: lis
     script = tmp_path / "mine.py"
     script.write_text(SCRIPT)
     env = {**script_env(), "PYTHONPATH": str(Path(__file__).parent) + ":" + str(Path(__file__).parents[1])}
-    launcher = [*SCALETRAIN_M, "launch", "--nproc", "2"] if "--nproc" in argv else [sys.executable]
+    launcher = [*SCALETRAIN_M, "launch", "--nproc", "2"] if "--nproc" in argv else PYTHON
     rest = [a for a in argv if a not in ("--nproc", "2")]
     proc = subprocess.run([*launcher, str(script), str(tmp_path / "run"), *rest], capture_output=True, text=True,
                           env=env, timeout=180, check=False)

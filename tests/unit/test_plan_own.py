@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from warm import PYTHON
 
 import scaletrain
 from scaletrain.batch import Batcher, one_sample
@@ -131,7 +132,6 @@ def test_an_uncaught_mistake_in_plan_fit_ends_as_fits_does(tmp_path) -> None:
     """plan_fit(...) with a batch larger than the data, or an unknown gpu, was a traceback and exit 1 where
     fit() says one line and exits 2; a caller can still catch the error."""
     import subprocess
-    import sys
 
     script = tmp_path / "plan_mine.py"
     script.write_text(
@@ -143,7 +143,7 @@ def test_an_uncaught_mistake_in_plan_fit_ends_as_fits_does(tmp_path) -> None:
         "    print('caught')\n"
         "scaletrain.plan_fit(lambda: torch.nn.Linear(4, 2), (x, y), config={'data.batch_size': 100000})\n",
         encoding="utf-8")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
+    proc = subprocess.run([*PYTHON, str(script)], capture_output=True, text=True, timeout=120, check=False,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2 and proc.stdout.strip() == "caught", proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
