@@ -372,8 +372,8 @@ def _uncaught() -> None:
     """The exception being handled, through sys.excepthook as the interpreter hands it an uncaught one (torch's
     process group prefixes each line with the rank), from the command's first frame: not this file's."""
     kind, err, tb = sys.exc_info()
-    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == _HERE:
-        tb = tb.tb_next
+    while tb is not None and tb.tb_frame.f_code.co_filename == _HERE:
+        tb = tb.tb_next  # none left: the script did not compile, said with no traceback, as Python says it
     sys.excepthook(kind, err.with_traceback(tb) if err is not None else err, tb)  # type: ignore[arg-type]
 
 

@@ -46,17 +46,21 @@ def test_a_script_and_a_module_run_warm_as_a_new_interpreter_runs_them(tmp_path:
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "probe.py").write_text(PROBE)
     (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "broken.py").write_text("print('never')\ndef (\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     for argv, cwd in (([str(tmp_path / "pkg" / "probe.py"), "3"], elsewhere),
                       (["-u", os.path.join("..", "pkg", "probe.py"), "raise"], elsewhere),
                       (["-m", "pkg.probe", "4"], tmp_path),
-                      (["-u", "-m", "pkg.probe", "raise"], tmp_path)):
+                      (["-u", "-m", "pkg.probe", "raise"], tmp_path),
+                      (["../pkg/broken.py"], elsewhere)):
         (code, warm, err), (cold_code, cold, cold_err) = _run(argv, cwd), _run(argv, cwd, warm=False)
-        assert (warm.pop("preloaded"), cold.pop("preloaded")) == (True, False), argv  # one of each
+        if "broken" not in argv[0]:
+            assert (warm.pop("preloaded"), cold.pop("preloaded")) == (True, False), argv  # one of each
         assert (code, warm, err) == (cold_code, cold, cold_err), argv
-    assert (code, warm["argv"][0], warm["name"]) == (1, str(tmp_path / "pkg" / "probe.py"), "__main__")
-    assert err.splitlines()[-1] == "ValueError: from the probe"
+        if argv[-1] == "raise":
+            assert (code, warm["name"], err.splitlines()[-1]) == (1, "__main__", "ValueError: from the probe")
+    assert (code, err.splitlines()[-1]) == (1, "SyntaxError: invalid syntax")  # and no traceback, as Python says it
     code, seen, _ = _run(["-u", os.path.join("..", "pkg", "probe.py"), "3"], elsewhere)  # as Python has them:
     assert (code, seen["argv"], seen["file"], seen["path0"]) == \
         (3, ["../pkg/probe.py", "3"], str(elsewhere / ".." / "pkg" / "probe.py"), str(tmp_path / "pkg"))
