@@ -447,7 +447,7 @@ def test_the_command_line_goes_on_top_of_a_config_object(tmp_path: Path) -> None
     assert (summary["global_batch"], summary["steps"], summary["epochs"]) == (16, 2 * 512 // 16, 2.0)
 
 
-OWN_ARGS = """import argparse, torch, scaletrain
+OWN_ARGS = """import argparse, sys, torch, scaletrain
 parser = argparse.ArgumentParser()
 parser.add_argument("features", type=int)
 parser.add_argument("--width", type=int, default=4)
@@ -455,7 +455,9 @@ args, _ = parser.parse_known_args()
 x = torch.randn(256, args.features); y = (x.sum(1) > 0).long()
 net = lambda: torch.nn.Sequential(torch.nn.Linear(args.features, args.width), torch.nn.Linear(args.width, 2))
 summary = scaletrain.fit(net, (x, y), config={'train.progress': False, 'run.dir': 'runs/mine'})
-print("SAW", args.width, summary["run_dir"], summary["strategy"], summary["steps"])
+# one write of the whole line: print() writes each of its arguments apart, and under `python -u` (torchrun's) the
+# other rank's line can land between them
+sys.stdout.write(f"SAW {args.width} {summary['run_dir']} {summary['strategy']} {summary['steps']}\\n")
 """
 
 
