@@ -19,8 +19,9 @@ _warm: dict[str, object] = {}  # this pytest process's warm interpreter (tests/w
 def pytest_configure(config: pytest.Config) -> None:
     """Where this pytest process's warm interpreter listens (tests/warm.py), set before the test files are
     imported (some build their environment then), and a directory whose `scaletrain` and `python` are its
-    client, for commands typed through PATH (the docs tour) and what a warm command starts with sys.executable. SCALETRAIN_TEST_WARM=0 runs every command as a new interpreter. And
-    the session's scratch directory (tests/scratch.py), removed when it ends."""
+    client, for commands typed through PATH (the docs tour) and what a warm command starts with sys.executable.
+    SCALETRAIN_TEST_WARM=0 runs every command as a new interpreter. And the session's scratch directory
+    (tests/scratch.py), removed when it ends."""
     import tempfile
 
     import warm

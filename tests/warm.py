@@ -136,29 +136,22 @@ def python_command(argv: list[str]) -> dict | None:
     return None
 
 
-def _cold(command: dict | None, argv: list[str]) -> None:
-    """A new interpreter: ``argv`` after `python` (``command``: a scaletrain command's request, whose
-    `scaletrain` console script a new interpreter runs as the shell would)."""
-    if command is not None and command["target"] == os.path.join(os.path.dirname(sys.executable), "scaletrain"):
-        os.execv(command["target"], [command["target"], *command["args"]])
-    os.execv(sys.executable, [sys.executable, *argv])
-
-
-def client(command: dict | None, argv: list[str]) -> None:
-    """Run ``command`` (a request: scaletrain_command, python_command) warm, else ``argv`` (after `python`) cold."""
+def client(command: dict | None, cold: list[str]) -> None:
+    """Run ``command`` (a request: scaletrain_command, python_command) warm, else exec ``cold`` (the same command
+    as a new interpreter: its program, then its arguments)."""
     path = os.environ.get(SOCKET_ENV, "0")
     if path == "0" or command is None:
-        _cold(command, argv)
+        os.execv(cold[0], cold)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
     except OSError:
-        _cold(command, argv)
+        os.execv(cold[0], cold)
     _send(sock, {**command, "cwd": os.getcwd(), "env": dict(os.environ), "process": process_facts()}, [0, 1, 2])
     answer = _recv(sock)
     if answer is None or "cold" in answer:
         sock.close()
-        _cold(command, argv)
+        os.execv(cold[0], cold)
 
     def forward(signum: int, _frame: object) -> None:
         try:
@@ -238,7 +231,7 @@ def serve(path: str) -> dict | None:
     # what those imports set in the environment (torch: KMP_INIT_AT_FORK, ...), as they would in a new interpreter
     imported = {k: v for k, v in os.environ.items() if k not in base}
     after = dict(os.environ)
-    facts = json.loads(json.dumps(process_facts()))  # as a request carries them
+    facts = process_facts()
     running: dict[int, socket.socket | None] = {}  # fork's pid -> its client's connection (None: client gone)
     while os.getppid() == parent:
         conns = [c for c in running.values() if c is not None]
@@ -249,12 +242,12 @@ def serve(path: str) -> dict | None:
                 fds: list[int] = []
                 request = _recv(conn, fds)
                 cold = [*_cold_keys(request["env"], after, imported),
-                        *sorted(k for k, v in facts.items() if request.get("process", {}).get(k) != v)] \
+                        *sorted(k for k, v in facts.items() if request["process"].get(k) != v)] \
                     if request else ["no request"]
                 if base.get(LOG_ENV):  # which commands ran warm, and why the others did not
                     with open(base[LOG_ENV], "a", encoding="utf-8") as log:
-                        log.write(json.dumps({"target": request and request["target"], "args": request and request["args"],
-                                              "cold": cold,
+                        log.write(json.dumps({"target": request and request["target"],
+                                              "args": request and request["args"], "cold": cold,
                                               "test": request and request["env"].get("PYTEST_CURRENT_TEST")}) + "\n")
                 if cold or len(fds) != 3:
                     _send(conn, {"cold": cold})
@@ -401,7 +394,7 @@ def run(request: dict) -> None:
     import runpy
     import threading
 
-    from scaletrain.cluster.forked import leave
+    from scaletrain.cluster.forked import exit_code, leave
 
     code = 0
     try:
@@ -412,11 +405,7 @@ def run(request: dict) -> None:
             sys.argv = [request.get("argv0", request["target"]), *request["args"]]  # as typed
             _run_script(request["target"])
     except SystemExit as done:
-        if done.code is None or isinstance(done.code, int):
-            code = done.code or 0
-        else:
-            print(done.code, file=sys.stderr)
-            code = 1
+        code = exit_code(done)
     except KeyboardInterrupt:
         _uncaught()
         code = 128 + signal.SIGINT
@@ -440,8 +429,9 @@ if __name__ == "__main__":
         rest = sys.argv[2:]
         as_module = bool(rest) and rest[0] == "-m"
         args = rest[1:] if as_module else rest
-        client(scaletrain_command(as_module, args), ["-m", "scaletrain", *args])
+        command = scaletrain_command(as_module, args)  # cold: python -m scaletrain, or the console script
+        client(command, [sys.executable, "-m", "scaletrain", *args] if as_module else [command["target"], *args])
     elif sys.argv[1] == "py":
-        client(python_command(sys.argv[2:]), sys.argv[2:])
+        client(python_command(sys.argv[2:]), [sys.executable, *sys.argv[2:]])
     else:
         sys.exit(f"usage: {sys.argv[0]} serve SOCKET | run [-m] ARGS... | py PYTHON-ARGS...")

@@ -174,11 +174,20 @@ def start(args: Sequence[str], module: str, argv: list[str], env: dict[str, str]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        code = exit_code(done)
     except BaseException:  # noqa: BLE001 -- what a new interpreter prints for an uncaught exception
         traceback.print_exc()
     finally:
         leave(code)
+
+
+def exit_code(done: SystemExit) -> int:
+    """The exit code Python gives an uncaught SystemExit: None 0, an int itself, anything else printed to stderr
+    and 1."""
+    if done.code is None or isinstance(done.code, int):
+        return done.code or 0
+    print(done.code, file=sys.stderr)
+    return 1
 
 
 def leave(code: int) -> NoReturn:
