@@ -531,7 +531,7 @@ class ParallelConfig:
     loss_parallel: bool = True
     """tp > 1: keep a built-in model's logits split by vocabulary and compute the trainer's cross-entropy on the shards (torch's loss_parallel: 1/tp of the logits per rank; false: gathered whole on every rank). A loss function of one's own always sees whole logits."""
     find_unused: bool = False
-    """ddp: tolerate parameters that get no gradient in a step (costs a graph traversal every step)."""
+    """Parameters that get no gradient in a step (a mixture of experts): ddp tolerates them (a graph traversal every step); fsdp/hsdp reduce-scatter zeros for them (on by itself when the first sample leaves some without one)."""
     fsdp_units: Annotated[str, Text("class names separated by commas, e.g. GPT2Block or Block,MoEBlock", _class_names,
                                     "--parallel.fsdp_units=MyBlock")] = ""
     """Class names of the model's repeated blocks, comma-separated: FSDP's units, what checkpointing and compile wrap ('' = found, docs/fsdp.md)."""

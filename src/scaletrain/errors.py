@@ -154,6 +154,11 @@ class CheckpointError(UserError):
 # ------------------------------------------------------------------------------------------- reporting
 
 
+def few(names: list[str], most: int = 4) -> str:
+    """The first ``most`` of ``names`` for a one-line message, and how many more: "a, b, c and 23 more"."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def exit_code(err: BaseException) -> int:
     return EXIT_USAGE if isinstance(err, UserError) else EXIT_FAILURE
 

@@ -146,9 +146,9 @@ def refuse_sync_batchnorm(module: nn.Module, device: torch.device, world_size: i
         return
     names = [name for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
     if names:
-        from scaletrain.errors import UserError
+        from scaletrain.errors import UserError, few
 
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        shown = few(names, 3)
         raise UserError(f"this {type(module).__name__} has SyncBatchNorm layers ({shown}), which PyTorch syncs on "
                         f"GPUs only, and this run is {world_size} processes on the CPU; fix: keep nn.BatchNorm on the "
                         "CPU (DDP gives every rank rank 0's running statistics) and call "

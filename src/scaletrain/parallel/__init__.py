@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletrain.batch import Batch
 from scaletrain.config import MemoryConfig, ParallelConfig
-from scaletrain.errors import ConfigError, UserError
+from scaletrain.errors import ConfigError, UserError, few
 from scaletrain.layout import Layout, check_layout, resolve_degrees, resolve_layout, virtual_stages
 from scaletrain.observe.memory import (
     choose_strategy,
@@ -180,9 +180,10 @@ def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> 
     for model in models:
         if isinstance(model, DDP):
             params = [name for name, p in model.module.named_parameters() if p.requires_grad]
-            named.append(", ".join(params[i] for i in indices if i < len(params)))
+            named.append(few([params[i] for i in indices if i < len(params)], 6))
     which = " or ".join(f"({n})" for n in named if n) or "(TORCH_DISTRIBUTED_DEBUG=DETAIL names them)"
-    return UserError(f"parallel.find_unused = false: parameters of the model got no gradient in step {step} "
+    count = f"{len(indices)} " if indices else ""
+    return UserError(f"parallel.find_unused = false: {count}parameters of the model got no gradient in step {step} "
                      f"{which}, and DDP averages every parameter's gradient each step; fix: "
                      "--parallel.find_unused=true (DDP then looks for them every step, at a cost), or freeze them "
                      "(requires_grad_(False)) or take them out of the model")
@@ -215,8 +216,7 @@ def unsharded_gradients(model: nn.Module) -> UserError | None:
     if not plain:
         return None
     owners = sorted({name.rsplit(".", 1)[0] if "." in name else "(root)" for name in plain})
-    return UserError(f"parallel.strategy = fsdp: the gradients of {', '.join(owners[:4])}"
-                     f"{f' and {len(owners) - 4} more' if len(owners) > 4 else ''} reached them outside FSDP's "
+    return UserError(f"parallel.strategy = fsdp: the gradients of {few(owners)} reached them outside FSDP's "
                      "reduce-scatter, as for a module run more than once a step (shared weights, a loop over one "
                      "layer) inside torch.utils.checkpoint with use_reentrant=True, which FSDP2 does not support: "
                      f"the step would apply wrong gradients; {REENTRANT_FIX}")
@@ -362,7 +362,7 @@ def sharded_parts(model: nn.Module) -> list[str]:
     kind = fsdp_class()
     found = [name for name, m in model.named_modules() if isinstance(m, kind)] if kind else []
     if found and found[0] != "":
-        shown = ", ".join(repr(name) for name in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        shown = few([repr(name) for name in found], 3)
         its, them = (f"its submodule {shown} is", "it") if len(found) == 1 else (f"its submodules {shown} are", "them")
         raise UserError(f"model: {its} sharded by FSDP already ({_SHARDED_WHERE}) and the model holding {them} is "
                         "not; FSDP shards a module once, and runs its sharded parts from the model they were "
@@ -455,7 +455,7 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
             raise ConfigError("parallel.strategy", strategy, f"a model without sparse gradients to shard ({', '.join(sparse)} "
                               "gives them, which FSDP cannot shard)", "--parallel.strategy=ddp, or sparse=False on "
                               "the embedding")
-        from scaletrain.parallel.fsdp import apply_fsdp, mixed_precision_policy
+        from scaletrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, reduce_unused
 
         policy = mixed_precision_policy(precision)
         parts = stage_parts(model)  # interleaved stages: each its own FSDP root (each runs on its own)
@@ -464,6 +464,11 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
                        reshard_after_forward=cfg.reshard_after_forward, cpu_offload=memory.cpu_offload,
                        units=units if len(parts) == 1 else find_units(part, cfg.fsdp_units))
             part._scaletrain_sharding = _sharding_keys(layout, cfg, precision, memory)
+        if cfg.find_unused and not reduce_unused(model):
+            raise ConfigError("parallel.find_unused", True, f"false under {strategy} with torch {torch.__version__}, "
+                              "whose FSDP cannot reduce-scatter zeros for the parameters a rank leaves without a "
+                              "gradient", "--parallel.strategy=ddp --parallel.find_unused=true, or a torch whose "
+                              "FSDPModule has set_reduce_scatter_unused_params")
         return model
     if layout.tp > 1 or layout.pp > 1:  # TP: one data-parallel rank (DDP x TP is refused); PP: the runner averages
         return model

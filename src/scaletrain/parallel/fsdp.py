@@ -25,6 +25,7 @@ from torch.distributed.fsdp import (
 
 from scaletrain.parallel.tensor import fsdp_placement
 from scaletrain.parallel.units import Units, find_units
+from scaletrain.sharded import stage_parts
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +105,19 @@ def _batch_norms(model: nn.Module) -> list[nn.Module]:
     """The BatchNorm layers with weights (affine) of ``model``."""
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
             and any(True for _ in m.parameters(recurse=False))]
+
+
+def reduce_unused(model: nn.Module) -> bool:
+    """Have every FSDP unit of ``model`` (each root of a rank's interleaved stages) reduce-scatter a zero gradient
+    for a parameter that got none in a backward, as DDP's find_unused_parameters averages a zero for it (torch's
+    set_reduce_scatter_unused_params). A unit's gradients are reduce-scattered as one collective: where the
+    ranks' batches leave different parameters without a gradient (a mixture of experts, routing each rank's
+    tokens to other experts), their collectives would differ in size (Gloo aborts the process, NCCL hangs or
+    mixes the data up). A parameter no rank used gets a zero gradient rather than none (AdamW still decays it).
+    False, with nothing changed, where this torch's FSDP has no such switch."""
+    parts = stage_parts(model)
+    if not all(hasattr(part, "set_reduce_scatter_unused_params") for part in parts):
+        return False
+    for part in parts:
+        part.set_reduce_scatter_unused_params(True)
+    return True

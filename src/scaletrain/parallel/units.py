@@ -26,8 +26,11 @@ The first rule that finds any wins:
    built-in CNN's ``features`` and ``head``), else those of its one such child, as deep as it takes (a model
    whose layers are one ``nn.Sequential`` of different layers: its layers).
 
-Then three rules for all: a container without a forward (a ModuleList) stands for its children, which
-fully_shard can call; a unit inside another unit is not a unit of its own (the outer one covers it), and a
+Then four rules for all: a container without a forward (a ModuleList) stands for its children, which
+fully_shard can call; a module that may not run in every forward is no unit, nor is any module of the
+container it is in (fit() marks idle those whose forward its first sample did not run: a mixture of experts'
+experts, which each rank's batch picks its own of; a unit run by some ranks only would gather its parameters
+on those ranks alone, and the collectives mismatch); a unit inside another unit is not a unit of its own (the outer one covers it), and a
 unit holding a parameter that a module outside it also holds (tied embedding and head across a unit's
 border) is left to the root: fully_shard keeps a parameter tied only among the modules of one call, so a
 unit would shard its own copy and the module outside would keep the old one (measured: two parameters where
@@ -37,8 +40,9 @@ with the root as they are.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from torch import nn
@@ -86,6 +90,15 @@ def split_names(value: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in value.split(",")) if value.strip() else ()
 
 
+_IDLE: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules a forward did not run (mark_idle)
+
+
+def mark_idle(modules: Iterable[nn.Module]) -> None:
+    """Modules whose forward a model's forward did not run: they and the modules of their container are no
+    units (module docstring)."""
+    _IDLE.update(modules)
+
+
 def find_units(model: nn.Module, names: str = "") -> Units:
     """The model's units by the module docstring's rules; ``names``: parallel.fsdp_units."""
     named = [(n, m) for n, m in model.named_modules() if m is not model]
@@ -100,12 +113,27 @@ def find_units(model: nn.Module, names: str = "") -> Units:
         return _settle(model, found, "parallel.fsdp_units")
     for rule, search in (("model.blocks", _blocks), ("_no_split_modules", _no_split), ("repeated", _repeated),
                          ("children", _children)):
-        found = search(model, named)
+        found = _active(model, search(model, named))
         if found:
             units = _settle(model, found, rule)
             if units.modules or units.left_to_root:
                 return units
     return Units((), (), "none")
+
+
+def _active(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``found`` (containers opened) without the modules that may not run in every forward: the idle ones, the
+    modules of a container holding an idle one, and what is inside them."""
+    if not _IDLE:
+        return found
+    idle = {id(m) for m in model.modules() if m in _IDLE}
+    off = set(idle)
+    for m in model.modules():
+        kids = list(m.children())
+        if _container(class_of(m)) and any(id(k) in idle for k in kids):
+            off.update(id(k) for k in kids)
+    off = {id(sub) for m in model.modules() if id(m) in off for sub in m.modules()}
+    return [(n, m) for n, m in _opened(found) if id(m) not in off]
 
 
 def _of_classes(named: list[tuple[str, nn.Module]], classes: set[str]) -> list[tuple[str, nn.Module]]:

@@ -48,6 +48,7 @@ from scaletrain.parallel import (
     uncompiled,
 )
 from scaletrain.parallel.pipeline import PipelineRunner
+from scaletrain.parallel.units import mark_idle
 from scaletrain.runtime import Runtime, seed_all, set_deterministic
 from scaletrain.sharded import is_dtensor, loss_context, plain
 from scaletrain.train.batching import BatchPlan, plan_batches
@@ -109,6 +110,8 @@ class Job:
     on_eval: OnEval | None = None  # fit(on_eval=...): called after each evaluation
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_step: int = -1  # the step of the last evaluation
+    unused: tuple[str, ...] = ()  # parameters that require a gradient and got none from the first sample's backward
+    zero_unused: bool = False  # FSDP reduce-scatters zeros for those where a rank's batch leaves them so (attach())
 
     @property
     def model(self) -> nn.Module | None:
@@ -166,7 +169,11 @@ class Job:
         sparse = bool(sparse_gradient_modules(self.module))
         optimizer = self.own_optimizer if self.own_optimizer is not None else \
             lambda params: build_optimizer(params, cfg.optim, plan.peak_lr, sparse=sparse)
-        _, self.optimizer = st.setup(self.module, optimizer, name="model")
+        wrapped, self.optimizer = st.setup(self.module, optimizer, name="model")
+        if self.unused and is_fsdp(wrapped):  # some ranks' batches may use them and others' not
+            from scaletrain.parallel.fsdp import reduce_unused  # (FSDP's modules: imported where it is used)
+
+            self.zero_unused = reduce_unused(wrapped)
         if st._stage is not None:  # pp > 1: this rank's stage is the model it trains, evaluates and saves
             self.module = st._stage
             # a transformers causal LM given its labels computes a shifted loss; its last stage returns logits
@@ -520,46 +527,70 @@ def _split_before_filled(cfg: Config, world_size: int, nnodes: int) -> bool:
     return layout.sharded or layout.tp > 1 or layout.pp > 1
 
 
-def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any, Batch], None] | None = None) -> float:
+def _first_forward(module: nn.Module, one: Batch, seen: Callable[[Any, Batch], None] | None = None) \
+        -> tuple[float, tuple[str, ...]]:
     """flops_per_sample(): the model's first forward and backward, on a batch of one training sample (its output
     shown to ``seen``). Data in float64 (numpy's default) meeting float32 parameters fails there with torch's
     dtype error from deep inside the model, as do integer features meeting a first Linear: said in one line as
     what it is, a property of the data, with the fix; so is a model made bf16, fp16 or float64 meeting float32
     data. Any other error is the user's code's own, traceback and all. Samples whose items the model's forward
     cannot take (a third item, a sample weight, passed as a second input to a forward of one) are one line too,
-    before the call: it was torch's TypeError at the first step."""
+    before the call: it was torch's TypeError at the first step.
+
+    Also returns the names of the parameters that require a gradient and got none. The modules with parameters
+    whose forward did not run (a mixture of experts' experts no token went to) are marked idle for find_units:
+    a unit that some ranks' batches do not run would gather its parameters on the others only."""
     _check_arity(module, one)
+    ran: set[int] = set()
+    got: set[int] = set()
+    trained = [p for p in module.parameters() if p.requires_grad]
+    hooks = [m.register_forward_pre_hook(lambda m, _: ran.add(id(m))) for m in module.modules()] + \
+        [p.register_post_accumulate_grad_hook(lambda p: got.add(id(p))) for p in trained]
     try:
-        return flops_per_sample(module, one, seen)
+        flops = flops_per_sample(module, one, seen)
     except RuntimeError as err:
-        params = {p.dtype for p in module.parameters() if p.is_floating_point()}
-        inputs = list(leaves((one.args, one.kwargs)))
-        doubles = any(t.dtype == torch.float64 for t in inputs) and torch.float64 not in params
-        ints = next((t.dtype for t in inputs if not t.is_floating_point() and t.dtype != torch.bool), None)
-        said = said_of(err)
-        mismatch = "dtype" in said.lower() or "scalar type" in said
-        halves = params & {torch.bfloat16, torch.float16}
-        if halves and mismatch and any(t.dtype == torch.float32 for t in inputs):  # model.to(torch.bfloat16)
-            half = str(min(halves, key=str)).removeprefix("torch.")
-            raise UserError(f"model: its first forward failed ({said}): its parameters are {half} and the inputs "
-                            f"float32; fix: keep the model in float32 and train with --train.precision="
-                            f"{'bf16' if half == 'bfloat16' else 'fp16'}-mixed ({half} compute, float32 weights "
-                            f"and optimizer state: the updates too small for {half} are not lost)") from err
-        if mismatch and torch.float64 in params and any(t.dtype == torch.float32 for t in inputs):  # .double()
-            raise UserError(f"model: its first forward failed ({said}): its parameters are float64 and the inputs "
-                            "float32; fix: keep the model in float32 (drop its .double() or .to(torch.float64)), or "
-                            "make the data float64 too (x.double(), numpy's default)") from err
-        if not params or not (doubles or (ints is not None and mismatch)):
-            raise
-        dtype = str(min(params, key=str)).removeprefix("torch.")
-        if doubles:
-            raise UserError(f"data: the model's first forward failed ({said}): the samples hold float64 tensors "
-                            f"(numpy's default) and the model's parameters are {dtype}; fix: make the data {dtype} "
-                            f"(x.astype(np.float32), or .float() in the Dataset's __getitem__)") from err
-        held = str(ints).removeprefix("torch.")
-        raise UserError(f"data: the model's first forward failed ({said}): the inputs hold {held} tensors and the "
-                        f"model's parameters are {dtype}; fix: make the features {dtype} (x.astype(np.float32), or "
-                        ".float() in the Dataset's __getitem__); token ids go through an nn.Embedding first") from err
+        _first_forward_failed(module, one, err)
+        raise
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not ran:  # the model states its FLOPs (scaletrain's own): nothing ran
+        return flops, ()
+    mark_idle(m for m in module.modules() if id(m) not in ran and any(True for _ in m.parameters(recurse=False)))
+    return flops, tuple(name for name, p in module.named_parameters() if p.requires_grad and id(p) not in got)
+
+
+def _first_forward_failed(module: nn.Module, one: Batch, err: RuntimeError) -> None:
+    """Raises the one line for a first forward that failed on the data's or the model's dtype (see
+    _first_forward); returns for any other error, the user's code's own."""
+    params = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    inputs = list(leaves((one.args, one.kwargs)))
+    doubles = any(t.dtype == torch.float64 for t in inputs) and torch.float64 not in params
+    ints = next((t.dtype for t in inputs if not t.is_floating_point() and t.dtype != torch.bool), None)
+    said = said_of(err)
+    mismatch = "dtype" in said.lower() or "scalar type" in said
+    halves = params & {torch.bfloat16, torch.float16}
+    if halves and mismatch and any(t.dtype == torch.float32 for t in inputs):  # model.to(torch.bfloat16)
+        half = str(min(halves, key=str)).removeprefix("torch.")
+        raise UserError(f"model: its first forward failed ({said}): its parameters are {half} and the inputs "
+                        f"float32; fix: keep the model in float32 and train with --train.precision="
+                        f"{'bf16' if half == 'bfloat16' else 'fp16'}-mixed ({half} compute, float32 weights "
+                        f"and optimizer state: the updates too small for {half} are not lost)") from err
+    if mismatch and torch.float64 in params and any(t.dtype == torch.float32 for t in inputs):  # .double()
+        raise UserError(f"model: its first forward failed ({said}): its parameters are float64 and the inputs "
+                        "float32; fix: keep the model in float32 (drop its .double() or .to(torch.float64)), or "
+                        "make the data float64 too (x.double(), numpy's default)") from err
+    if not params or not (doubles or (ints is not None and mismatch)):
+        return
+    dtype = str(min(params, key=str)).removeprefix("torch.")
+    if doubles:
+        raise UserError(f"data: the model's first forward failed ({said}): the samples hold float64 tensors "
+                        f"(numpy's default) and the model's parameters are {dtype}; fix: make the data {dtype} "
+                        f"(x.astype(np.float32), or .float() in the Dataset's __getitem__)") from err
+    held = str(ints).removeprefix("torch.")
+    raise UserError(f"data: the model's first forward failed ({said}): the inputs hold {held} tensors and the "
+                    f"model's parameters are {dtype}; fix: make the features {dtype} (x.astype(np.float32), or "
+                    ".float() in the Dataset's __getitem__); token ids go through an nn.Embedding first") from err
 
 
 def _check_arity(module: nn.Module, one: Batch) -> None:
@@ -738,7 +769,8 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
             check(output)
         shifts.append(_probe_shift(output, ran.target, loss_fn, own_in_tuple, rt.device))
 
-    flops = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device), seen)
+    # parameters that got no gradient from it: FSDP then reduce-scatters zeros for them
+    flops, unused = _first_forward(module, one.to(torch.device("meta") if deferred else rt.device), seen)
     if optimizer is None:
         sparse = sparse_gradient_modules(module)
         if sparse and cfg.optim.name == "adamw":
@@ -780,4 +812,4 @@ def build_job(cfg: Config, rt: Runtime, splits: Splits, model: ModelArg = None,
                worker_init_fn=splits.worker_init_fn,
                user_loss=loss_fn is not None, first=one, build=build, own_optimizer=optimizer,
                own_scheduler=scheduler, peak_lrs=peaks, metrics=metrics, token_loss=token_loss,
-               label_shift=shifts[0] if shifts else None)
+               label_shift=shifts[0] if shifts else None, unused=unused)

@@ -18,7 +18,7 @@ from scaletrain.batch import IGNORE_INDEX, BatchFn
 from scaletrain.checkpoint import rng
 from scaletrain.config import Config
 from scaletrain.data import Splits, Weighted, build_splits, eval_indices, in_memory, train_size
-from scaletrain.errors import DiskFull, Reported, TrainingFailed, UserError, first_line, says_errors
+from scaletrain.errors import DiskFull, Reported, TrainingFailed, UserError, few, first_line, says_errors
 from scaletrain.observe.console import Console
 from scaletrain.observe.goodput import WARMUP_STEPS, describe, seconds
 from scaletrain.observe.memory import (
@@ -122,6 +122,8 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
     per_epoch = f"{plan.steps_per_epoch} steps/epoch" if plan.steps_per_epoch else "a stream, read in its order"
     console.print(f"{plan.describe()} | {per_epoch}, {plan.total_steps} steps")
     console.print(f"{_optimizer_line(job)} | precision {cfg.train.precision}")
+    if job.unused and job.fsdp and not cfg.parallel.find_unused:
+        console.print(_unused_line(job))
     slow = slow_here(cfg.train.precision, rt.device)
     if slow:
         console.print(f"warning: {slow}")
@@ -140,6 +142,19 @@ def _header(job: Job, splits: Splits, console: Console) -> None:
                           f"(train.eval_batches = {cfg.train.eval_batches} per {plan.readers}); "
                           "--train.eval_batches=0 "
                           "evaluates all of them")
+
+
+def _unused_line(job: Job) -> str:
+    """What FSDP does with the parameters the first sample left without a gradient (Job.unused)."""
+    n = len(job.unused)
+    got = f"{n} parameter{'s' * (n != 1)} got no gradient from the first sample ({few(list(job.unused))})"
+    if job.zero_unused:
+        return (f"note: {got}: each step reduce-scatters a zero gradient for a parameter a rank's batch leaves "
+                "without one, as --parallel.find_unused=true does, so that ranks using different parameters (a "
+                "mixture of experts) reduce alike")
+    return (f"warning: {got}, and FSDP in torch {torch.__version__} reduce-scatters only the gradients a rank has: "
+            "ranks whose batches use different parameters (a mixture of experts) would stop at a mismatched "
+            "collective; fix: freeze them, or --parallel.strategy=ddp --parallel.find_unused=true")
 
 
 def _plan_vs_actual(job: Job, splits: Splits, summary: dict[str, Any], model_given: bool) -> dict[str, Any]:
