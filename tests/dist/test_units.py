@@ -34,7 +34,7 @@ from scaletrain import runtime
 from scaletrain.config import DistConfig, ParallelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.parallel import find_units, parallelize
-from scaletrain.parallel.units import unit_warnings
+from scaletrain.parallel.units import mark_idle, unit_warnings
 from scaletrain.train.state import full_model_state
 
 V, T, C, GLOBAL, STEPS = 32, 8, 16, 8, 5
@@ -643,3 +643,23 @@ def test_tuple_dict_and_dataclass_outputs_train_under_fit_with_ddp_and_fsdp(tmp_
         weights = [safetensors.torch.load_file(tmp_path / f"{kind}-{s}" / "model.safetensors") for s in ("ddp", "fsdp")]
         assert _max_diff(weights[1], weights[0]) < 1e-5, kind
     assert ranks[1]["tuple-fsdp"]["said"] == ""  # rank 0 speaks for all
+
+
+def test_experts_that_may_not_run_in_every_forward_are_no_units():
+    """A ModuleList of experts beside the layers that always run was found as 4 x Linear, and a rank whose
+    batch skipped an expert never all-gathered its unit (the ranks waited until the timeout). Experts are not
+    units when fit()'s first sample left one of them idle (mark_idle), or when their list is named for experts;
+    a list named otherwise, all run, still gives its layers."""
+    def model(list_name: str) -> nn.Module:
+        m = nn.Module()
+        m.inp, m.head = nn.Linear(8, 16), nn.Linear(16, 2)
+        setattr(m, list_name, nn.ModuleList(nn.Linear(16, 16) for _ in range(4)))
+        return m
+
+    assert _described(model("layers")) == ("repeated", "4 x Linear")
+    assert find_units(model("experts")).names == ("inp", "head")
+    assert find_units(model("local_experts")).names == ("inp", "head")
+    idle = model("layers")
+    mark_idle([idle.layers[2]])
+    assert find_units(idle).names == ("inp", "head")
+    assert _described(model("layers")) == ("repeated", "4 x Linear")  # another model's lists: not idle

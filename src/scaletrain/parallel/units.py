@@ -29,8 +29,9 @@ The first rule that finds any wins:
 Then four rules for all: a container without a forward (a ModuleList) stands for its children, which
 fully_shard can call; a module that may not run in every forward is no unit, nor is any module of the
 container it is in (fit() marks idle those whose forward its first sample did not run: a mixture of experts'
-experts, which each rank's batch picks its own of; a unit run by some ranks only would gather its parameters
-on those ranks alone, and the collectives mismatch); a unit inside another unit is not a unit of its own (the outer one covers it), and a
+experts, which each rank's batch picks its own of; a container named for experts counts so without it; a unit
+run by some ranks only would gather its parameters on those ranks alone, and the collectives mismatch); a unit
+inside another unit is not a unit of its own (the outer one covers it), and a
 unit holding a parameter that a module outside it also holds (tied embedding and head across a unit's
 border) is left to the root: fully_shard keeps a parameter tied only among the modules of one call, so a
 unit would shard its own copy and the module outside would keep the old one (measured: two parameters where
@@ -123,15 +124,17 @@ def find_units(model: nn.Module, names: str = "") -> Units:
 
 def _active(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """``found`` (containers opened) without the modules that may not run in every forward: the idle ones, the
-    modules of a container holding an idle one, and what is inside them."""
-    if not _IDLE:
-        return found
+    modules of a container holding an idle one or named for experts (``experts``, ``local_experts``: a first
+    sample of many tokens may reach them all, and a later batch not), and what is inside them."""
     idle = {id(m) for m in model.modules() if m in _IDLE}
     off = set(idle)
-    for m in model.modules():
+    for name, m in model.named_modules():
         kids = list(m.children())
-        if _container(class_of(m)) and any(id(k) in idle for k in kids):
+        if _container(class_of(m)) and ("expert" in name.rsplit(".", 1)[-1].lower()
+                                        or any(id(k) in idle for k in kids)):
             off.update(id(k) for k in kids)
+    if not off:
+        return found
     off = {id(sub) for m in model.modules() if id(m) in off for sub in m.modules()}
     return [(n, m) for n, m in _opened(found) if id(m) not in off]
 
