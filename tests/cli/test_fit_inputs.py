@@ -380,6 +380,54 @@ def test_parameters_without_a_gradient_under_ddp_are_named_in_one_line(tmp_path:
     assert (tmp_path / "b" / "summary.json").is_file()
 
 
+CASTS = """import sys, torch, scaletrain
+class Router(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.classifier = torch.nn.Linear(8, 8)
+    def forward(self, x):
+        self.classifier = self.classifier.to(torch.float32)  # as transformers' Switch router does
+        return self.classifier(x.float()).softmax(-1).to(x.dtype)
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router, self.mlp = Router(), torch.nn.Linear(8, 8)
+    def forward(self, x):
+        return x + self.mlp(x) * self.router(x)
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks, self.head = torch.nn.ModuleList(Block() for _ in range(2)), torch.nn.Linear(8, 2)
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+x = torch.randn(256, 8); y = (x.sum(1) > 0).long()
+scaletrain.fit(Net, (x, y), config={'train.progress': False, 'train.max_steps': 3}, argv=sys.argv[1:])
+"""
+
+
+def test_a_module_that_casts_itself_to_float32_under_fsdp_mixed_precision_is_one_line(tmp_path: Path) -> None:
+    """A block holding a module that turns its parameters to float32 inside forward (transformers' Switch
+    router) under FSDP and bf16-mixed: FSDP2's AssertionError about gradients of two dtypes, a traceback on every
+    rank, becomes one line with the fix, said once, exit 2; the fix it gives (fp32) trains."""
+    script = tmp_path / "casts.py"
+    script.write_text(CASTS)
+
+    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*SCALETRAIN, "launch", "--nproc", "2", str(script), "--parallel.strategy=fsdp", *extra],
+                              check=False, capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
+
+    refused = launch(f"--run.dir={tmp_path / 'a'}", "--train.precision=bf16-mixed")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    ours = [line for line in refused.stderr.splitlines() if "scaletrain:" in line]
+    assert len(ours) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert ours[0].startswith("scaletrain: error: train.precision = 'bf16-mixed': expected a model whose forward") \
+        and "fix: --train.precision=fp32, or --parallel.strategy=ddp" in ours[0], ours
+    fixed = launch(f"--run.dir={tmp_path / 'b'}", "--train.precision=fp32")
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+
+
 def _sweep(rank: int, world: int, where: str) -> list[str]:
     """A small sweep on every rank: one fit() after another in one process."""
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))

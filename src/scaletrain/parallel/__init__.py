@@ -189,6 +189,21 @@ def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> 
                      "(requires_grad_(False)) or take them out of the model")
 
 
+def mixed_gradient_dtypes(err: AssertionError, precision: str) -> UserError | None:
+    """FSDP2's assertion that a unit's gradients came in two dtypes, as one line, or None for any other error. A
+    module that casts itself inside forward (transformers' Switch router: ``self.classifier.to(torch.float32)``)
+    turns its gathered bf16 parameters back to float32 under a mixed-precision policy, and FSDP reduce-scatters
+    a unit's gradients in one dtype."""
+    if "expects uniform gradient dtype" not in str(err):
+        return None
+    return ConfigError("train.precision", precision, "a model whose forward computes with the parameters in the "
+                       "dtype FSDP gathers them in (a module of this one casts itself to another inside forward, "
+                       "as transformers' Switch router casts its classifier to float32, and FSDP got gradients of "
+                       "two dtypes to reduce-scatter as one)",
+                       "--train.precision=fp32, or --parallel.strategy=ddp (bf16-mixed is autocast there, which "
+                       "such a module is written for)")
+
+
 REENTRANT_FIX = ("fix: use_reentrant=False in your torch.utils.checkpoint calls (torch's advice; transformers: "
                  "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or "
                  "leave checkpointing to --memory.activation_checkpointing=full")

@@ -128,6 +128,7 @@ from scaletrain.parallel import (
     gradient_twice,
     has_dtensors,
     is_fsdp,
+    mixed_gradient_dtypes,
     parallelize,
     resolve_layout,
     set_gradient_sync,
@@ -959,6 +960,11 @@ class Session:
             if failure is err:
                 raise  # the user's own error: its traceback as it was
             raise failure from err
+        except AssertionError as err:
+            mixed = mixed_gradient_dtypes(err, self.cfg.train.precision)
+            if mixed is None:
+                raise
+            raise mixed from err
         finally:
             self._in_step = False
         self.timer.start()  # the next step begins now: waiting for its batch is part of it
