@@ -233,13 +233,36 @@ def _reload_tied(model: NanoGPT, trained: dict[str, torch.Tensor], other: dict[s
             "sharded_tied": fresh.lm_head.weight is fresh.transformer.wte.weight}
 
 
+class OneOff(nn.Module):
+    """A block of a class the model holds once (EfficientNet-B0's first stage: one DepthwiseSeparableConv)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def _stages_in_blocks() -> nn.Module:
+    """A model's ``blocks`` that are stages, each a Sequential of blocks, the first of one block of its own
+    class, which makes that stage a unit itself (timm's EfficientNet: 1 x Sequential, 15 x InvertedResidual)."""
+    model = Staged()
+    model.blocks = nn.Sequential(nn.Sequential(OneOff()), nn.Sequential(*(Layer() for _ in range(3))))
+    return model
+
+
 def _units_ranks(rank: int, world: int) -> dict:
     runtime.init(DistConfig(device="cpu"))
     out: dict = {}
+    staged = _stages_in_blocks()
+    parallelize(staged, torch.device("cpu"), world, ParallelConfig(strategy="fsdp"), compile=False)
+    out["staged"] = find_units(staged).names  # as the header finds them again, on the sharded model
     for name in MODELS:
         _, ddp = _train(name, "ddp", rank, world)
         model, fsdp = _train(name, "fsdp", rank, world)
-        out[name] = {"diff": _max_diff(fsdp["params"], ddp["params"]), **_sharding(model)}
+        out[name] = {"diff": _max_diff(fsdp["params"], ddp["params"]), **_sharding(model),
+                     "found_again": find_units(model).names == find_units(MODELS[name][0]()).names}
         if name == "nanogpt":
             out[name]["reload"] = _reload_tied(model, fsdp["params"], ddp["params"], rank, world)
     return out
@@ -274,6 +297,13 @@ def test_blocks_of_three_model_shapes_are_found_named_and_sharded_one_unit_each(
         assert r["hf"]["units"] == [f"model.layers.{i}" for i in range(3)]
         assert r["resnet"]["units"] == [f"layer{s}.{i}" for s in (1, 2, 3) for i in (0, 1)]
         assert all(r["nanogpt"]["reload"].values()), r["nanogpt"]["reload"]
+        # the units found again on a sharded model (the header's line, a second fit() on it) are the ones it was
+        # sharded by: a stage fully_shard made an FSDPSequential was taken for a block ("7 x Sequential" for
+        # timm's EfficientNet-B0, sharded as 1 x Sequential and 15 x InvertedResidual)
+        assert all(r[name]["found_again"] for name in MODELS), r
+        assert r["staged"] == find_units(_stages_in_blocks()).names, r["staged"]
+        assert {"blocks.0", "blocks.1.0", "blocks.1.2"} <= set(r["staged"]) and "blocks.1" not in r["staged"], \
+            r["staged"]
 
 
 class TiedAcross(nn.Module):

@@ -155,7 +155,7 @@ def _blocks(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         return []
-    if len(blocks) and all(type(b) is nn.Sequential for b in blocks):  # stages named so (timm's EfficientNet,
+    if len(blocks) and all(class_of(b) is nn.Sequential for b in blocks):  # stages named so (timm's EfficientNet,
         return []  # MobileNetV3): the repeated rule finds their blocks
     where = {id(m): n for n, m in named}
     return [(where[id(b)], b) for b in blocks if id(b) in where]
