@@ -428,6 +428,40 @@ def test_a_module_that_casts_itself_to_float32_under_fsdp_mixed_precision_is_one
     assert fixed.returncode == 0, fixed.stderr[-3000:]
 
 
+SCALAR = """import sys, torch, scaletrain
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 2)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.0))  # a 0-dimensional parameter, as CLIP's
+    def forward(self, x):
+        return self.body(x) * self.logit_scale.exp()
+x = torch.randn(256, 8); y = (x.sum(1) > 0).long()
+scaletrain.fit(Net, (x, y), config={'train.progress': False, 'train.max_steps': 3}, argv=sys.argv[1:])
+"""
+
+
+def test_a_scalar_parameter_under_fsdp_is_one_line(tmp_path: Path) -> None:
+    """transformers' CLIPModel (logit_scale, a 0-dimensional parameter) under FSDP: fully_shard's ValueError, a
+    traceback on every rank, is one line naming the parameter with the fix; DDP, the fix it gives, trains it."""
+    script = tmp_path / "scalar.py"
+    script.write_text(SCALAR)
+
+    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*SCALETRAIN, "launch", "--nproc", "2", str(script), *extra], check=False,
+                              capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
+
+    refused = launch(f"--run.dir={tmp_path / 'a'}", "--parallel.strategy=fsdp")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    ours = [line for line in refused.stderr.splitlines() if "scaletrain:" in line]
+    assert len(ours) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert ours[0].startswith("scaletrain: error: parallel.strategy = 'fsdp': expected a model without "
+                              "0-dimensional parameters") and "(here: logit_scale;" in ours[0] \
+        and "fix: --parallel.strategy=ddp" in ours[0], ours
+    fixed = launch(f"--run.dir={tmp_path / 'b'}", "--parallel.strategy=ddp")
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+
+
 def _sweep(rank: int, world: int, where: str) -> list[str]:
     """A small sweep on every rank: one fit() after another in one process."""
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))

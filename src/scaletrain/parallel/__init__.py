@@ -440,6 +440,13 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, cfg: Pa
     # "tp" axis. torchtitan's order: TP, then checkpointing, compile, and FSDP over the data-parallel axes.
     kept = _sharded_before(model, layout, cfg, precision, memory)  # before a stage or a split is cut from it
     mesh = build_mesh(device.type, layout) if layout.sharded or layout.tp > 1 or layout.pp > 1 else None
+    sharding = layout.sharded and mesh is not None and not kept  # fully_shard will run below
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0] if sharding else []
+    if scalars:  # fully_shard's ValueError, a traceback on every rank, came from inside FSDP's set-up
+        raise ConfigError("parallel.strategy", strategy, f"a model without 0-dimensional parameters, which FSDP2 "
+                          f"cannot shard (here: {few(scalars)}; a learned temperature such as CLIP's logit_scale "
+                          "is one)", "--parallel.strategy=ddp, or make each a parameter of one element "
+                          "(nn.Parameter(value.reshape(1))), which broadcasts as the scalar did")
     if layout.pp > 1:
         assert mesh is not None
         model = _stage_of(model, mesh, layout.pp, virtual_stages(cfg))
