@@ -182,8 +182,8 @@ def unused_parameters(err: RuntimeError, models: list[nn.Module], step: int) -> 
             params = [name for name, p in model.module.named_parameters() if p.requires_grad]
             named.append(few([params[i] for i in indices if i < len(params)], 6))
     which = " or ".join(f"({n})" for n in named if n) or "(TORCH_DISTRIBUTED_DEBUG=DETAIL names them)"
-    count = f"{len(indices)} " if indices else ""
-    return UserError(f"parallel.find_unused = false: {count}parameters of the model got no gradient in step {step} "
+    count = f"{len(indices)} parameter{'s' * (len(indices) != 1)}" if indices else "parameters"
+    return UserError(f"parallel.find_unused = false: {count} of the model got no gradient in step {step} "
                      f"{which}, and DDP averages every parameter's gradient each step; fix: "
                      "--parallel.find_unused=true (DDP then looks for them every step, at a cost), or freeze them "
                      "(requires_grad_(False)) or take them out of the model")
