@@ -362,22 +362,30 @@ def test_parameters_without_a_gradient_under_ddp_are_named_in_one_line(tmp_path:
     """A model with a layer its forward never calls: DDP's page about "finished reduction in the prior
     iteration" (raised on every rank in the step after) becomes one line naming the parameters, said once,
     exit 2; --parallel.find_unused=true, the fix it gives, then trains."""
-    script = tmp_path / "unused.py"
-    script.write_text(UNUSED)
+    line = _refused_then_fixed(tmp_path, UNUSED, [], ["--parallel.find_unused=true"])
+    assert ("got no gradient in step 1 (aux_head.weight, aux_head.bias)" in line
+            and "fix: --parallel.find_unused=true" in line), line
+    assert (tmp_path / "b" / "summary.json").is_file()
 
-    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*SCALETRAIN, "launch", "--nproc", "2", str(script), *extra], check=False,
-                              capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
 
-    refused = launch(f"--run.dir={tmp_path / 'a'}")
+def _refused_then_fixed(tmp_path: Path, text: str, refused_args: list[str], fixed_args: list[str]) -> str:
+    """The script ``text`` under `scaletrain launch --nproc 2`: refused with ``refused_args`` (run dir a), in
+    one line said once, exit 2, no traceback; trained with the fix, ``fixed_args`` (run dir b). Returns the line."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+
+    def launch(run_dir: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*SCALETRAIN, "launch", "--nproc", "2", str(script), f"--run.dir={tmp_path / run_dir}",
+                               *args], check=False, capture_output=True, text=True, timeout=180, env=_env(),
+                              cwd=tmp_path)
+
+    refused = launch("a", refused_args)
     assert refused.returncode == 2, refused.stderr[-3000:]
     ours = [line for line in refused.stderr.splitlines() if "scaletrain:" in line]
     assert len(ours) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
-    assert ("got no gradient in step 1 (aux_head.weight, aux_head.bias)" in ours[0]
-            and "fix: --parallel.find_unused=true" in ours[0]), ours
-    fixed = launch(f"--run.dir={tmp_path / 'b'}", "--parallel.find_unused=true")
+    fixed = launch("b", fixed_args)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
-    assert (tmp_path / "b" / "summary.json").is_file()
+    return ours[0]
 
 
 CASTS = """import sys, torch, scaletrain
@@ -411,21 +419,10 @@ def test_a_module_that_casts_itself_to_float32_under_fsdp_mixed_precision_is_one
     """A block holding a module that turns its parameters to float32 inside forward (transformers' Switch
     router) under FSDP and bf16-mixed: FSDP2's AssertionError about gradients of two dtypes, a traceback on every
     rank, becomes one line with the fix, said once, exit 2; the fix it gives (fp32) trains."""
-    script = tmp_path / "casts.py"
-    script.write_text(CASTS)
-
-    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*SCALETRAIN, "launch", "--nproc", "2", str(script), "--parallel.strategy=fsdp", *extra],
-                              check=False, capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
-
-    refused = launch(f"--run.dir={tmp_path / 'a'}", "--train.precision=bf16-mixed")
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    ours = [line for line in refused.stderr.splitlines() if "scaletrain:" in line]
-    assert len(ours) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
-    assert ours[0].startswith("scaletrain: error: train.precision = 'bf16-mixed': expected a model whose forward") \
-        and "fix: --train.precision=fp32, or --parallel.strategy=ddp" in ours[0], ours
-    fixed = launch(f"--run.dir={tmp_path / 'b'}", "--train.precision=fp32")
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    fsdp = "--parallel.strategy=fsdp"
+    line = _refused_then_fixed(tmp_path, CASTS, [fsdp, "--train.precision=bf16-mixed"], [fsdp, "--train.precision=fp32"])
+    assert line.startswith("scaletrain: error: train.precision = 'bf16-mixed': expected a model whose forward") \
+        and "fix: --train.precision=fp32, or --parallel.strategy=ddp" in line, line
 
 
 SCALAR = """import sys, torch, scaletrain
@@ -444,22 +441,10 @@ scaletrain.fit(Net, (x, y), config={'train.progress': False, 'train.max_steps': 
 def test_a_scalar_parameter_under_fsdp_is_one_line(tmp_path: Path) -> None:
     """transformers' CLIPModel (logit_scale, a 0-dimensional parameter) under FSDP: fully_shard's ValueError, a
     traceback on every rank, is one line naming the parameter with the fix; DDP, the fix it gives, trains it."""
-    script = tmp_path / "scalar.py"
-    script.write_text(SCALAR)
-
-    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*SCALETRAIN, "launch", "--nproc", "2", str(script), *extra], check=False,
-                              capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
-
-    refused = launch(f"--run.dir={tmp_path / 'a'}", "--parallel.strategy=fsdp")
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    ours = [line for line in refused.stderr.splitlines() if "scaletrain:" in line]
-    assert len(ours) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
-    assert ours[0].startswith("scaletrain: error: parallel.strategy = 'fsdp': expected a model without "
-                              "0-dimensional parameters") and "(here: logit_scale;" in ours[0] \
-        and "fix: --parallel.strategy=ddp" in ours[0], ours
-    fixed = launch(f"--run.dir={tmp_path / 'b'}", "--parallel.strategy=ddp")
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    line = _refused_then_fixed(tmp_path, SCALAR, ["--parallel.strategy=fsdp"], ["--parallel.strategy=ddp"])
+    assert line.startswith("scaletrain: error: parallel.strategy = 'fsdp': expected a model without "
+                           "0-dimensional parameters") and "(here: logit_scale;" in line \
+        and "fix: --parallel.strategy=ddp" in line, line
 
 
 def _sweep(rank: int, world: int, where: str) -> list[str]:

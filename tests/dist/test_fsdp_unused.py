@@ -19,9 +19,24 @@ import scaletrain
 from scaletrain.sharded import plain
 
 
+def route(h: torch.Tensor, gate: nn.Module, experts: nn.ModuleList, used: list[list[int]] | None = None) \
+        -> torch.Tensor:
+    """``h`` plus each sample's expert, the one ``gate`` scores highest, scaled by that score (so the gate
+    learns); the experts it picked appended to ``used``."""
+    w = gate(h).softmax(-1)
+    top = w.argmax(-1)
+    mix = torch.zeros_like(h)
+    for e in top.unique().tolist():
+        pick = top == e
+        mix[pick] = w[pick, e, None] * experts[e](h[pick])
+    if used is not None:
+        used.append(sorted(top.unique().tolist()))
+    return h + mix
+
+
 class Routed(nn.Module):
-    """Four experts in a ModuleList beside the layers that always run: each sample goes to the expert its gate
-    scores highest, scaled by that score (so the gate learns). ``used``: the experts of each forward."""
+    """Four experts in a ModuleList beside the layers that always run (route()). ``used``: the experts of each
+    forward."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,15 +45,7 @@ class Routed(nn.Module):
         self.used: list[list[int]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        w = self.gate(h).softmax(-1)
-        top = w.argmax(-1)
-        mix = torch.zeros_like(h)
-        for e in top.unique().tolist():
-            pick = top == e
-            mix[pick] = w[pick, e, None] * self.experts[e](h[pick])
-        self.used.append(sorted(top.unique().tolist()))
-        return self.head(h + mix)
+        return self.head(route(self.inp(x), self.gate, self.experts, self.used))
 
 
 def _fit(rank: int, world: int, strategy: str) -> dict:
@@ -80,7 +87,7 @@ def test_experts_some_ranks_leave_unused_train_under_fsdp_as_under_ddp_and_one_p
 
 
 class Mixture(nn.Module):
-    """A block of the mixture: the residual stream plus its Routed-style experts (no head)."""
+    """A block of the mixture: the residual stream plus its experts, routed as Routed's (no head)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,13 +95,7 @@ class Mixture(nn.Module):
         self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.gate(h).softmax(-1)
-        top = w.argmax(-1)
-        mix = torch.zeros_like(h)
-        for e in top.unique().tolist():
-            pick = top == e
-            mix[pick] = w[pick, e, None] * self.experts[e](h[pick])
-        return h + mix
+        return route(h, self.gate, self.experts)
 
 
 def _session(rank: int, world: int, strategy: str, find_unused: bool) -> dict:

@@ -233,22 +233,12 @@ def _reload_tied(model: NanoGPT, trained: dict[str, torch.Tensor], other: dict[s
             "sharded_tied": fresh.lm_head.weight is fresh.transformer.wte.weight}
 
 
-class OneOff(nn.Module):
-    """A block of a class the model holds once (EfficientNet-B0's first stage: one DepthwiseSeparableConv)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x))
-
-
 def _stages_in_blocks() -> nn.Module:
-    """A model's ``blocks`` that are stages, each a Sequential of blocks, the first of one block of its own
-    class, which makes that stage a unit itself (timm's EfficientNet: 1 x Sequential, 15 x InvertedResidual)."""
+    """A model's ``blocks`` that are stages, each a Sequential of blocks, the first of one block of a class the
+    model holds once (an MLP here; EfficientNet-B0's DepthwiseSeparableConv), which makes that stage a unit itself
+    (timm's EfficientNet: 1 x Sequential, 15 x InvertedResidual)."""
     model = Staged()
-    model.blocks = nn.Sequential(nn.Sequential(OneOff()), nn.Sequential(*(Layer() for _ in range(3))))
+    model.blocks = nn.Sequential(nn.Sequential(MLP()), nn.Sequential(*(Layer() for _ in range(3))))
     return model
 
 

@@ -112,9 +112,10 @@ def find_units(model: nn.Module, names: str = "") -> Units:
                               f"(none is a {', '.join(missing)}; classes here with parameters: "
                               f"{_param_classes(named)})", f"--parallel.fsdp_units={_suggest(named)}")
         return _settle(model, found, "parallel.fsdp_units")
+    off = _may_not_run(model)
     for rule, search in (("model.blocks", _blocks), ("_no_split_modules", _no_split), ("repeated", _repeated),
                          ("children", _children)):
-        found = _active(model, search(model, named))
+        found = [(n, m) for n, m in _opened(search(model, named)) if id(m) not in off]
         if found:
             units = _settle(model, found, rule)
             if units.modules or units.left_to_root:
@@ -122,10 +123,10 @@ def find_units(model: nn.Module, names: str = "") -> Units:
     return Units((), (), "none")
 
 
-def _active(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """``found`` (containers opened) without the modules that may not run in every forward: the idle ones, the
-    modules of a container holding an idle one or named for experts (``experts``, ``local_experts``: a first
-    sample of many tokens may reach them all, and a later batch not), and what is inside them."""
+def _may_not_run(model: nn.Module) -> set[int]:
+    """The ids of the modules that may not run in every forward: the idle ones, the modules of a container
+    holding an idle one or named for experts (``experts``, ``local_experts``: a first sample of many tokens may
+    reach them all, and a later batch not), and what is inside them."""
     idle = {id(m) for m in model.modules() if m in _IDLE}
     off = set(idle)
     for name, m in model.named_modules():
@@ -133,10 +134,7 @@ def _active(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[
         if _container(class_of(m)) and ("expert" in name.rsplit(".", 1)[-1].lower()
                                         or any(id(k) in idle for k in kids)):
             off.update(id(k) for k in kids)
-    if not off:
-        return found
-    off = {id(sub) for m in model.modules() if id(m) in off for sub in m.modules()}
-    return [(n, m) for n, m in _opened(found) if id(m) not in off]
+    return {id(sub) for m in model.modules() if id(m) in off for sub in m.modules()}
 
 
 def _of_classes(named: list[tuple[str, nn.Module]], classes: set[str]) -> list[tuple[str, nn.Module]]:

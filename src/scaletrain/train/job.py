@@ -170,7 +170,8 @@ class Job:
         optimizer = self.own_optimizer if self.own_optimizer is not None else \
             lambda params: build_optimizer(params, cfg.optim, plan.peak_lr, sparse=sparse)
         wrapped, self.optimizer = st.setup(self.module, optimizer, name="model")
-        if self.unused and is_fsdp(wrapped):  # some ranks' batches may use them and others' not
+        # some ranks' batches may use them and others' not (parallel.find_unused: switched on by parallelize())
+        if self.unused and is_fsdp(wrapped) and not cfg.parallel.find_unused:
             from scaletrain.parallel.fsdp import reduce_unused  # (FSDP's modules: imported where it is used)
 
             self.zero_unused = reduce_unused(wrapped)
